@@ -1,0 +1,1 @@
+"""Ray actor shells and cluster plumbing. The only package that imports ray."""

@@ -1,0 +1,146 @@
+"""Engine actors on Ray: start N vLLM engines in a placement group, call them, shut them down.
+
+Owns: the Ray cluster connection (local on demand, or `ray.address`), one actor per engine with
+its resources and pinned cores, readiness with a timeout, translation of Ray errors into
+`rollout.errors`, and a shutdown that leaves no process or /dev/shm segment behind.
+The actor itself is `ray.remote(VLLMPolicy)`: a shell with no logic of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from policies.vllm_policy import VLLMPolicy, engine_args, engine_env
+from rollout.config import Config
+from rollout.errors import EngineDeadError, RetryableError, RolloutError
+from rollout.log import get_logger
+from rollout.types import EngineStats, Request, Trajectory
+
+log = get_logger(__name__)
+
+
+def connect(cfg: Config) -> bool:
+    """Join `ray.address` or start a local cluster. Returns True if this call started Ray."""
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=cfg.logging.level == "debug")
+    if cfg.ray.address is None:
+        need = cfg.engines.count * cfg.engines.cpus_per_engine
+        kwargs["num_cpus"] = cfg.ray.num_cpus or max(os.cpu_count() or 1, need)
+        if cfg.engines.gpus_per_engine == 0:
+            kwargs["num_gpus"] = 0
+    else:
+        kwargs["address"] = cfg.ray.address
+    ray.init(**kwargs)
+    return True
+
+
+class RayEngine:
+    """One engine actor, seen through the `rollout.backend.Engine` interface."""
+
+    def __init__(self, actor: Any, engine_id: int):
+        self.actor = actor
+        self.engine_id = engine_id
+
+    async def generate(self, request: Request) -> Trajectory:
+        return await self._call(self.actor.generate.remote(request))
+
+    async def stats(self) -> EngineStats:
+        return await self._call(self.actor.stats.remote())
+
+    async def _call(self, ref: Any) -> Any:
+        try:
+            return await ref
+        except asyncio.CancelledError:
+            ray.cancel(ref)  # cancels the actor's task, which aborts the vLLM request
+            raise
+        except RayTaskError as e:
+            cause = e.cause if isinstance(e.cause, Exception) else e
+            if isinstance(cause, RolloutError):
+                raise cause from e
+            raise RetryableError(f"engine {self.engine_id}: {cause}") from e
+        except RayActorError as e:
+            raise EngineDeadError(f"engine {self.engine_id} is dead: {e}") from e
+
+
+class RayEnginePool:
+    """N engine actors in one placement group. Use `await RayEnginePool.start(cfg, path)`."""
+
+    def __init__(self, cfg: Config, actors: list[Any], pg: Any, started_ray: bool):
+        self.cfg = cfg
+        self.actors = actors
+        self.engines = [RayEngine(a, i) for i, a in enumerate(actors)]
+        self._pg = pg
+        self._started_ray = started_ray
+
+    @classmethod
+    async def start(cls, cfg: Config, model_path: str) -> RayEnginePool:
+        """Start every engine concurrently; raises EngineDeadError if one fails or times out."""
+        engine_args(cfg, model_path)  # bad engine args fail here, before any actor starts
+        started_ray = connect(cfg)
+        e = cfg.engines
+        bundle = {"CPU": e.cpus_per_engine, **({"GPU": e.gpus_per_engine} if e.gpus_per_engine else {})}
+        pg = placement_group([bundle] * e.count, strategy=e.placement_strategy)
+        actors: list[Any] = []
+        pool = cls(cfg, actors, pg, started_ray)
+        try:
+            await asyncio.wait_for(pg.ready(), timeout=e.start_timeout_s)
+            actor_cls = ray.remote(VLLMPolicy)
+            for i in range(e.count):
+                actors.append(
+                    actor_cls.options(
+                        name=None,
+                        num_cpus=e.cpus_per_engine,
+                        num_gpus=e.gpus_per_engine,
+                        max_concurrency=e.max_inflight_per_engine + 16,
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+                        runtime_env={"env_vars": engine_env(i, e.cpus_per_engine, e.gpus_per_engine)},
+                    ).remote(cfg, model_path, i)
+                )
+            pool.engines = [RayEngine(a, i) for i, a in enumerate(actors)]
+            log.info("engines starting", count=e.count, model=model_path)
+            await asyncio.wait_for(asyncio.gather(*(a.start.remote() for a in actors)), timeout=e.start_timeout_s)
+        except BaseException as err:
+            await pool.shutdown()
+            if isinstance(err, (asyncio.TimeoutError, GetTimeoutError)):
+                raise EngineDeadError(f"engines did not start within engines.start_timeout_s={e.start_timeout_s}") from err
+            if isinstance(err, (RayActorError, RayTaskError)):
+                raise EngineDeadError(f"an engine failed to start: {err}") from err
+            raise
+        log.info("engines ready", count=e.count)
+        return pool
+
+    async def call_all(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
+        """Call `method` on every engine actor and gather the results."""
+        refs = [getattr(a, method).remote(*args) for a in self.actors]
+        return await asyncio.wait_for(asyncio.gather(*refs), timeout=timeout)
+
+    async def shutdown(self) -> None:
+        """Stop every engine (vLLM shutdown first, so its processes and shm go), then the actors."""
+        if self.actors:
+            refs = [a.shutdown.remote() for a in self.actors]
+            done, _ = await asyncio.wait([asyncio.ensure_future(_swallow(r)) for r in refs], timeout=60)
+            for a in self.actors:
+                ray.kill(a, no_restart=True)
+            self.actors.clear()
+        if self._pg is not None:
+            remove_placement_group(self._pg)
+            self._pg = None
+        if self._started_ray and ray.is_initialized():
+            ray.shutdown()
+        log.info("engines shut down")
+
+
+async def _swallow(ref: Any) -> None:
+    try:
+        await ref
+    except Exception:  # a dead actor has nothing left to shut down
+        pass

@@ -1,0 +1,24 @@
+"""Asynchronous, actor-based rollout engine for LLM reinforcement learning."""
+
+from rollout.config import Config, load_config
+from rollout.engine import RolloutEngine, SyncRolloutEngine
+from rollout.errors import EngineDeadError, InvalidConfigError, InvalidPromptError, RetryableError, RolloutError
+from rollout.types import Batch, Group, Prompt, Sampling, Trajectory, expand_runs
+
+__all__ = [
+    "Batch",
+    "Config",
+    "EngineDeadError",
+    "Group",
+    "InvalidConfigError",
+    "InvalidPromptError",
+    "Prompt",
+    "RetryableError",
+    "RolloutEngine",
+    "RolloutError",
+    "Sampling",
+    "SyncRolloutEngine",
+    "Trajectory",
+    "expand_runs",
+    "load_config",
+]

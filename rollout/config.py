@@ -1,0 +1,166 @@
+"""Typed experiment config: a tree of msgspec Structs loaded from YAML in one call.
+
+Owns: every default (here and nowhere else), unknown-key rejection, `a.b=c` overrides, cross-field
+checks, and error messages that name the offending key path (`engines.count: expected int >= 1`).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+import msgspec.yaml
+from msgspec import Meta, Struct
+
+from rollout.errors import InvalidConfigError
+from rollout.types import NonNegInt, PositiveInt, Sampling
+
+PositiveFloat = Annotated[float, Meta(gt=0.0)]
+
+
+class ModelConfig(Struct, frozen=True, forbid_unknown_fields=True):
+    path: str = "tiny"  # "tiny": the embedded random-weight Llama; else a local HF model dir
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "bfloat16"
+    max_model_len: PositiveInt = 2048
+    seed: int = 0  # seeds the tiny model's weights and vLLM's sampler
+
+
+class EnginesConfig(Struct, frozen=True, forbid_unknown_fields=True):
+    count: PositiveInt = 2
+    cpus_per_engine: PositiveInt = 1  # CPU engines also get this many OpenMP threads, pinned
+    gpus_per_engine: Annotated[float, Meta(ge=0)] = 0
+    max_inflight_per_engine: PositiveInt = 64
+    start_timeout_s: PositiveFloat = 600.0
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    # Pass-through vLLM engine args (any AsyncEngineArgs field), plus `kv_cache_gib` for CPU.
+    vllm: dict[str, Any] = msgspec.field(default_factory=lambda: {"kv_cache_gib": 1})
+
+
+class PromptsConfig(Struct, frozen=True, forbid_unknown_fields=True):
+    source: Literal["synthetic", "jsonl"] = "synthetic"
+    path: str | None = None  # for jsonl: one Prompt object per line
+    count: PositiveInt = 512  # synthetic only
+    min_len: PositiveInt = 16
+    max_len: PositiveInt = 128
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.source == "jsonl" and not self.path:
+            raise ValueError("path: required when source is 'jsonl'")
+        if self.min_len > self.max_len:
+            raise ValueError(f"min_len: {self.min_len} exceeds max_len {self.max_len}")
+
+
+class QueueConfig(Struct, frozen=True, forbid_unknown_fields=True):
+    max_groups: PositiveInt = 256  # groups admitted but not yet taken by the learner
+
+
+class RayConfig(Struct, frozen=True, forbid_unknown_fields=True):
+    address: str | None = None  # None: start a local cluster; "auto" or "host:port": join one
+    num_cpus: PositiveInt | None = None  # local cluster only; default: enough for the engines
+
+
+class LoggingConfig(Struct, frozen=True, forbid_unknown_fields=True):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    json: bool = False
+
+
+class BenchConfig(Struct, frozen=True, forbid_unknown_fields=True):
+    baseline: bool = True  # also drive raw vLLM with the same prompts and report the ratio
+    warmup_prompts: NonNegInt = 8
+    report: str = "bench_report.json"
+
+
+class Config(Struct, frozen=True, forbid_unknown_fields=True):
+    model: ModelConfig = ModelConfig()
+    engines: EnginesConfig = EnginesConfig()
+    sampling: Sampling = Sampling()
+    prompts: PromptsConfig = PromptsConfig()
+    queue: QueueConfig = QueueConfig()
+    reward: str | None = None  # "package.module:function", called once per trajectory
+    ray: RayConfig = RayConfig()
+    logging: LoggingConfig = LoggingConfig()
+    bench: BenchConfig = BenchConfig()
+
+    def __post_init__(self) -> None:
+        if self.sampling.n > self.engines.max_inflight_per_engine:
+            raise ValueError(
+                f"sampling.n: {self.sampling.n} exceeds engines.max_inflight_per_engine "
+                f"{self.engines.max_inflight_per_engine} (a group runs on one engine)"
+            )
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a YAML config (or the defaults when `path` is None) and apply `a.b=value` overrides.
+
+    Override values are parsed as YAML (`-o sampling.n=8`, `-o sampling.stop=['\\n']`).
+    Raises InvalidConfigError naming the key path; FileNotFoundError for a missing file.
+    """
+    raw: Any = {}
+    if path is not None:
+        text = Path(path).read_bytes()
+        try:
+            raw = msgspec.yaml.decode(text) or {}
+        except msgspec.DecodeError as e:
+            raise InvalidConfigError(f"{path}: not valid YAML: {e}") from e
+        if not isinstance(raw, dict):
+            raise InvalidConfigError(f"{path}: expected a mapping at the top level")
+    for item in overrides:
+        _apply_override(raw, item)
+    return config_from_dict(raw)
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    try:
+        return msgspec.convert(raw, Config)
+    except msgspec.ValidationError as e:
+        raise InvalidConfigError(readable_validation_error(e)) from e
+
+
+def readable_validation_error(e: msgspec.ValidationError) -> str:
+    """msgspec's "Expected `int` >= 1, got `0` - at `$.engines.count`" -> "engines.count: ..."."""
+    msg = str(e)
+    m = re.match(r"^(.*?)(?: - at `\$(.*)`)?$", msg, re.S)
+    assert m is not None
+    what, where = m.group(1), (m.group(2) or "").lstrip(".")
+    unknown = re.match(r"Object contains unknown field `(.+)`", what)
+    if unknown:
+        key = f"{where}.{unknown.group(1)}" if where else unknown.group(1)
+        return f"{key}: unknown key"
+    missing = re.match(r"Object missing required field `(.+)`", what)
+    if missing:
+        key = f"{where}.{missing.group(1)}" if where else missing.group(1)
+        return f"{key}: required key is missing"
+    # __post_init__ errors come as "field: reason" of the struct at `where`.
+    field = re.match(r"^([\w.]+): (.*)$", what, re.S)
+    if field:
+        key = f"{where}.{field.group(1)}" if where else field.group(1)
+        return f"{key}: {field.group(2)}"
+    what = what[:1].lower() + what[1:]
+    return f"{where or '<top>'}: {what}"
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+        raise InvalidConfigError(f"override {item!r}: expected key.path=value")
+    try:
+        parsed = msgspec.yaml.decode(value.encode()) if value.strip() else None
+    except msgspec.DecodeError as e:
+        raise InvalidConfigError(f"{key}: cannot parse override value {value!r}: {e}") from e
+    node = raw
+    parts = key.strip().split(".")
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise InvalidConfigError(f"{'.'.join(parts[: i + 1])}: is not a mapping, cannot set {key}")
+        node = child
+    node[parts[-1]] = parsed
+
+
+def dump_config(cfg: Config) -> str:
+    return msgspec.yaml.encode(cfg).decode()

@@ -1,0 +1,202 @@
+"""The public API: `RolloutEngine` (async) and `SyncRolloutEngine` (for plain-script learners).
+
+Owns the lifecycle: resolve the model, start the engine pool, run the scheduler in one task group,
+hand out groups and batches, and shut everything down (also on errors and cancellation).
+
+    async with RolloutEngine(load_config("configs/tiny.yaml")) as engine:
+        engine.feed(prompts)                      # list: checked now; iterator: read lazily
+        async for group in engine.groups(): ...   # ends once every fed prompt is handed out
+        batch = await engine.batches(groups=8)    # or: async for batch in engine.batches(groups=8)
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Generator, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.from_thread
+
+from rollout.backend import EnginePool, start_pool
+from rollout.config import Config, load_config
+from rollout.errors import InvalidPromptError
+from rollout.log import configure, get_logger
+from rollout.prompts import BadPrompt, ModelLimits, as_async, check_prompt, coerce, effective_sampling
+from rollout.queue import TrajectoryQueue
+from rollout.scheduler import Scheduler
+from rollout.types import Batch, EngineStats, Group, Prompt, Trajectory
+
+log = get_logger(__name__)
+
+
+class RolloutEngine:
+    """Async rollout engine. Use as `async with RolloutEngine(cfg) as engine:`.
+
+    `pool` replaces the Ray/vLLM engines (tests pass a fake); `on_trajectory` is called for
+    every finished trajectory, as it finishes (progress bars, live metrics).
+    """
+
+    def __init__(
+        self,
+        cfg: Config | str | Path,
+        *,
+        pool: EnginePool | None = None,
+        on_trajectory: Callable[[Trajectory], None] | None = None,
+    ):
+        self.cfg = cfg if isinstance(cfg, Config) else load_config(cfg)
+        self.pool = pool
+        self.model_path = ""
+        self._on_trajectory = on_trajectory
+        self._scheduler: Scheduler | None = None
+        self._queue: TrajectoryQueue | None = None
+        self._tg: Any = None
+
+    async def __aenter__(self) -> RolloutEngine:
+        configure(self.cfg.logging.level, self.cfg.logging.json)
+        from policies.tiny import resolve_model_path
+
+        path = await anyio.to_thread.run_sync(resolve_model_path, self.cfg.model.path, self.cfg.model.seed)
+        self.model_path = str(path)
+        limits = ModelLimits.from_model_dir(path, self.cfg.model.max_model_len)
+        if self.pool is None:
+            self.pool = await start_pool(self.cfg, self.model_path)
+        self._queue = TrajectoryQueue(self.cfg.queue.max_groups)
+        self._scheduler = Scheduler(self.cfg, self.pool.engines, self._queue, limits, self._on_trajectory)
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._tg.start_soon(self._scheduler.run, self._tg)
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        try:
+            self._tg.cancel_scope.cancel()  # aborts every in-flight request
+            await self._tg.__aexit__(None, None, None)
+        finally:
+            with anyio.CancelScope(shield=True):
+                if self.pool is not None:
+                    await self.pool.shutdown()
+
+    @property
+    def limits(self) -> ModelLimits:
+        return self._live_scheduler().limits
+
+    def feed(self, prompts: Prompt | str | Iterable[Any] | AsyncIterable[Any]) -> None:
+        """Queue prompts for generation.
+
+        A Prompt, a string, or a list/tuple of prompts (Prompt, token-id list, text, dict) is
+        checked now: raises InvalidPromptError naming every bad prompt, and admits none of them.
+        Iterators, generators and async iterators are read lazily as capacity frees; a bad item
+        there comes out of `groups()` as a group with `error` set, and the rest go on.
+        """
+        scheduler = self._live_scheduler()
+        if isinstance(prompts, (Prompt, str)):
+            prompts = [prompts]
+        if isinstance(prompts, (list, tuple)):
+            items = [coerce(p) for p in prompts]
+            problems = []
+            for i, item in enumerate(items):
+                try:
+                    if isinstance(item, BadPrompt):
+                        raise InvalidPromptError(f"prompt {i}: {item.reason}")
+                    check_prompt(item, effective_sampling(self.cfg.sampling, item), scheduler.limits)
+                except InvalidPromptError as e:
+                    problems.append(str(e))
+            if problems:
+                raise InvalidPromptError(f"{len(problems)} of {len(items)} prompts rejected: " + "; ".join(problems))
+            prompts = items
+        scheduler.add_source(as_async(prompts))
+
+    async def next_group(self) -> Group | None:
+        """The next finished group, or None once every fed prompt has been handed out."""
+        assert self._queue is not None, "use RolloutEngine inside `async with`"
+        return await self._queue.get()
+
+    async def groups(self) -> AsyncIterator[Group]:
+        """Finished groups as they complete; ends once every prompt fed so far is handed out."""
+        while (group := await self.next_group()) is not None:
+            yield group
+
+    async def next_batch(self, groups: int) -> Batch | None:
+        """`groups` complete groups (fewer only at the end of the input); None when nothing is left."""
+        self._check_batch_size(groups)
+        batch = Batch()
+        while len(batch.groups) < groups and (group := await self.next_group()) is not None:
+            batch.groups.append(group)
+        return batch if batch.groups else None
+
+    def batches(self, groups: int) -> _Batches:
+        """`await engine.batches(groups=k)` for one batch, `async for b in engine.batches(groups=k)` for all."""
+        self._check_batch_size(groups)
+        return _Batches(self, groups)
+
+    async def stats(self) -> list[EngineStats]:
+        assert self.pool is not None
+        return [await e.stats() for e in self.pool.engines]
+
+    def _check_batch_size(self, groups: int) -> None:
+        if groups < 1:
+            raise ValueError(f"groups: expected >= 1, got {groups}")
+        if groups > self.cfg.queue.max_groups:
+            raise ValueError(f"groups: {groups} can never fill, queue.max_groups is {self.cfg.queue.max_groups}")
+
+    def _live_scheduler(self) -> Scheduler:
+        if self._scheduler is None:
+            raise RuntimeError("use RolloutEngine inside `async with RolloutEngine(cfg) as engine:`")
+        return self._scheduler
+
+
+class _Batches:
+    def __init__(self, engine: RolloutEngine, groups: int):
+        self._engine, self._groups = engine, groups
+
+    def __await__(self) -> Generator[Any, None, Batch | None]:
+        return self._engine.next_batch(self._groups).__await__()
+
+    def __aiter__(self) -> AsyncIterator[Batch]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Batch]:
+        while (batch := await self._engine.next_batch(self._groups)) is not None:
+            yield batch
+
+
+class SyncRolloutEngine:
+    """Blocking facade: the async engine runs on an event loop in a thread this object owns.
+
+        with SyncRolloutEngine("configs/tiny.yaml") as engine:
+            engine.feed(prompts)
+            for group in engine.groups(): ...
+    """
+
+    def __init__(self, cfg: Config | str | Path, **kwargs: Any):
+        self._engine = RolloutEngine(cfg, **kwargs)
+        self._portal_cm = anyio.from_thread.start_blocking_portal()
+        self._portal = self._portal_cm.__enter__()
+        self._engine_cm = self._portal.wrap_async_context_manager(self._engine)
+
+    def __enter__(self) -> SyncRolloutEngine:
+        try:
+            self._engine_cm.__enter__()
+        except BaseException:
+            self._portal_cm.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self._engine_cm.__exit__(*exc)
+        finally:
+            self._portal_cm.__exit__(None, None, None)
+
+    def feed(self, prompts: Any) -> None:
+        self._portal.call(self._engine.feed, prompts)
+
+    def groups(self) -> Iterator[Group]:
+        while (group := self._portal.call(self._engine.next_group)) is not None:
+            yield group
+
+    def batch(self, groups: int) -> Batch | None:
+        return self._portal.call(self._engine.next_batch, groups)
+    def stats(self) -> list[EngineStats]:
+        return self._portal.call(self._engine.stats)

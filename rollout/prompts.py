@@ -1,0 +1,136 @@
+"""Prompt sources and prompt validation.
+
+Owns: turning what a user feeds (a list, an iterator, an async iterator, a JSONL file, synthetic
+prompts with a length distribution) into one async stream of `Prompt`s, and checking each prompt
+against the model (vocabulary, `max_model_len`) and its effective sampling values.
+A bad item in a lazily read source becomes a `BadPrompt` for the scheduler to report; it never
+stops the stream.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from rollout.config import PromptsConfig, readable_validation_error
+from rollout.errors import InvalidPromptError
+from rollout.types import Prompt, Sampling
+
+
+class BadPrompt(msgspec.Struct, frozen=True):
+    """A source item that is not a valid prompt; reported as a failed group."""
+
+    id: str
+    reason: str
+
+
+class ModelLimits(msgspec.Struct, frozen=True):
+    vocab_size: int
+    max_model_len: int
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path, max_model_len: int) -> ModelLimits:
+        config = json.loads((Path(path) / "config.json").read_text())
+        vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+        return cls(vocab_size=int(vocab), max_model_len=max_model_len)
+
+
+def effective_sampling(base: Sampling, prompt: Prompt) -> Sampling:
+    """The prompt's sampling overrides applied to `base`. Raises InvalidPromptError naming the field."""
+    if not prompt.sampling:
+        return base
+    merged = {**msgspec.structs.asdict(base), **prompt.sampling}
+    try:
+        return msgspec.convert(merged, Sampling)
+    except msgspec.ValidationError as e:
+        raise InvalidPromptError(f"prompt {prompt.id!r}: sampling.{readable_validation_error(e)}") from e
+
+
+def check_prompt(prompt: Prompt, sampling: Sampling, limits: ModelLimits) -> None:
+    """Raise InvalidPromptError with the reason if the prompt cannot run as given."""
+    name = f"prompt {prompt.id!r}"
+    if (prompt.token_ids is None) == (prompt.text is None):
+        raise InvalidPromptError(f"{name}: give exactly one of token_ids or text")
+    if prompt.text is not None:
+        if not prompt.text:
+            raise InvalidPromptError(f"{name}: empty text")
+        return  # length is checked by the engine once tokenized
+    ids = prompt.token_ids or []
+    if not ids:
+        raise InvalidPromptError(f"{name}: empty token_ids")
+    bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise InvalidPromptError(f"{name}: token id {bad[0]} outside the vocabulary [0, {limits.vocab_size})")
+    if len(ids) + sampling.max_tokens > limits.max_model_len:
+        raise InvalidPromptError(
+            f"{name}: {len(ids)} prompt tokens + max_tokens {sampling.max_tokens} exceed "
+            f"max_model_len {limits.max_model_len}"
+        )
+
+
+def synthetic_prompts(cfg: PromptsConfig, vocab_size: int) -> list[Prompt]:
+    """`cfg.count` prompts of random tokens, lengths uniform in [min_len, max_len], seeded."""
+    rng = random.Random(cfg.seed)
+    low = min(4, vocab_size - 1)  # skip the usual special ids (pad, bos, eos, unk)
+    return [
+        Prompt(token_ids=[rng.randrange(low, vocab_size) for _ in range(rng.randint(cfg.min_len, cfg.max_len))], id=f"syn-{i}")
+        for i in range(cfg.count)
+    ]
+
+
+async def jsonl_prompts(path: str | Path) -> AsyncIterator[Prompt | BadPrompt]:
+    """Prompts from a JSONL file, one `Prompt` object per line; a bad line yields a BadPrompt."""
+    decoder = msgspec.json.Decoder(Prompt)
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                prompt = decoder.decode(line)
+            except msgspec.ValidationError as e:
+                yield BadPrompt(id=f"{Path(path).name}:{lineno}", reason=f"line {lineno}: {readable_validation_error(e)}")
+                continue
+            except msgspec.DecodeError as e:
+                yield BadPrompt(id=f"{Path(path).name}:{lineno}", reason=f"line {lineno}: not JSON: {e}")
+                continue
+            yield prompt if prompt.id else msgspec.structs.replace(prompt, id=f"{Path(path).name}:{lineno}")
+
+
+def configured_prompts(cfg: PromptsConfig, vocab_size: int) -> list[Prompt] | AsyncIterator[Prompt | BadPrompt]:
+    """The prompt source a config names (`prompts:` block)."""
+    if cfg.source == "jsonl":
+        assert cfg.path is not None
+        if not Path(cfg.path).is_file():
+            raise InvalidPromptError(f"prompts.path: no such file {cfg.path!r}")
+        return jsonl_prompts(cfg.path)
+    return synthetic_prompts(cfg, vocab_size)
+
+
+async def as_async(source: Iterable[Any] | AsyncIterable[Any]) -> AsyncIterator[Any]:
+    if isinstance(source, AsyncIterable):
+        async for item in source:
+            yield item
+    else:
+        for item in source:
+            yield item
+
+
+def coerce(item: Any) -> Prompt | BadPrompt:
+    """Accept a Prompt, a list of token ids, a string, or a dict with Prompt fields."""
+    if isinstance(item, (Prompt, BadPrompt)):
+        return item
+    if isinstance(item, str):
+        item = {"text": item}
+    elif isinstance(item, (list, tuple)):
+        item = {"token_ids": list(item)}
+    if not isinstance(item, dict):
+        return BadPrompt(id="", reason=f"cannot make a prompt from a {type(item).__name__}")
+    try:
+        return msgspec.convert(item, Prompt)
+    except msgspec.ValidationError as e:
+        return BadPrompt(id=str(item.get("id", "")), reason=readable_validation_error(e))

@@ -1,0 +1,81 @@
+"""The trajectory queue: finished groups waiting for the learner. Bounded, and the bound is admission.
+
+Owns: capacity (`queue.max_groups` groups admitted but not yet taken), the hand-off order, and the
+end-of-stream rule. The scheduler `reserve()`s a slot before it starts a group, so a full queue
+stops admission (backpressure from the learner to the engines) and `put` never blocks or grows
+memory past the bound. A slot frees when the learner takes the group.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import anyio
+
+from rollout.types import Group
+
+
+class TrajectoryQueue:
+    def __init__(self, max_groups: int):
+        self.max_groups = max_groups
+        self._items: deque[Group] = deque()
+        self._slots = anyio.Semaphore(max_groups)
+        self._reserved = 0  # slots taken by groups still running
+        self._producers = 0  # sources still being read
+        self._error: BaseException | None = None
+        self._changed = anyio.Event()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def in_flight(self) -> int:
+        return self._reserved
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued, nothing running, nothing left to read: every fed prompt was handed out."""
+        return not self._items and not self._reserved and not self._producers
+
+    async def reserve(self) -> None:
+        """Wait for a free slot and take it for one group about to start."""
+        await self._slots.acquire()
+        self._reserved += 1
+
+    def put(self, group: Group) -> None:
+        """Hand in a finished group; its slot was reserved before it started."""
+        assert self._reserved > 0, "put without reserve"
+        self._reserved -= 1
+        self._items.append(group)
+        self._notify()
+
+    def producer_started(self) -> None:
+        self._producers += 1
+        self._notify()
+
+    def producer_done(self) -> None:
+        self._producers -= 1
+        self._notify()
+
+    def fail(self, error: BaseException) -> None:
+        """Make every waiting and later `get` raise `error` (the scheduler cannot go on)."""
+        self._error = error
+        self._notify()
+
+    async def get(self) -> Group | None:
+        """The next finished group; None once the queue is idle (see `idle`). Raises a fatal error."""
+        while True:
+            if self._items:
+                group = self._items.popleft()
+                self._slots.release()
+                return group
+            if self._error is not None:
+                raise self._error
+            if self.idle:
+                return None
+            changed = self._changed
+            await changed.wait()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()

@@ -1,0 +1,159 @@
+"""The async scheduler: admits prompts, routes each group to one engine, runs its samples.
+
+Owns the data path between the prompt sources and the trajectory queue:
+  1) read the next prompt from the fed sources (lazily, one at a time);
+  2) reserve a queue slot (a full queue stops admission here);
+  3) validate it against the model and its sampling values (a bad one becomes a failed group);
+  4) wait for an engine with room for the whole group (`router.route`, least outstanding tokens);
+  5) run the group's `n` samples on that engine, so they share its prefix cache;
+  6) hand the finished group to the queue as soon as its last sample ends.
+One task group (the caller's) owns every in-flight group; cancelling it aborts the engine requests.
+Does not own: engines (see `backend`), hand-out order and capacity (see `queue`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+
+import anyio
+import msgspec
+from anyio.abc import TaskGroup
+
+from rollout.backend import Engine
+from rollout.config import Config
+from rollout.errors import EngineDeadError, InvalidPromptError, RolloutError
+from rollout.log import get_logger
+from rollout.prompts import BadPrompt, ModelLimits, check_prompt, coerce, effective_sampling
+from rollout.queue import TrajectoryQueue
+from rollout.router import EngineLoad, route
+from rollout.types import Group, Prompt, Request, Sampling, Trajectory
+
+log = get_logger(__name__)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        cfg: Config,
+        engines: Sequence[Engine],
+        queue: TrajectoryQueue,
+        limits: ModelLimits,
+        on_trajectory: Callable[[Trajectory], None] | None = None,
+    ):
+        self.cfg = cfg
+        self.engines = list(engines)
+        self.queue = queue
+        self.limits = limits
+        self.on_trajectory = on_trajectory
+        self.loads = [EngineLoad() for _ in self.engines]
+        self._sources: deque[AsyncIterator] = deque()
+        self._new_source = anyio.Event()
+        self._capacity_freed = anyio.Event()
+        self._seq = 0
+
+    def add_source(self, source: AsyncIterator) -> None:
+        """Queue a prompt source; it is read lazily, after the ones fed before it."""
+        self._sources.append(source)
+        self.queue.producer_started()
+        self._new_source.set()
+
+    async def run(self, tg: TaskGroup) -> None:
+        """Read sources forever, starting groups in `tg`. A fatal error fails the queue instead of raising."""
+        try:
+            while True:
+                if not self._sources:
+                    self._new_source = anyio.Event()
+                    await self._new_source.wait()
+                    continue
+                source = self._sources[0]
+                try:
+                    async for item in source:
+                        await self._admit(coerce(item), tg)
+                except RolloutError as e:  # a source that cannot be read further (e.g. a bad file)
+                    await self.queue.reserve()
+                    self.queue.put(Group(prompt_id="", prompt=Prompt(), error=str(e)))
+                finally:
+                    self._sources.popleft()
+                    self.queue.producer_done()
+        except EngineDeadError as e:
+            log.error("scheduler stopped", error=str(e))
+            self.queue.fail(e)
+
+    async def _admit(self, item: Prompt | BadPrompt, tg: TaskGroup) -> None:
+        await self.queue.reserve()
+        queued_at = time.time()
+        self._seq += 1
+        if isinstance(item, BadPrompt):
+            self.queue.put(Group(prompt_id=item.id, prompt=Prompt(id=item.id), error=item.reason))
+            return
+        prompt = item if item.id else _with_id(item, f"p{self._seq}")
+        try:
+            sampling = effective_sampling(self.cfg.sampling, prompt)
+            check_prompt(prompt, sampling, self.limits)
+        except InvalidPromptError as e:
+            self.queue.put(Group(prompt_id=prompt.id, prompt=prompt, error=str(e)))
+            return
+        cost = len(prompt.token_ids or prompt.text or "") + sampling.max_tokens
+        engine = await self._acquire_engine(sampling.n, cost)
+        tg.start_soon(self._run_group, engine, prompt, sampling, f"r{self._seq}", cost, queued_at)
+
+    async def _acquire_engine(self, n: int, cost: int) -> int:
+        capacity = self.cfg.engines.max_inflight_per_engine
+        while (i := route(self.loads, n, capacity)) is None:
+            if not any(load.healthy for load in self.loads):
+                raise EngineDeadError("every engine is dead")
+            freed = self._capacity_freed
+            await freed.wait()
+        self.loads[i].requests += n
+        self.loads[i].tokens += n * cost
+        return i
+
+    def _release_engine(self, i: int, n: int, cost: int) -> None:
+        self.loads[i].requests -= n
+        self.loads[i].tokens -= n * cost
+        self._capacity_freed.set()
+        self._capacity_freed = anyio.Event()
+
+    async def _run_group(self, i: int, prompt: Prompt, sampling: Sampling, rid: str, cost: int, queued_at: float) -> None:
+        trajectories: list[Trajectory] = [Trajectory()] * sampling.n
+        try:
+            async with anyio.create_task_group() as tg:
+                for k in range(sampling.n):
+                    req = Request(f"{rid}-{k}", prompt.id, k, sampling, token_ids=prompt.token_ids, text=prompt.text)
+                    tg.start_soon(self._run_sample, i, req, trajectories, queued_at)
+        finally:
+            self._release_engine(i, sampling.n, cost)
+        self.queue.put(Group(prompt_id=prompt.id, prompt=prompt, trajectories=trajectories))
+
+    async def _run_sample(self, i: int, req: Request, out: list[Trajectory], queued_at: float) -> None:
+        try:
+            traj = await self.engines[i].generate(req)
+        except EngineDeadError as e:
+            self.loads[i].healthy = False
+            log.error("engine dead", engine=i, error=str(e))
+            traj = _failed(req, i, str(e))
+        except RolloutError as e:
+            traj = _failed(req, i, str(e))
+        traj.queued_at = queued_at
+        out[req.sample_index] = traj
+        if self.on_trajectory is not None:
+            self.on_trajectory(traj)
+
+
+def _failed(req: Request, engine_id: int, reason: str) -> Trajectory:
+    return Trajectory(
+        request_id=req.request_id,
+        prompt_id=req.prompt_id,
+        sample_index=req.sample_index,
+        prompt_token_ids=list(req.token_ids or []),
+        finish_reason="error",
+        error=reason,
+        engine_id=engine_id,
+        finished_at=time.time(),
+    )
+
+
+def _with_id(prompt: Prompt, pid: str) -> Prompt:
+    return msgspec.structs.replace(prompt, id=pid)

@@ -1,0 +1,181 @@
+"""Wire types: everything that crosses a process or API boundary, as msgspec Structs.
+
+Owns: `Prompt` (what a user feeds), `Sampling` (per-request sampling values), `Request` (one
+sample sent to one engine), `Trajectory` (one finished sample, one Ray reply), `Group` (the
+`sampling.n` samples of one prompt), `EngineStats`. Every field has a default so old readers
+keep decoding new data.
+
+Epoch runs: `policy_epochs` is a list of `(first generated index, epoch)` runs; the run holds until
+the next run starts. `expand_runs` turns runs into one value per token.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegInt = Annotated[int, Meta(ge=0)]
+
+
+class Sampling(Struct, frozen=True, forbid_unknown_fields=True):
+    """Sampling values of one request; the config's `sampling:` block has the same fields."""
+
+    n: PositiveInt = 4
+    temperature: Annotated[float, Meta(ge=0.0)] = 1.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: NonNegInt = 0  # 0: all tokens
+    max_tokens: PositiveInt = 128
+    min_tokens: NonNegInt = 0
+    stop_token_ids: list[NonNegInt] = msgspec.field(default_factory=lambda: [2])
+    stop: list[str] = msgspec.field(default_factory=list)  # stop strings (need a tokenizer)
+    seed: int | None = None  # per-request seeds derive from it: reproducible samples
+
+    def __post_init__(self) -> None:
+        if math.isnan(self.temperature):  # Meta(ge=0) already rejects NaN; keep the reason explicit
+            raise ValueError("temperature: must be a number >= 0, got NaN")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens: {self.min_tokens} exceeds max_tokens {self.max_tokens}")
+
+
+class Prompt(Struct, frozen=True, forbid_unknown_fields=True):
+    """One prompt. Give `token_ids` (checked up front) or `text` (tokenized by the engine).
+
+    `sampling` overrides fields of the configured sampling for this prompt only, e.g.
+    `{"max_tokens": 16}`. `metadata` is carried through untouched (reward functions see it).
+    """
+
+    token_ids: list[int] | None = None
+    text: str | None = None
+    id: str = ""
+    sampling: dict[str, Any] = msgspec.field(default_factory=dict)
+    metadata: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class Request(Struct, frozen=True):
+    """One sample of one prompt, as sent to an engine."""
+
+    request_id: str
+    prompt_id: str
+    sample_index: int
+    sampling: Sampling
+    token_ids: list[int] | None = None
+    text: str | None = None
+
+
+class Trajectory(Struct):
+    """One finished sample. `logprobs[i]` is the behaviour logprob of `token_ids[i]`."""
+
+    request_id: str = ""
+    prompt_id: str = ""
+    sample_index: int = 0
+    prompt_token_ids: list[int] = msgspec.field(default_factory=list)
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    logprobs: list[float] = msgspec.field(default_factory=list)
+    finish_reason: FinishReason = "stop"
+    error: str | None = None
+    policy_epochs: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    engine_id: int = -1
+    # unix times (s): admitted by the scheduler, sent to the engine, first token, finished
+    queued_at: float = 0.0
+    submitted_at: float = 0.0
+    first_token_at: float = 0.0
+    finished_at: float = 0.0
+    reward: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.finish_reason != "error"
+
+    def token_epochs(self) -> list[int]:
+        """The policy epoch of every generated token."""
+        return expand_runs(self.policy_epochs, len(self.token_ids))
+
+
+class Group(Struct):
+    """The `n` samples of one prompt. `error` is set when the prompt itself was rejected."""
+
+    prompt_id: str
+    prompt: Prompt
+    trajectories: list[Trajectory] = msgspec.field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and all(t.ok for t in self.trajectories)
+
+
+class EngineStats(Struct):
+    engine_id: int = -1
+    epoch: int = 0
+    running: int = 0
+    requests_finished: int = 0
+    tokens_generated: int = 0
+    requests_failed: int = 0
+
+
+def expand_runs(runs: list[tuple[int, int]], length: int) -> list[int]:
+    """Expand `(first index, value)` runs into `length` values. Raises ValueError on bad runs."""
+    if length == 0:
+        return []
+    if not runs or runs[0][0] != 0:
+        raise ValueError(f"runs must start at index 0, got {runs[:1]}")
+    out: list[int] = []
+    for (start, value), (end, _) in zip(runs, [*runs[1:], (length, 0)]):
+        if end <= start:
+            raise ValueError(f"runs must have increasing starts, got {runs}")
+        out.extend([value] * (end - start))
+    return out[:length]
+
+
+def append_run(runs: list[tuple[int, int]], index: int, value: int) -> None:
+    """Record that the tokens from `index` on carry `value` (no-op when the value is unchanged)."""
+    if not runs or runs[-1][1] != value:
+        runs.append((index, value))
+
+
+class Batch(Struct):
+    """Complete groups for one learner step."""
+
+    groups: list[Group] = msgspec.field(default_factory=list)
+
+    @property
+    def trajectories(self) -> list[Trajectory]:
+        return [t for g in self.groups for t in g.trajectories]
+
+    def to_tensors(self, pad_id: int = 0) -> dict[str, Any]:
+        """Right-padded torch tensors, NeMo RL layout, one row per successful trajectory.
+
+        `input_ids` = prompt + generation; `logprobs` aligned with `input_ids` (0 on prompt and
+        padding); `token_epochs` (-1 on prompt and padding); `loss_mask` 1 on generated tokens.
+        """
+        import torch
+
+        rows = [t for t in self.trajectories if t.ok]
+        lengths = [len(t.prompt_token_ids) + len(t.token_ids) for t in rows]
+        width = max(lengths, default=0)
+        b = len(rows)
+        input_ids = torch.full((b, width), pad_id, dtype=torch.long)
+        logprobs = torch.zeros((b, width), dtype=torch.float32)
+        epochs = torch.full((b, width), -1, dtype=torch.long)
+        loss_mask = torch.zeros((b, width), dtype=torch.float32)
+        for r, t in enumerate(rows):
+            p, g = len(t.prompt_token_ids), len(t.token_ids)
+            input_ids[r, : p + g] = torch.tensor(t.prompt_token_ids + t.token_ids, dtype=torch.long)
+            logprobs[r, p : p + g] = torch.tensor(t.logprobs, dtype=torch.float32)
+            epochs[r, p : p + g] = torch.tensor(t.token_epochs(), dtype=torch.long)
+            loss_mask[r, p : p + g] = 1.0
+        return {
+            "input_ids": input_ids,
+            "input_lengths": torch.tensor([len(t.prompt_token_ids) for t in rows], dtype=torch.long),
+            "generation_lengths": torch.tensor([len(t.token_ids) for t in rows], dtype=torch.long),
+            "unpadded_sequence_lengths": torch.tensor(lengths, dtype=torch.long),
+            "logprobs": logprobs,
+            "token_epochs": epochs,
+            "loss_mask": loss_mask,
+        }
