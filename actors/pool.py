@@ -56,6 +56,12 @@ class RayEngine:
     async def stats(self) -> EngineStats:
         return await self._call(self.actor.stats.remote())
 
+    async def reset_prefix_cache(self) -> None:
+        await self._call(self.actor.reset_prefix_cache.remote())
+
+    async def run_raw(self, requests: list[Request]) -> dict:
+        return await self._call(self.actor.run_raw.remote(requests))
+
     async def _call(self, ref: Any) -> Any:
         try:
             return await ref
@@ -127,7 +133,7 @@ class RayEnginePool:
         """Stop every engine (vLLM shutdown first, so its processes and shm go), then the actors."""
         if self.actors:
             refs = [a.shutdown.remote() for a in self.actors]
-            done, _ = await asyncio.wait([asyncio.ensure_future(_swallow(r)) for r in refs], timeout=60)
+            await asyncio.wait([asyncio.ensure_future(_swallow(r)) for r in refs], timeout=60)
             for a in self.actors:
                 ray.kill(a, no_restart=True)
             self.actors.clear()

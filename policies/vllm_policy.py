@@ -62,7 +62,6 @@ def engine_args(cfg: Config, model_path: str) -> Any:
         dtype=cfg.model.dtype,
         max_model_len=cfg.model.max_model_len,
         seed=cfg.model.seed,
-        max_num_seqs=max(cfg.engines.max_inflight_per_engine, 1),
         disable_log_stats=True,
         enable_prefix_caching=True,
     )

@@ -26,6 +26,15 @@ class Engine(Protocol):
 
     async def stats(self) -> EngineStats: ...
 
+    async def reset_prefix_cache(self) -> None: ...
+
+    async def run_raw(self, requests: list[Request]) -> dict:
+        """Benchmark baseline: every request straight into the engine at once, no scheduler.
+
+        Returns {"tokens", "trajectories", "start", "end"} (unix times).
+        """
+        ...
+
 
 class EnginePool(Protocol):
     engines: Sequence[Engine]

@@ -31,7 +31,7 @@ class EnginesConfig(Struct, frozen=True, forbid_unknown_fields=True):
     count: PositiveInt = 2
     cpus_per_engine: PositiveInt = 1  # CPU engines also get this many OpenMP threads, pinned
     gpus_per_engine: Annotated[float, Meta(ge=0)] = 0
-    max_inflight_per_engine: PositiveInt = 64
+    max_inflight_per_engine: PositiveInt = 256  # requests the scheduler keeps on one engine
     start_timeout_s: PositiveFloat = 600.0
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     # Pass-through vLLM engine args (any AsyncEngineArgs field), plus `kv_cache_gib` for CPU.

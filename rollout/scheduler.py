@@ -118,16 +118,13 @@ class Scheduler:
 
     async def _run_group(self, i: int, prompt: Prompt, sampling: Sampling, rid: str, cost: int, queued_at: float) -> None:
         trajectories: list[Trajectory] = [Trajectory()] * sampling.n
-        try:
-            async with anyio.create_task_group() as tg:
-                for k in range(sampling.n):
-                    req = Request(f"{rid}-{k}", prompt.id, k, sampling, token_ids=prompt.token_ids, text=prompt.text)
-                    tg.start_soon(self._run_sample, i, req, trajectories, queued_at)
-        finally:
-            self._release_engine(i, sampling.n, cost)
+        async with anyio.create_task_group() as tg:
+            for k in range(sampling.n):
+                req = Request(f"{rid}-{k}", prompt.id, k, sampling, token_ids=prompt.token_ids, text=prompt.text)
+                tg.start_soon(self._run_sample, i, req, cost, trajectories, queued_at)
         self.queue.put(Group(prompt_id=prompt.id, prompt=prompt, trajectories=trajectories))
 
-    async def _run_sample(self, i: int, req: Request, out: list[Trajectory], queued_at: float) -> None:
+    async def _run_sample(self, i: int, req: Request, cost: int, out: list[Trajectory], queued_at: float) -> None:
         try:
             traj = await self.engines[i].generate(req)
         except EngineDeadError as e:
@@ -136,6 +133,8 @@ class Scheduler:
             traj = _failed(req, i, str(e))
         except RolloutError as e:
             traj = _failed(req, i, str(e))
+        finally:
+            self._release_engine(i, 1, cost)  # per sample: the engine has room as soon as one ends
         traj.queued_at = queued_at
         out[req.sample_index] = traj
         if self.on_trajectory is not None:

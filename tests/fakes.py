@@ -1,0 +1,159 @@
+"""Fakes at the one external edge of `rollout/`: the generation engines (`rollout.backend`).
+
+`FakeEngine` implements the `Engine` protocol without vLLM or Ray. It generates deterministic
+tokens (a function of the prompt, the sample index and the position) with one logprob each,
+honours `max_tokens`, `min_tokens` and `stop_token_ids`, and records what the scheduler did to it:
+every request, the most requests it held at once, and every cancelled request. Tests steer it
+with events, never sleeps: `gate` holds every request until set, `dead` makes it raise
+`EngineDeadError`, and `wait_until(predicate)` waits for a condition on its counters.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import anyio
+
+from rollout.errors import EngineDeadError
+from rollout.types import EngineStats, Request, Trajectory
+
+VOCAB_SIZE = 260  # the tiny model's: 4 special ids, then 256 bytes
+EOS_ID = 2
+FIRST_BYTE_ID = 4
+
+
+def fake_token(prompt_ids: list[int], sample_index: int, position: int) -> int:
+    """The token the fake generates at `position`: never a special id, so only `eos_at` stops it."""
+    seed = sum(prompt_ids) * 31 + sample_index * 7 + position * 13
+    return FIRST_BYTE_ID + seed % (VOCAB_SIZE - FIRST_BYTE_ID)
+
+
+def fake_logprob(token: int, position: int) -> float:
+    return -0.5 - (token % 7) / 10 - position / 1000
+
+
+def text_ids(text: str) -> list[int]:
+    """How the tiny model's byte-level tokenizer maps text: byte b -> id 4 + b."""
+    return [FIRST_BYTE_ID + b for b in text.encode()]
+
+
+class FakeEngine:
+    def __init__(self, engine_id: int = 0, *, eos_at: int | None = None, epoch: int = 0):
+        self.engine_id = engine_id
+        self.eos_at = eos_at  # emit EOS_ID at this generated position (it stops only if asked to)
+        self.epoch = epoch
+        self.gate: anyio.Event | None = None  # when set to an unset event, requests wait for it
+        self.dead = False  # raise EngineDeadError (after the gate, if any)
+        self.requests: list[Request] = []  # every request received, in order
+        self.inflight = 0
+        self.max_inflight = 0
+        self.finished = 0
+        self.cancelled = 0
+        self.failed = 0
+        self.prefix_cache_resets = 0
+        self._changed = anyio.Event()
+
+    def block(self) -> anyio.Event:
+        """Hold every request from now on until the returned event is set."""
+        self.gate = anyio.Event()
+        return self.gate
+
+    @property
+    def prompt_ids(self) -> list[str]:
+        """Distinct prompt ids received, in arrival order."""
+        return list(dict.fromkeys(r.prompt_id for r in self.requests))
+
+    async def wait_until(self, predicate: Callable[[FakeEngine], bool]) -> None:
+        """Wait until `predicate(self)` holds; re-checked whenever a counter changes."""
+        while not predicate(self):
+            changed = self._changed
+            await changed.wait()
+
+    async def generate(self, request: Request) -> Trajectory:
+        self.requests.append(request)
+        self.inflight += 1
+        self.max_inflight = max(self.max_inflight, self.inflight)
+        self._notify()
+        try:
+            if self.gate is not None:
+                await self.gate.wait()
+            if self.dead:
+                self.failed += 1
+                raise EngineDeadError(f"fake engine {self.engine_id} is dead")
+            traj = self._trajectory(request)
+            self.finished += 1
+            return traj
+        except anyio.get_cancelled_exc_class():
+            self.cancelled += 1
+            raise
+        finally:
+            self.inflight -= 1
+            self._notify()
+
+    async def stats(self) -> EngineStats:
+        return EngineStats(
+            engine_id=self.engine_id,
+            epoch=self.epoch,
+            running=self.inflight,
+            requests_finished=self.finished,
+            tokens_generated=0,
+            requests_failed=self.failed,
+        )
+
+    async def reset_prefix_cache(self) -> None:
+        self.prefix_cache_resets += 1
+
+    async def run_raw(self, requests: list[Request]) -> dict:
+        start = time.time()
+        trajectories = [await self.generate(r) for r in requests]
+        return {
+            "tokens": sum(len(t.token_ids) for t in trajectories),
+            "trajectories": trajectories,
+            "start": start,
+            "end": time.time(),
+        }
+
+    def _trajectory(self, request: Request) -> Trajectory:
+        s = request.sampling
+        prompt_ids = list(request.token_ids) if request.token_ids is not None else text_ids(request.text or "")
+        tokens: list[int] = []
+        finish = "length"
+        for pos in range(s.max_tokens):
+            tok = EOS_ID if pos == self.eos_at else fake_token(prompt_ids, request.sample_index, pos)
+            tokens.append(tok)  # like vLLM, the stop token is part of the output
+            if tok in s.stop_token_ids and len(tokens) > s.min_tokens:
+                finish = "stop"
+                break
+        now = time.time()
+        return Trajectory(
+            request_id=request.request_id,
+            prompt_id=request.prompt_id,
+            sample_index=request.sample_index,
+            prompt_token_ids=prompt_ids,
+            token_ids=tokens,
+            logprobs=[fake_logprob(t, i) for i, t in enumerate(tokens)],
+            finish_reason=finish,
+            policy_epochs=[(0, self.epoch)] if tokens else [],
+            engine_id=self.engine_id,
+            submitted_at=now,
+            first_token_at=now,
+            finished_at=now,
+        )
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+
+class FakePool:
+    """The `EnginePool` protocol over fake engines; records whether it was shut down."""
+
+    def __init__(self, engines: list[FakeEngine] | int = 2, **engine_kwargs):
+        if isinstance(engines, int):
+            engines = [FakeEngine(i, **engine_kwargs) for i in range(engines)]
+        self.engines = engines
+        self.shutdown_calls = 0
+
+    async def shutdown(self) -> None:
+        self.shutdown_calls += 1

@@ -1,0 +1,145 @@
+"""Config loading: defaults, YAML files, `a.b=value` overrides, and errors that name the key path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from rollout.config import Config, config_from_dict, dump_config, load_config
+from rollout.errors import InvalidConfigError
+from rollout.types import Sampling
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_defaults_without_a_file():
+    cfg = load_config()
+    assert cfg == Config()
+    assert cfg.model.path == "tiny"
+    assert cfg.engines.count == 2
+    assert cfg.engines.max_inflight_per_engine == 64
+    assert cfg.sampling == Sampling()
+    assert cfg.sampling.n == 4
+    assert cfg.sampling.stop_token_ids == [2]
+    assert cfg.prompts.source == "synthetic"
+    assert cfg.queue.max_groups == 256
+    assert cfg.reward is None
+
+
+def test_yaml_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "engines:\n  count: 3\n  max_inflight_per_engine: 16\n"
+        "sampling:\n  n: 2\n  temperature: 0.5\n  stop: [\"\\n\"]\n"
+        "queue:\n  max_groups: 8\n"
+    )
+    cfg = load_config(path)
+    assert cfg.engines.count == 3
+    assert cfg.engines.max_inflight_per_engine == 16
+    assert cfg.sampling.n == 2
+    assert cfg.sampling.temperature == 0.5
+    assert cfg.sampling.stop == ["\n"]
+    assert cfg.queue.max_groups == 8
+    assert cfg.model == Config().model  # untouched blocks keep their defaults
+
+
+def test_empty_yaml_file_is_the_defaults(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("")
+    assert load_config(path) == Config()
+
+
+def test_overrides_are_yaml_typed(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("sampling:\n  n: 2\n")
+    cfg = load_config(path, ["sampling.n=8", "sampling.stop=['x']", "sampling.temperature=0", "ray.address=auto"])
+    assert cfg.sampling.n == 8  # the override wins over the file
+    assert isinstance(cfg.sampling.n, int)
+    assert cfg.sampling.stop == ["x"]
+    assert cfg.sampling.temperature == 0.0
+    assert cfg.ray.address == "auto"
+
+
+def test_later_override_wins():
+    assert load_config(None, ["sampling.n=2", "sampling.n=3"]).sampling.n == 3
+
+
+def test_dump_round_trips():
+    cfg = load_config(None, ["sampling.n=3", "engines.count=1"])
+    assert config_from_dict(msgspec.yaml.decode(dump_config(cfg).encode())) == cfg
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["foo=1"], "foo: unknown key"),
+        (["engines.foo=1"], "engines.foo: unknown key"),
+        (["engines.count=two"], "engines.count: expected `int`, got `str`"),
+        (["engines.count=0"], "engines.count: expected `int` >= 1"),
+        (["sampling.top_p=1.5"], "sampling.top_p: expected `float` <= 1.0"),
+        (["sampling.temperature=.nan"], "sampling.temperature:"),
+        (["sampling.temperature=-1"], "sampling.temperature:"),
+        (["sampling.min_tokens=20", "sampling.max_tokens=10"], "sampling.min_tokens: 20 exceeds max_tokens 10"),
+        (["prompts.source=jsonl"], "prompts.path: required"),
+        (["prompts.min_len=10", "prompts.max_len=5"], "prompts.min_len:"),
+        (["sampling.n=8", "engines.max_inflight_per_engine=4"], "sampling.n: 8 exceeds engines.max_inflight_per_engine 4"),
+        (["model.dtype=fp8"], "model.dtype:"),
+        (["sampling.stop_token_ids=[-1]"], "sampling.stop_token_ids[0]:"),
+        (["queue=3"], "queue: expected `object`"),
+        (["model.path=x", "model.path.y=1"], "model.path: is not a mapping"),
+        (["sampling.n=[1"], "sampling.n: cannot parse override value"),
+    ],
+)
+def test_errors_name_the_key_path(overrides, expected):
+    with pytest.raises(InvalidConfigError) as e:
+        load_config(None, overrides)
+    assert str(e.value).startswith(expected), str(e.value)
+
+
+def test_unknown_key_in_a_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("engines:\n  count: 1\n  foo: 2\n")
+    with pytest.raises(InvalidConfigError, match=r"^engines\.foo: unknown key$"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("item", ["sampling.n", "=3", " =3"])
+def test_malformed_override(item):
+    with pytest.raises(InvalidConfigError, match="expected key.path=value"):
+        load_config(None, [item])
+
+
+@pytest.mark.parametrize("text", ["- a\n- b\n", "just a string\n", "3\n"])
+def test_non_mapping_yaml(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(InvalidConfigError, match="expected a mapping at the top level"):
+        load_config(path)
+
+
+def test_invalid_yaml_names_the_file(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("engines: [1\n")
+    with pytest.raises(InvalidConfigError, match="broken.yaml: not valid YAML"):
+        load_config(path)
+
+
+def test_missing_file():
+    with pytest.raises(FileNotFoundError):
+        load_config("/nonexistent/config.yaml")
+
+
+def test_invalid_config_error_is_a_value_error():
+    with pytest.raises(ValueError):
+        load_config(None, ["engines.count=0"])
+
+
+def test_repo_configs_all_load():
+    paths = sorted((REPO / "configs").glob("*.yaml"))
+    names = [p.name for p in paths]
+    assert "tiny.yaml" in names, f"configs/ must hold at least tiny.yaml, found {names}"
+    for path in paths:
+        cfg = load_config(path)
+        assert isinstance(cfg, Config), path

@@ -1,0 +1,65 @@
+"""The routing policy: a pure function of engine loads."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout.router import EngineLoad, route
+
+
+def loads(*specs: tuple) -> list[EngineLoad]:
+    return [EngineLoad(*s) for s in specs]
+
+
+def test_least_outstanding_tokens_wins():
+    assert route(loads((1, 500), (3, 100), (0, 300)), n=1, capacity=8) == 1
+
+
+def test_tokens_outrank_requests():
+    # engine 0 has fewer requests but more outstanding tokens
+    assert route(loads((0, 200), (5, 100)), n=1, capacity=8) == 1
+
+
+def test_tie_on_tokens_goes_to_fewer_requests():
+    assert route(loads((3, 100), (2, 100), (4, 100)), n=1, capacity=8) == 1
+
+
+def test_full_tie_goes_to_lower_index():
+    assert route(loads((2, 100), (2, 100), (2, 100)), n=1, capacity=8) == 0
+    assert route(loads((5, 900), (2, 100), (2, 100)), n=1, capacity=8) == 1
+
+
+def test_empty_engines():
+    assert route(loads((0, 0), (0, 0)), n=4, capacity=4) == 0
+
+
+def test_whole_group_must_fit():
+    # engine 0 is idlest by tokens but has room for 2 more requests, the group needs 3
+    assert route(loads((6, 10), (4, 500)), n=3, capacity=8) == 1
+    assert route(loads((6, 10), (4, 500)), n=2, capacity=8) == 0  # exactly at capacity fits
+
+
+def test_skips_unhealthy():
+    assert route(loads((0, 0, False), (7, 900)), n=1, capacity=8) == 1
+    assert route(loads((0, 0, False), (7, 900, True), (7, 900, False)), n=1, capacity=8) == 1
+
+
+@pytest.mark.parametrize(
+    "specs, n, capacity",
+    [
+        (((8, 10), (8, 10)), 1, 8),  # all full
+        (((6, 10), (7, 10)), 3, 8),  # room for some requests, not for the group
+        (((0, 0, False), (0, 0, False)), 1, 8),  # all dead
+        (((0, 0),), 9, 8),  # a group larger than any engine
+        ((), 1, 8),  # no engines
+    ],
+)
+def test_none_when_nothing_fits(specs, n, capacity):
+    assert route(loads(*specs), n=n, capacity=capacity) is None
+
+
+def test_does_not_mutate_loads():
+    ls = loads((1, 10), (0, 0))
+    before = [(x.requests, x.tokens, x.healthy) for x in ls]
+    route(ls, n=2, capacity=8)
+    assert [(x.requests, x.tokens, x.healthy) for x in ls] == before

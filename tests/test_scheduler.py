@@ -1,0 +1,423 @@
+"""The scheduler and the public API end to end, on fake engines (no vLLM, no Ray).
+
+Every wait is on an event or a condition, bounded by `anyio.fail_after`. Where a test must show that
+something does *not* happen (no more admissions), it waits until every task is blocked
+(`anyio.wait_all_tasks_blocked`): the fakes have no timers, so nothing could wake them later.
+"""
+
+from __future__ import annotations
+
+import anyio
+import msgspec
+import pytest
+from anyio import wait_all_tasks_blocked
+from fakes import EOS_ID, FakeEngine, FakePool, fake_logprob, fake_token, text_ids
+
+from rollout.config import Config, load_config
+from rollout.engine import RolloutEngine, SyncRolloutEngine
+from rollout.errors import EngineDeadError, InvalidPromptError
+from rollout.types import Group, Prompt
+
+TIMEOUT = 5  # seconds; only reached when a test is about to fail
+
+
+class Deadlock(AssertionError):
+    """The consumer waits for a group while every task is blocked: nothing can ever wake it."""
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    (tmp_path / "config.json").write_text('{"vocab_size": 260}')
+    return tmp_path
+
+
+@pytest.fixture
+def make_cfg(model_dir):
+    def make(*overrides: str) -> Config:
+        cfg = load_config(
+            None,
+            [
+                "sampling.n=2",
+                "sampling.max_tokens=6",
+                "engines.count=2",
+                "engines.max_inflight_per_engine=4",
+                "model.max_model_len=64",
+                "logging.level=error",
+                *overrides,
+            ],
+        )
+        return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=str(model_dir)))
+
+    return make
+
+
+def prompts(count: int, length: int = 3) -> list[Prompt]:
+    return [Prompt(token_ids=[10 + i] * length, id=f"q{i}") for i in range(count)]
+
+
+async def all_groups(engine: RolloutEngine) -> list[Group]:
+    """Every group `engine.groups()` hands out; raises Deadlock instead of hanging forever."""
+    out: list[Group] = []
+    errors: list[BaseException] = []
+    done = anyio.Event()
+
+    async def consume() -> None:
+        try:
+            async for group in engine.groups():
+                out.append(group)
+        except Exception as e:
+            errors.append(e)
+        finally:
+            done.set()
+
+    with anyio.fail_after(TIMEOUT):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            await wait_all_tasks_blocked()
+            stuck = not done.is_set()
+            if stuck:
+                tg.cancel_scope.cancel()
+    if stuck:
+        raise Deadlock(f"groups() waits forever after {len(out)} groups: {[(g.prompt_id, g.error) for g in out]}")
+    if errors:
+        raise errors[0]
+    return out
+
+
+def total_requests(pool: FakePool) -> int:
+    return sum(len(e.requests) for e in pool.engines)
+
+
+async def test_every_sample_completes_exactly_once(make_cfg):
+    pool = FakePool(2)
+    seen = []
+    async with RolloutEngine(make_cfg("sampling.n=3", "engines.max_inflight_per_engine=6"), pool=pool, on_trajectory=seen.append) as engine:
+        engine.feed(prompts(10))
+        groups = await all_groups(engine)
+    assert sorted(g.prompt_id for g in groups) == [f"q{i}" for i in range(10)]
+    assert total_requests(pool) == 30
+    request_ids = [r.request_id for e in pool.engines for r in e.requests]
+    assert len(set(request_ids)) == 30
+    assert len(seen) == 30 and {t.request_id for t in seen} == set(request_ids)
+    for g in groups:
+        assert g.ok and g.error is None
+        assert [t.sample_index for t in g.trajectories] == [0, 1, 2]
+        assert len({t.engine_id for t in g.trajectories}) == 1  # a group runs on one engine
+        for t in g.trajectories:
+            assert t.prompt_id == g.prompt_id
+            assert t.prompt_token_ids == g.prompt.token_ids
+            assert t.token_ids == [fake_token(t.prompt_token_ids, t.sample_index, i) for i in range(6)]
+            assert t.logprobs == [fake_logprob(tok, i) for i, tok in enumerate(t.token_ids)]
+            assert t.finish_reason == "length"
+            assert t.queued_at > 0
+    assert pool.shutdown_calls == 1
+
+
+async def test_load_is_spread_and_capped_per_engine(make_cfg):
+    pool = FakePool(2)
+    gate = anyio.Event()
+    for e in pool.engines:
+        e.gate = gate
+    async with RolloutEngine(make_cfg(), pool=pool) as engine:  # n=2, 4 in flight per engine
+        engine.feed(prompts(6))
+        with anyio.fail_after(TIMEOUT):
+            for e in pool.engines:
+                await e.wait_until(lambda e: e.inflight == 4)
+            await wait_all_tasks_blocked()
+        # 2 groups per engine; the other 2 prompts wait for room
+        assert [len(e.prompt_ids) for e in pool.engines] == [2, 2]
+        assert [e.max_inflight for e in pool.engines] == [4, 4]
+        gate.set()
+        groups = await all_groups(engine)
+    assert len(groups) == 6 and all(g.ok for g in groups)
+    assert total_requests(pool) == 12
+    assert all(e.max_inflight <= 4 for e in pool.engines)
+    assert all(e.cancelled == 0 for e in pool.engines)
+
+
+async def test_group_members_share_an_engine_under_load(make_cfg):
+    pool = FakePool(2)
+    async with RolloutEngine(make_cfg("sampling.n=4"), pool=pool) as engine:
+        engine.feed(prompts(8))
+        groups = await all_groups(engine)
+    by_engine = {e.engine_id: {r.prompt_id for r in e.requests} for e in pool.engines}
+    assert by_engine[0] and by_engine[1] and not (by_engine[0] & by_engine[1])
+    assert all(len({t.engine_id for t in g.trajectories}) == 1 for g in groups)
+
+
+async def test_backpressure_stops_admission_when_nobody_consumes(make_cfg):
+    pool = FakePool(2)
+    async with RolloutEngine(make_cfg("queue.max_groups=2"), pool=pool) as engine:
+        engine.feed(prompts(5))
+        with anyio.fail_after(TIMEOUT):
+            await wait_all_tasks_blocked()
+            assert sum(len(e.prompt_ids) for e in pool.engines) == 2  # engines had room for 4 groups
+            first = await engine.next_group()  # frees one slot
+            assert first is not None and first.ok
+            await wait_all_tasks_blocked()
+            assert sum(len(e.prompt_ids) for e in pool.engines) == 3
+        rest = await all_groups(engine)
+    assert len(rest) == 4
+    assert total_requests(pool) == 10
+
+
+async def test_bad_prompt_in_a_list_rejects_the_whole_list(make_cfg):
+    pool = FakePool(2)
+    async with RolloutEngine(make_cfg(), pool=pool) as engine:
+        items = [Prompt(token_ids=[5], id="good"), Prompt(token_ids=[999], id="bad"), {"tokens": [1]}]
+        with pytest.raises(InvalidPromptError) as e:
+            engine.feed(items)
+        msg = str(e.value)
+        assert msg.startswith("2 of 3 prompts rejected")
+        assert "prompt 'bad': token id 999" in msg and "prompt 2: tokens: unknown key" in msg
+        assert await all_groups(engine) == []
+        engine.feed([Prompt(token_ids=[5], id="later")])  # the engine goes on
+        groups = await all_groups(engine)
+    assert [g.prompt_id for g in groups] == ["later"]
+    assert {r.prompt_id for e in pool.engines for r in e.requests} == {"later"}
+
+
+@pytest.mark.parametrize(
+    "bad, reason",
+    [
+        ("", "empty text"),
+        (Prompt(token_ids=[5] * 60, id="long"), "exceed max_model_len 64"),
+        ({"token_ids": [5], "sampling": {"n": 0}}, "sampling.n: expected `int` >= 1"),
+    ],
+)
+async def test_feed_checks_single_items_and_lists(make_cfg, bad, reason):
+    async with RolloutEngine(make_cfg(), pool=FakePool(1)) as engine:
+        with pytest.raises(InvalidPromptError, match=reason):
+            engine.feed(bad if isinstance(bad, (str, Prompt)) else [bad])
+
+
+async def test_bad_items_in_a_generator_become_failed_groups(make_cfg):
+    pool = FakePool(2)
+
+    def source():
+        yield Prompt(token_ids=[5, 6], id="ok1")
+        yield 42
+        yield {"token_ids": [999], "id": "vocab"}
+        yield {"token_ids": [5], "id": "n0", "sampling": {"n": 0}}
+        yield "text prompt"
+        yield [7, 8]
+
+    async with RolloutEngine(make_cfg(), pool=pool) as engine:
+        engine.feed(source())
+        groups = await all_groups(engine)
+    assert len(groups) == 6
+    failed = {g.prompt_id: g.error for g in groups if g.error}
+    assert len(failed) == 3
+    assert "cannot make a prompt from a int" in failed[""]
+    assert "token id 999 outside the vocabulary" in failed["vocab"]
+    assert "sampling.n:" in failed["n0"]
+    ok = [g for g in groups if g.error is None]
+    assert len(ok) == 3 and all(g.ok and len(g.trajectories) == 2 for g in ok)
+    text = next(g for g in ok if g.prompt.text == "text prompt")
+    assert text.trajectories[0].prompt_token_ids == text_ids("text prompt")
+    assert {r.prompt_id for e in pool.engines for r in e.requests} == {g.prompt_id for g in ok}
+
+
+async def test_async_generator_source_and_several_feeds(make_cfg):
+    async def source():
+        for p in prompts(3):
+            yield p
+
+    async with RolloutEngine(make_cfg(), pool=FakePool(2)) as engine:
+        engine.feed(source())
+        engine.feed(Prompt(token_ids=[4], id="single"))
+        engine.feed("some text")
+        groups = await all_groups(engine)
+    assert len(groups) == 5 and all(g.ok for g in groups)
+    assert {"q0", "q1", "q2", "single"} < {g.prompt_id for g in groups}
+
+
+async def test_prompt_sampling_overrides_and_stop_tokens(make_cfg):
+    pool = FakePool([FakeEngine(0, eos_at=2)])
+    async with RolloutEngine(make_cfg("engines.count=1"), pool=pool) as engine:
+        engine.feed(
+            [
+                Prompt(token_ids=[5], id="stops"),
+                Prompt(token_ids=[5], id="no-stop", sampling={"stop_token_ids": []}),
+                Prompt(token_ids=[5], id="short", sampling={"max_tokens": 2, "n": 1}),
+                Prompt(token_ids=[5], id="min", sampling={"min_tokens": 4}),
+            ]
+        )
+        groups = {g.prompt_id: g for g in await all_groups(engine)}
+    stops = groups["stops"].trajectories
+    assert [len(t.token_ids) for t in stops] == [3, 3] and stops[0].token_ids[-1] == EOS_ID
+    assert {t.finish_reason for t in stops} == {"stop"}
+    assert [len(t.token_ids) for t in groups["no-stop"].trajectories] == [6, 6]
+    assert {t.finish_reason for t in groups["no-stop"].trajectories} == {"length"}
+    assert [len(t.token_ids) for t in groups["short"].trajectories] == [2]
+    assert [len(t.token_ids) for t in groups["min"].trajectories] == [6, 6]  # EOS before min_tokens is ignored
+
+
+async def test_leaving_the_context_cancels_in_flight_requests(make_cfg):
+    pool = FakePool(2)
+    for e in pool.engines:
+        e.block()
+    async with RolloutEngine(make_cfg(), pool=pool) as engine:
+        engine.feed(prompts(3))
+        with anyio.fail_after(TIMEOUT):
+            await pool.engines[0].wait_until(lambda e: e.inflight == 4)
+            await pool.engines[1].wait_until(lambda e: e.inflight == 2)
+    assert [e.cancelled for e in pool.engines] == [4, 2]
+    assert [e.inflight for e in pool.engines] == [0, 0]
+    assert [e.finished for e in pool.engines] == [0, 0]
+    assert pool.shutdown_calls == 1
+
+
+async def test_an_error_in_the_body_cancels_and_shuts_down(make_cfg):
+    pool = FakePool(1)
+    pool.engines[0].block()
+    with pytest.raises(RuntimeError, match="learner crashed"):
+        async with RolloutEngine(make_cfg(), pool=pool) as engine:
+            engine.feed(prompts(1))
+            with anyio.fail_after(TIMEOUT):
+                await pool.engines[0].wait_until(lambda e: e.inflight == 2)
+            raise RuntimeError("learner crashed")
+    assert pool.engines[0].cancelled == 2
+    assert pool.shutdown_calls == 1
+
+
+async def test_dead_engine_fails_its_trajectories_and_is_avoided(make_cfg):
+    pool = FakePool(2)
+    dead, alive = pool.engines
+    dead.dead = True
+    async with RolloutEngine(make_cfg(), pool=pool) as engine:
+        engine.feed(prompts(1))  # idle engines tie: the lower index takes it
+        [first] = await all_groups(engine)
+        assert not first.ok and first.error is None
+        assert [t.finish_reason for t in first.trajectories] == ["error", "error"]
+        assert all("fake engine 0 is dead" in t.error and t.engine_id == 0 for t in first.trajectories)
+        assert [t.sample_index for t in first.trajectories] == [0, 1]
+        assert all(t.prompt_token_ids == first.prompt.token_ids for t in first.trajectories)
+
+        engine.feed([Prompt(token_ids=[5 + i], id=f"after{i}") for i in range(4)])
+        later = await all_groups(engine)
+    assert len(later) == 4 and all(g.ok for g in later)
+    assert all(t.engine_id == 1 for g in later for t in g.trajectories)
+    assert len(dead.requests) == 2 and dead.failed == 2
+    assert len(alive.requests) == 8
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=Deadlock,
+    reason=(
+        "BUG: Scheduler.run's inner `except RolloutError` (around the source loop) also catches the "
+        "EngineDeadError that _acquire_engine raises, so the outer `except EngineDeadError` never runs and "
+        "queue.fail() is never called; the handler then reserves a second slot for an error group, leaking "
+        "the slot _admit already reserved, so queue.idle stays False and groups() waits forever"
+    ),
+)
+async def test_all_engines_dead_raises_instead_of_hanging(make_cfg):
+    pool = FakePool(1)
+    pool.engines[0].dead = True
+    async with RolloutEngine(make_cfg("engines.count=1", "engines.max_inflight_per_engine=2"), pool=pool) as engine:
+        engine.feed(prompts(3))  # one group fits at a time; the second waits for the dead engine
+        with pytest.raises(EngineDeadError):
+            await all_groups(engine)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=Deadlock,
+    reason=(
+        "BUG: a per-prompt override `sampling: {n: N}` with N > engines.max_inflight_per_engine passes "
+        "effective_sampling and check_prompt (only Config.__post_init__ checks n against the engine "
+        "capacity), then Scheduler._acquire_engine waits forever for an engine with room for N requests, "
+        "which never comes; every later prompt is stuck behind it"
+    ),
+)
+async def test_prompt_n_above_engine_capacity_fails_the_group(make_cfg):
+    def source():
+        yield {"token_ids": [5], "id": "too-wide", "sampling": {"n": 5}}  # engines hold 4 each
+        yield {"token_ids": [5], "id": "fine"}
+
+    async with RolloutEngine(make_cfg(), pool=FakePool(2)) as engine:
+        engine.feed(source())
+        groups = {g.prompt_id: g for g in await all_groups(engine)}
+    assert groups["too-wide"].error and "sampling.n" in groups["too-wide"].error
+    assert groups["fine"].ok
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason=(
+        "BUG (minor): feed(list) promises to name every bad prompt, but for a Prompt without an id whose "
+        "check fails, the message comes from check_prompt as \"prompt '': ...\", with no index to find it "
+        "(only coerce failures get `prompt {i}`)"
+    ),
+)
+async def test_feed_names_bad_prompts_without_ids(make_cfg):
+    async with RolloutEngine(make_cfg(), pool=FakePool(1)) as engine:
+        with pytest.raises(InvalidPromptError) as e:
+            engine.feed([[5], [6], [999]])
+    assert "prompt 2" in str(e.value), str(e.value)
+
+
+async def test_batches_awaited_and_iterated(make_cfg):
+    async with RolloutEngine(make_cfg(), pool=FakePool(2)) as engine:
+        engine.feed(prompts(5))
+        with anyio.fail_after(TIMEOUT):
+            first = await engine.batches(groups=2)
+            assert first is not None and len(first.groups) == 2
+            sizes = [len(b.groups) async for b in engine.batches(groups=2)]
+            assert sizes == [2, 1]
+            assert await engine.batches(groups=2) is None
+    tensors = first.to_tensors()
+    assert tensors["input_ids"].shape == (4, 3 + 6)  # 2 groups x n=2 rows, prompt 3 + 6 generated
+    assert tensors["loss_mask"].sum().item() == 4 * 6
+
+
+@pytest.mark.parametrize("size, message", [(0, "groups: expected >= 1, got 0"), (-1, "expected >= 1"), (9, "queue.max_groups is 8")])
+async def test_batches_of_impossible_size_raise(make_cfg, size, message):
+    async with RolloutEngine(make_cfg("queue.max_groups=8"), pool=FakePool(1)) as engine:
+        with pytest.raises(ValueError, match=message):
+            engine.batches(groups=size)
+        with pytest.raises(ValueError, match=message):
+            await engine.next_batch(size)
+
+
+async def test_stats_come_from_every_engine(make_cfg):
+    pool = FakePool(2)
+    async with RolloutEngine(make_cfg(), pool=pool) as engine:
+        engine.feed(prompts(2))
+        await all_groups(engine)
+        stats = await engine.stats()
+    assert [s.engine_id for s in stats] == [0, 1]
+    assert sum(s.requests_finished for s in stats) == 4
+
+
+async def test_bad_model_path_fails_on_enter(tmp_path, make_cfg):
+    cfg = make_cfg()
+    cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=str(tmp_path / "nope")))
+    with pytest.raises(FileNotFoundError, match="model.path"):
+        async with RolloutEngine(cfg, pool=FakePool(1)):
+            pass
+
+
+async def test_feed_outside_the_context_is_an_error(make_cfg):
+    engine = RolloutEngine(make_cfg(), pool=FakePool(1))
+    with pytest.raises(RuntimeError, match="async with"):
+        engine.feed(prompts(1))
+
+
+def test_sync_engine(make_cfg):
+    pool = FakePool(2)
+    with SyncRolloutEngine(make_cfg(), pool=pool) as engine:
+        engine.feed(prompts(3))
+        groups = list(engine.groups())
+        assert sorted(g.prompt_id for g in groups) == ["q0", "q1", "q2"]
+        assert all(g.ok for g in groups)
+        engine.feed(prompts(3))
+        batch = engine.batch(groups=2)
+        assert batch is not None and len(batch.groups) == 2
+        assert len(engine.batch(groups=2).groups) == 1
+        assert engine.batch(groups=2) is None
+        assert [s.engine_id for s in engine.stats()] == [0, 1]
+    assert total_requests(pool) == 12
+    assert pool.shutdown_calls == 1
