@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 
 from rollout.config import Config
-from rollout.errors import EngineDeadError, InvalidConfigError
+from rollout.errors import EngineDeadError, InvalidConfigError, InvalidPromptError
 from rollout.types import EngineStats, Request, Sampling, Trajectory, append_run
 
 # Keys of `engines.vllm` that are ours, not AsyncEngineArgs fields.
@@ -115,7 +115,7 @@ class VLLMPolicy:
 
     async def generate(self, req: Request) -> Trajectory:
         """Run one request to completion. Bad input gives an error trajectory; raises EngineDeadError."""
-        from vllm.inputs import TextPrompt, TokensPrompt
+        from vllm.inputs import TokensPrompt
         from vllm.v1.engine.exceptions import EngineDeadError as VllmDead
 
         traj = Trajectory(
@@ -128,8 +128,16 @@ class VLLMPolicy:
         )
         self._running += 1
         try:
+            if req.token_ids is None:  # text: tokenize here, so the length check below covers it too
+                traj.prompt_token_ids = list(self._llm.get_tokenizer().encode(req.text or ""))
+            limit = self.cfg.model.max_model_len
+            if len(traj.prompt_token_ids) + req.sampling.max_tokens > limit:
+                raise InvalidPromptError(
+                    f"prompt of {len(traj.prompt_token_ids)} tokens + max_tokens {req.sampling.max_tokens} "
+                    f"exceed max_model_len {limit}"
+                )
             sp = sampling_params(req.sampling, _request_seed(req))
-            prompt = TokensPrompt(prompt_token_ids=req.token_ids) if req.token_ids is not None else TextPrompt(prompt=req.text or "")
+            prompt = TokensPrompt(prompt_token_ids=traj.prompt_token_ids)
             async for out in self._llm.generate(prompt, sp, request_id=req.request_id):
                 c = out.outputs[0]
                 if c.token_ids:
@@ -140,8 +148,6 @@ class VLLMPolicy:
                     traj.logprobs.extend(lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids))
                 if out.finished:
                     traj.finish_reason = c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "stop"
-                    if out.prompt_token_ids is not None:
-                        traj.prompt_token_ids = list(out.prompt_token_ids)
         except VllmDead as e:
             raise EngineDeadError(f"engine {self.engine_id} died: {e}") from e
         except Exception as e:  # a bad request: report it on this trajectory, keep serving the rest

@@ -58,7 +58,7 @@ class RolloutEngine:
 
         path = await anyio.to_thread.run_sync(resolve_model_path, self.cfg.model.path, self.cfg.model.seed)
         self.model_path = str(path)
-        limits = ModelLimits.from_model_dir(path, self.cfg.model.max_model_len)
+        limits = ModelLimits.from_model_dir(path, self.cfg.model.max_model_len, self.cfg.engines.max_inflight_per_engine)
         if self.pool is None:
             self.pool = await start_pool(self.cfg, self.model_path)
         self._queue = TrajectoryQueue(self.cfg.queue.max_groups)
@@ -98,10 +98,10 @@ class RolloutEngine:
             for i, item in enumerate(items):
                 try:
                     if isinstance(item, BadPrompt):
-                        raise InvalidPromptError(f"prompt {i}: {item.reason}")
+                        raise InvalidPromptError(item.reason)
                     check_prompt(item, effective_sampling(self.cfg.sampling, item), scheduler.limits)
                 except InvalidPromptError as e:
-                    problems.append(str(e))
+                    problems.append(f"[{i}] {e}")
             if problems:
                 raise InvalidPromptError(f"{len(problems)} of {len(items)} prompts rejected: " + "; ".join(problems))
             prompts = items

@@ -30,14 +30,17 @@ class BadPrompt(msgspec.Struct, frozen=True):
 
 
 class ModelLimits(msgspec.Struct, frozen=True):
+    """What a prompt is checked against: the model's vocabulary and length, the largest group."""
+
     vocab_size: int
     max_model_len: int
+    max_n: int  # a group runs on one engine: n <= engines.max_inflight_per_engine
 
     @classmethod
-    def from_model_dir(cls, path: str | Path, max_model_len: int) -> ModelLimits:
+    def from_model_dir(cls, path: str | Path, max_model_len: int, max_n: int) -> ModelLimits:
         config = json.loads((Path(path) / "config.json").read_text())
         vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
-        return cls(vocab_size=int(vocab), max_model_len=max_model_len)
+        return cls(vocab_size=int(vocab), max_model_len=max_model_len, max_n=max_n)
 
 
 def effective_sampling(base: Sampling, prompt: Prompt) -> Sampling:
@@ -54,6 +57,8 @@ def effective_sampling(base: Sampling, prompt: Prompt) -> Sampling:
 def check_prompt(prompt: Prompt, sampling: Sampling, limits: ModelLimits) -> None:
     """Raise InvalidPromptError with the reason if the prompt cannot run as given."""
     name = f"prompt {prompt.id!r}"
+    if sampling.n > limits.max_n:
+        raise InvalidPromptError(f"{name}: sampling.n {sampling.n} exceeds engines.max_inflight_per_engine {limits.max_n}")
     if (prompt.token_ids is None) == (prompt.text is None):
         raise InvalidPromptError(f"{name}: give exactly one of token_ids or text")
     if prompt.text is not None:

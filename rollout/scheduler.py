@@ -71,6 +71,8 @@ class Scheduler:
                 try:
                     async for item in source:
                         await self._admit(coerce(item), tg)
+                except EngineDeadError:
+                    raise
                 except RolloutError as e:  # a source that cannot be read further (e.g. a bad file)
                     await self.queue.reserve()
                     self.queue.put(Group(prompt_id="", prompt=Prompt(), error=str(e)))

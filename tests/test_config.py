@@ -15,17 +15,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_defaults_without_a_file():
+    # Tuning numbers (engine count, in-flight caps, queue size) may change; what the defaults mean may not.
     cfg = load_config()
     assert cfg == Config()
-    assert cfg.model.path == "tiny"
-    assert cfg.engines.count == 2
-    assert cfg.engines.max_inflight_per_engine == 64
+    assert cfg.model.path == "tiny"  # the embedded model: runs with no download
     assert cfg.sampling == Sampling()
-    assert cfg.sampling.n == 4
-    assert cfg.sampling.stop_token_ids == [2]
-    assert cfg.prompts.source == "synthetic"
-    assert cfg.queue.max_groups == 256
+    assert cfg.sampling.stop_token_ids == [2]  # the tiny model's <eos>
+    assert cfg.sampling.n <= cfg.engines.max_inflight_per_engine
+    assert cfg.prompts.source == "synthetic" and cfg.prompts.path is None
     assert cfg.reward is None
+    assert cfg.ray.address is None
 
 
 def test_yaml_file(tmp_path):
@@ -84,7 +83,10 @@ def test_dump_round_trips():
         (["sampling.min_tokens=20", "sampling.max_tokens=10"], "sampling.min_tokens: 20 exceeds max_tokens 10"),
         (["prompts.source=jsonl"], "prompts.path: required"),
         (["prompts.min_len=10", "prompts.max_len=5"], "prompts.min_len:"),
-        (["sampling.n=8", "engines.max_inflight_per_engine=4"], "sampling.n: 8 exceeds engines.max_inflight_per_engine 4"),
+        (
+            ["sampling.n=8", "engines.max_inflight_per_engine=4"],
+            "sampling.n: 8 exceeds engines.max_inflight_per_engine 4",
+        ),
         (["model.dtype=fp8"], "model.dtype:"),
         (["sampling.stop_token_ids=[-1]"], "sampling.stop_token_ids[0]:"),
         (["queue=3"], "queue: expected `object`"),

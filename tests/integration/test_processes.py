@@ -1,0 +1,105 @@
+"""Things that need their own driver process: joining an existing cluster, the CLI, clean exit."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+from tests.integration.conftest import ROOT, engine_processes, run_python, shm_segments
+
+SMALL = ["engines.count=1", "prompts.count=6", "sampling.max_tokens=8", "bench.warmup_prompts=2", "logging.level=warning"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_gone(pids: set[int], timeout: float = 60) -> set[int]:
+    deadline = time.monotonic() + timeout
+    left = pids
+    while left and time.monotonic() < deadline:
+        left = pids & engine_processes()
+        if left:
+            time.sleep(0.5)  # polling the OS process table; nothing to wait on
+    return left
+
+
+def test_join_existing_cluster_via_ray_address(tmp_path):
+    port = _free_port()
+    ray_bin = str(ROOT / ".venv" / "bin" / "ray") if (ROOT / ".venv/bin/ray").exists() else "ray"
+    env_prefix = {"RAY_AUTH_MODE": "disabled"}
+    start = subprocess.run(
+        [ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats"],
+        capture_output=True, text=True, timeout=120, env={**__import__("os").environ, **env_prefix},
+    )
+    assert start.returncode == 0, start.stderr
+    try:
+        code = f"""
+import anyio, json
+from rollout import RolloutEngine, load_config
+cfg = load_config("configs/tiny.yaml", {SMALL + [f"ray.address=127.0.0.1:{port}"]!r})
+async def main():
+    import ray
+    async with RolloutEngine(cfg) as engine:
+        engine.feed([[5, 6, 7], [8, 9, 10]])
+        groups = [g async for g in engine.groups()]
+        print(json.dumps({{"groups": len(groups), "ok": all(g.ok for g in groups),
+                          "address": ray.get_runtime_context().gcs_address}}))
+if __name__ == "__main__":
+    anyio.run(main)
+"""
+        result = run_python(code, env=env_prefix)
+        assert result.returncode == 0, result.stderr[-3000:]
+        out = json.loads(result.stdout.strip().splitlines()[-1])
+        assert out["groups"] == 2 and out["ok"]
+        assert out["address"].endswith(f":{port}"), "the driver must join the running head, not start its own"
+    finally:
+        subprocess.run([ray_bin, "stop", "--force"], capture_output=True, timeout=120)
+
+
+def test_cli_run_writes_trajectories_and_leaves_nothing_behind(tmp_path):
+    before_pids, before_shm = engine_processes(), shm_segments()
+    out = tmp_path / "t.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rollout.cli", "run", "configs/tiny.yaml", "--out", str(out), "--no-progress", *sum((["-o", o] for o in SMALL), [])],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-3000:]
+    lines = out.read_text().splitlines()
+    assert len(lines) == 6 * 4 and "wrote 24 trajectories" in stdout
+    t = json.loads(lines[0])
+    assert len(t["token_ids"]) == len(t["logprobs"]) >= 1 and t["policy_epochs"] == [[0, 0]]
+    assert not _wait_gone(engine_processes() - before_pids), "engine or Ray processes outlived the driver"
+    assert shm_segments() <= before_shm, f"leaked /dev/shm segments: {shm_segments() - before_shm}"
+
+
+def test_cli_bench_prints_ratio_against_raw_vllm(tmp_path):
+    report = tmp_path / "r.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "rollout.cli", "bench", "configs/tiny.yaml", "--report", str(report), "--no-progress", *sum((["-o", o] for o in SMALL), [])],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "generated tokens/s" in result.stdout and "raw vLLM" in result.stdout
+    data = json.loads(report.read_text())
+    assert data["engine"]["trajectories"] == 24 and data["raw_vllm"]["trajectories"] == 24
+    assert data["ratio_tokens_per_s"] > 0
+
+
+def test_cli_rejects_bad_config_naming_the_key():
+    result = subprocess.run(
+        [sys.executable, "-m", "rollout.cli", "validate", "configs/tiny.yaml", "-o", "engines.vllm.not_an_arg=1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2 and "engines.vllm.not_an_arg: unknown vLLM engine argument" in result.stderr
+    result = subprocess.run(
+        [sys.executable, "-m", "rollout.cli", "validate", "configs/tiny.yaml", "-o", "engines.cpus_per_engine=zero"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2 and "engines.cpus_per_engine: expected `int`" in result.stderr
