@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -29,16 +31,29 @@ def _wait_gone(pids: set[int], timeout: float = 60) -> set[int]:
     return left
 
 
-def test_join_existing_cluster_via_ray_address(tmp_path):
+def _wait_listening(port: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.5)  # polling a port; nothing to wait on
+    raise TimeoutError(f"no Ray head listening on port {port}")
+
+
+def test_join_existing_cluster_via_ray_address():
     port = _free_port()
-    ray_bin = str(ROOT / ".venv" / "bin" / "ray") if (ROOT / ".venv/bin/ray").exists() else "ray"
-    env_prefix = {"RAY_AUTH_MODE": "disabled"}
-    start = subprocess.run(
-        [ray_bin, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats"],
-        capture_output=True, text=True, timeout=120, env={**__import__("os").environ, **env_prefix},
+    ray_bin = ROOT / ".venv" / "bin" / "ray"
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    # A head of its own, in its own process group: `ray stop` would kill every Ray process on the
+    # machine, this test session's own cluster included.
+    head = subprocess.Popen(
+        [str(ray_bin) if ray_bin.exists() else "ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+         f"--port={port}", "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True,
     )
-    assert start.returncode == 0, start.stderr
     try:
+        _wait_listening(port)
         code = f"""
 import anyio, json
 from rollout import RolloutEngine, load_config
@@ -53,13 +68,18 @@ async def main():
 if __name__ == "__main__":
     anyio.run(main)
 """
-        result = run_python(code, env=env_prefix)
+        result = run_python(code, env={"RAY_AUTH_MODE": "disabled"})
         assert result.returncode == 0, result.stderr[-3000:]
         out = json.loads(result.stdout.strip().splitlines()[-1])
         assert out["groups"] == 2 and out["ok"]
         assert out["address"].endswith(f":{port}"), "the driver must join the running head, not start its own"
     finally:
-        subprocess.run([ray_bin, "stop", "--force"], capture_output=True, timeout=120)
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait(timeout=30)
 
 
 def test_cli_run_writes_trajectories_and_leaves_nothing_behind(tmp_path):
