@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
@@ -33,6 +34,7 @@ def connect(cfg: Config) -> bool:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=cfg.logging.level == "debug")
     if cfg.ray.address is None:
+        kwargs["address"] = "local"  # a new cluster, even if another one runs on this machine
         need = cfg.engines.count * cfg.engines.cpus_per_engine
         kwargs["num_cpus"] = cfg.ray.num_cpus or max(os.cpu_count() or 1, need)
         if cfg.engines.gpus_per_engine == 0:
@@ -50,8 +52,16 @@ class RayEngine:
         self.actor = actor
         self.engine_id = engine_id
 
-    async def generate(self, request: Request) -> Trajectory:
-        return await self._call(self.actor.generate.remote(request))
+    async def generate_group(self, requests: list[Request]) -> AsyncIterator[Trajectory]:
+        stream = self.actor.generate_group.options(num_returns="streaming").remote(requests)
+        try:
+            async for ref in stream:
+                yield await ref
+        except asyncio.CancelledError:
+            ray.cancel(stream)  # cancels the actor's task, which aborts the group's vLLM requests
+            raise
+        except (RayTaskError, RayActorError) as e:
+            raise self._translate(e) from e
 
     async def stats(self) -> EngineStats:
         return await self._call(self.actor.stats.remote())
@@ -66,15 +76,18 @@ class RayEngine:
         try:
             return await ref
         except asyncio.CancelledError:
-            ray.cancel(ref)  # cancels the actor's task, which aborts the vLLM request
+            ray.cancel(ref)
             raise
-        except RayTaskError as e:
-            cause = e.cause if isinstance(e.cause, Exception) else e
-            if isinstance(cause, RolloutError):
-                raise cause from e
-            raise RetryableError(f"engine {self.engine_id}: {cause}") from e
-        except RayActorError as e:
-            raise EngineDeadError(f"engine {self.engine_id} is dead: {e}") from e
+        except (RayTaskError, RayActorError) as e:
+            raise self._translate(e) from e
+
+    def _translate(self, e: Exception) -> RolloutError:
+        if isinstance(e, RayActorError):
+            return EngineDeadError(f"engine {self.engine_id} is dead: {e}")
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, RolloutError):
+            return cause
+        return RetryableError(f"engine {self.engine_id}: {cause or e}")
 
 
 class RayEnginePool:

@@ -15,11 +15,13 @@ import asyncio
 import hashlib
 import os
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
 
 from rollout.config import Config
+from rollout.backend import as_finished
 from rollout.errors import EngineDeadError, InvalidConfigError, InvalidPromptError
 from rollout.types import EngineStats, Request, Sampling, Trajectory, append_run
 
@@ -161,6 +163,15 @@ class VLLMPolicy:
         self._finished += 1
         self._tokens += len(traj.token_ids)
         return traj
+
+    async def generate_group(self, requests: list[Request]) -> AsyncIterator[Trajectory]:
+        """Run a group's requests together; yield each trajectory as it finishes (one Ray reply each).
+
+        One call per group instead of one per sample keeps the per-request cost off the hot path.
+        Closing or cancelling the stream aborts the unfinished requests.
+        """
+        async for traj in as_finished(self.generate(r) for r in requests):
+            yield traj
 
     async def abort(self, request_ids: list[str]) -> None:
         await self._llm.abort(request_ids)

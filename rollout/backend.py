@@ -6,21 +6,26 @@ set of them. `start_pool` builds the real one (Ray actors running vLLM) on deman
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, Sequence
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from rollout.types import EngineStats, Request, Trajectory
 
 if TYPE_CHECKING:
     from rollout.config import Config
 
+T = TypeVar("T")
+
 
 class Engine(Protocol):
     engine_id: int
 
-    async def generate(self, request: Request) -> Trajectory:
-        """Run one request to its end. Cancelling the call aborts the request in the engine.
+    def generate_group(self, requests: list[Request]) -> AsyncIterator[Trajectory]:
+        """Run a group's requests on this engine; yield each trajectory as soon as it finishes.
 
-        A bad request returns a trajectory with finish_reason "error"; raises EngineDeadError.
+        Cancelling the iteration aborts the unfinished requests in the engine. A bad request
+        yields a trajectory with finish_reason "error"; raises EngineDeadError.
         """
         ...
 
@@ -40,6 +45,33 @@ class EnginePool(Protocol):
     engines: Sequence[Engine]
 
     async def shutdown(self) -> None: ...
+
+
+async def as_finished(coros: Iterable[Awaitable[T]]) -> AsyncIterator[T]:
+    """Run `coros` concurrently; yield each result as it finishes (an exception ends the stream).
+
+    For engine implementations of `generate_group`. Closing or cancelling the stream cancels
+    whatever is still running, and waits for it to unwind (vLLM aborts a cancelled request).
+    """
+    results: asyncio.Queue[tuple[Any, BaseException | None]] = asyncio.Queue()
+
+    async def run(coro: Awaitable[T]) -> None:
+        try:
+            results.put_nowait((await coro, None))
+        except Exception as e:
+            results.put_nowait((None, e))
+
+    tasks = [asyncio.ensure_future(run(c)) for c in coros]
+    try:
+        for _ in tasks:
+            value, error = await results.get()
+            if error is not None:
+                raise error
+            yield value
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def start_pool(cfg: Config, model_path: str) -> EnginePool:

@@ -119,26 +119,34 @@ class Scheduler:
         self._capacity_freed = anyio.Event()
 
     async def _run_group(self, i: int, prompt: Prompt, sampling: Sampling, rid: str, cost: int, queued_at: float) -> None:
-        trajectories: list[Trajectory] = [Trajectory()] * sampling.n
-        async with anyio.create_task_group() as tg:
-            for k in range(sampling.n):
-                req = Request(f"{rid}-{k}", prompt.id, k, sampling, token_ids=prompt.token_ids, text=prompt.text)
-                tg.start_soon(self._run_sample, i, req, cost, trajectories, queued_at)
-        self.queue.put(Group(prompt_id=prompt.id, prompt=prompt, trajectories=trajectories))
-
-    async def _run_sample(self, i: int, req: Request, cost: int, out: list[Trajectory], queued_at: float) -> None:
+        requests = [
+            Request(f"{rid}-{k}", prompt.id, k, sampling, token_ids=prompt.token_ids, text=prompt.text)
+            for k in range(sampling.n)
+        ]
+        done: dict[int, Trajectory] = {}
+        failure = None
         try:
-            traj = await self.engines[i].generate(req)
+            async for traj in self.engines[i].generate_group(requests):
+                self._release_engine(i, 1, cost)  # per sample: the engine has room as soon as one ends
+                self._finish(traj, queued_at, done)
         except EngineDeadError as e:
             self.loads[i].healthy = False
             log.error("engine dead", engine=i, error=str(e))
-            traj = _failed(req, i, str(e))
+            failure = str(e)
         except RolloutError as e:
-            traj = _failed(req, i, str(e))
+            failure = str(e)
         finally:
-            self._release_engine(i, 1, cost)  # per sample: the engine has room as soon as one ends
+            if len(done) < len(requests):
+                self._release_engine(i, len(requests) - len(done), cost)
+        for req in requests:
+            if req.sample_index not in done:
+                self._finish(_failed(req, i, failure or "engine returned no result"), queued_at, done)
+        trajectories = [done[k] for k in range(sampling.n)]
+        self.queue.put(Group(prompt_id=prompt.id, prompt=prompt, trajectories=trajectories))
+
+    def _finish(self, traj: Trajectory, queued_at: float, done: dict[int, Trajectory]) -> None:
         traj.queued_at = queued_at
-        out[req.sample_index] = traj
+        done[traj.sample_index] = traj
         if self.on_trajectory is not None:
             self.on_trajectory(traj)
 

@@ -10,11 +10,13 @@ with events, never sleeps: `gate` holds every request until set, `dead` makes it
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import anyio
 
+from rollout.backend import as_finished
 from rollout.errors import EngineDeadError
 from rollout.types import EngineStats, Request, Trajectory
 
@@ -91,6 +93,11 @@ class FakeEngine:
             self.inflight -= 1
             self._notify()
 
+    async def generate_group(self, requests: list[Request]) -> AsyncIterator[Trajectory]:
+        """Like the real policy: the group's requests run together, each yielded as it finishes."""
+        async for traj in as_finished(self.generate(r) for r in requests):
+            yield traj
+
     async def stats(self) -> EngineStats:
         return EngineStats(
             engine_id=self.engine_id,
@@ -109,7 +116,7 @@ class FakeEngine:
         trajectories = [await self.generate(r) for r in requests]
         return {
             "tokens": sum(len(t.token_ids) for t in trajectories),
-            "trajectories": trajectories,
+            "trajectories": len(trajectories),
             "start": start,
             "end": time.time(),
         }

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 from tests.integration.conftest import ROOT, engine_processes, run_python, shm_segments
@@ -45,11 +47,12 @@ def test_join_existing_cluster_via_ray_address():
     port = _free_port()
     ray_bin = ROOT / ".venv" / "bin" / "ray"
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    temp_dir = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # short: Ray's socket paths must fit
     # A head of its own, in its own process group: `ray stop` would kill every Ray process on the
     # machine, this test session's own cluster included.
     head = subprocess.Popen(
         [str(ray_bin) if ray_bin.exists() else "ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-         f"--port={port}", "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats"],
+         f"--port={port}", "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True,
     )
     try:
@@ -80,6 +83,7 @@ if __name__ == "__main__":
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
             head.wait(timeout=30)
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def test_cli_run_writes_trajectories_and_leaves_nothing_behind(tmp_path):
