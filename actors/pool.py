@@ -53,15 +53,11 @@ class RayEngine:
         self.engine_id = engine_id
 
     async def generate_group(self, requests: list[Request]) -> AsyncIterator[Trajectory]:
-        stream = self.actor.generate_group.options(num_returns="streaming").remote(requests)
-        try:
-            async for ref in stream:
-                yield await ref
-        except asyncio.CancelledError:
-            ray.cancel(stream)  # cancels the actor's task, which aborts the group's vLLM requests
-            raise
-        except (RayTaskError, RayActorError) as e:
-            raise self._translate(e) from e
+        # One Ray call and one reply per group: measured faster than a reply per trajectory
+        # (per-request calls, or a Ray streaming generator) on the tiny bench. A group is handed
+        # to the learner only when complete, so nothing waits longer for it.
+        for traj in await self._call(self.actor.finish_group.remote(requests)):
+            yield traj
 
     async def stats(self) -> EngineStats:
         return await self._call(self.actor.stats.remote())

@@ -165,13 +165,16 @@ class VLLMPolicy:
         return traj
 
     async def generate_group(self, requests: list[Request]) -> AsyncIterator[Trajectory]:
-        """Run a group's requests together; yield each trajectory as it finishes (one Ray reply each).
+        """Run a group's requests together; yield each trajectory as it finishes.
 
-        One call per group instead of one per sample keeps the per-request cost off the hot path.
         Closing or cancelling the stream aborts the unfinished requests.
         """
         async for traj in as_finished(self.generate(r) for r in requests):
             yield traj
+
+    async def finish_group(self, requests: list[Request]) -> list[Trajectory]:
+        """`generate_group` collected: the whole group in one reply, in finishing order."""
+        return [t async for t in self.generate_group(requests)]
 
     async def abort(self, request_ids: list[str]) -> None:
         await self._llm.abort(request_ids)
