@@ -6,6 +6,7 @@ sampling per prompt through `Prompt.sampling` overrides instead of restarting en
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import subprocess
@@ -42,8 +43,24 @@ def integration_config(*overrides: str):
 
 @pytest.fixture(scope="session")
 async def engine():
-    async with RolloutEngine(integration_config()) as e:
-        yield e
+    # pytest-asyncio sets up and tears down an async fixture in different tasks, but a task
+    # group must be entered and exited by one task: hold the engine open in a task of its own.
+    ready, stop = asyncio.Event(), asyncio.Event()
+    holder: list[RolloutEngine] = []
+
+    async def hold() -> None:
+        async with RolloutEngine(integration_config()) as e:
+            holder.append(e)
+            ready.set()
+            await stop.wait()
+
+    task = asyncio.ensure_future(hold())
+    await asyncio.wait([task, asyncio.ensure_future(ready.wait())], return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        task.result()  # start failed: raise its error
+    yield holder[0]
+    stop.set()
+    await task
 
 
 def engine_processes() -> set[int]:
