@@ -69,7 +69,7 @@ class LoggingConfig(Struct, frozen=True, forbid_unknown_fields=True):
 
 class BenchConfig(Struct, frozen=True, forbid_unknown_fields=True):
     baseline: bool = True  # also drive raw vLLM with the same prompts and report the ratio
-    warmup_prompts: NonNegInt = 8
+    warmup_prompts: NonNegInt = 64  # at full concurrency, so no new batch shape compiles mid-run
     report: str = "bench_report.json"
 
 
