@@ -133,11 +133,6 @@ class RayEnginePool:
         log.info("engines ready", count=e.count)
         return pool
 
-    async def call_all(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
-        """Call `method` on every engine actor and gather the results."""
-        refs = [getattr(a, method).remote(*args) for a in self.actors]
-        return await asyncio.wait_for(asyncio.gather(*refs), timeout=timeout)
-
     async def shutdown(self) -> None:
         """Stop every engine (vLLM shutdown first, so its processes and shm go), then the actors."""
         if self.actors:
