@@ -65,6 +65,15 @@ class RayEngine:
     async def reset_prefix_cache(self) -> None:
         await self._call(self.actor.reset_prefix_cache.remote())
 
+    async def stage_weights(self, epoch: int, weights: Any) -> int:
+        return await self._call(self.actor.stage_weights.remote(epoch, weights))
+
+    async def drop_weights(self, epoch: int) -> None:
+        await self._call(self.actor.drop_weights.remote(epoch))
+
+    async def commit_weights(self, epoch: int) -> dict[str, float]:
+        return await self._call(self.actor.commit_weights.remote(epoch))
+
     async def run_raw(self, requests: list[Request]) -> dict:
         return await self._call(self.actor.run_raw.remote(requests))
 
@@ -132,6 +141,10 @@ class RayEnginePool:
             raise
         log.info("engines ready", count=e.count)
         return pool
+
+    def share(self, payload: Any) -> Any:
+        """Put `payload` in Ray's object store once; every engine reads the same copy."""
+        return payload if isinstance(payload, str) else ray.put(payload)
 
     async def shutdown(self) -> None:
         """Stop every engine (vLLM shutdown first, so its processes and shm go), then the actors."""

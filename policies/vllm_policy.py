@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,7 +25,11 @@ import msgspec
 from rollout.config import Config
 from rollout.backend import as_finished
 from rollout.errors import EngineDeadError, InvalidConfigError, InvalidPromptError
-from rollout.types import EngineStats, Request, Sampling, Trajectory, append_run
+from policies.weights import Packed
+from rollout.log import get_logger
+from rollout.types import EngineStats, Request, Sampling, Trajectory, append_run, kv_runs
+
+log = get_logger(__name__)
 
 # Keys of `engines.vllm` that are ours, not AsyncEngineArgs fields.
 _OUR_ENGINE_KEYS = {"kv_cache_gib"}
@@ -74,7 +80,8 @@ def engine_args(cfg: Config, model_path: str) -> Any:
         raise InvalidConfigError(f"engines.vllm: {e}") from e
 
 
-def sampling_params(s: Sampling, request_seed: int | None) -> Any:
+def sampling_params(s: Sampling, request_seed: int | None, done: int = 0) -> Any:
+    """vLLM SamplingParams for `s`; `done` tokens already generated (a continuation) count against the limits."""
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
     return SamplingParams(
@@ -82,8 +89,8 @@ def sampling_params(s: Sampling, request_seed: int | None) -> Any:
         temperature=s.temperature,
         top_p=s.top_p,
         top_k=s.top_k,
-        max_tokens=s.max_tokens,
-        min_tokens=s.min_tokens,
+        max_tokens=s.max_tokens - done,
+        min_tokens=max(0, s.min_tokens - done),
         stop_token_ids=list(s.stop_token_ids),
         stop=list(s.stop) or None,
         seed=request_seed,
@@ -93,8 +100,24 @@ def sampling_params(s: Sampling, request_seed: int | None) -> Any:
     )
 
 
+class _Piece:
+    """One vLLM request: a whole sample, or the part of it since its last resubmission."""
+
+    def __init__(self) -> None:
+        self.tokens = 0  # tokens received so far
+        self.resubmit = False  # an update aborted it: run again as prompt + tokens so far
+
+
 class VLLMPolicy:
-    """One vLLM engine. Plain async class: the Ray actor in `actors/` is a shell around it."""
+    """One vLLM engine. Plain async class: the Ray actor in `actors/` is a shell around it.
+
+    Epochs are tagged by vLLM itself: the engine core stamps every step's outputs with the weight
+    version set while generation was paused, so a token's epoch is the epoch of the weights that
+    computed its logits, whatever the timing of the stream. Prefix-cache blocks are salted with
+    the epoch a request was submitted at, and a request whose prompt was not computed in that
+    epoch is rerun; vLLM's own preemption is ruled out by capping running requests at what the
+    KV cache holds (docs/epochs.md).
+    """
 
     def __init__(self, cfg: Config, model_path: str, engine_id: int = 0):
         self.cfg = cfg
@@ -102,10 +125,17 @@ class VLLMPolicy:
         self.engine_id = engine_id
         self.epoch = 0
         self._llm: Any = None
+        self._open = asyncio.Event()  # cleared while a weight update runs: new requests wait
+        self._open.set()
+        self._slots: asyncio.Semaphore | None = None
+        self._pieces: dict[str, _Piece] = {}
+        self._staged: dict[int, tuple[str, bool]] = {}  # epoch -> (weights dir, ours to delete)
+        self._broken: str | None = None
         self._running = 0
         self._finished = 0
         self._failed = 0
         self._tokens = 0
+        self._reruns = 0
 
     async def start(self) -> int:
         """Start the engine; returns the engine id once it can serve."""
@@ -113,11 +143,31 @@ class VLLMPolicy:
 
         args = engine_args(self.cfg, self.model_path)
         self._llm = AsyncLLM.from_engine_args(args)
+        await self._llm.update_weight_version(str(self.epoch))
+        self._slots = asyncio.Semaphore(self._max_running())
         return self.engine_id
+
+    def _max_running(self) -> int:
+        """Requests that may hold KV at once: never more than the KV cache holds at full length.
+
+        vLLM preempts (drops and later recomputes) a running request when the cache runs out;
+        with this cap it never has to, so epochs stay exact without observing preemptions.
+        """
+        want = self.cfg.engines.max_inflight_per_engine
+        cache = self._llm.vllm_config.cache_config
+        blocks, size = cache.num_gpu_blocks, cache.block_size
+        if not blocks:
+            return want
+        fits = (blocks - 1) // -(-self.cfg.model.max_model_len // size)
+        if fits < want:
+            log.warning(
+                "KV cache holds fewer full-length requests than max_inflight_per_engine; capping",
+                engine=self.engine_id, fits=fits, max_inflight_per_engine=want,
+            )
+        return max(1, min(want, fits))
 
     async def generate(self, req: Request) -> Trajectory:
         """Run one request to completion. Bad input gives an error trajectory; raises EngineDeadError."""
-        from vllm.inputs import TokensPrompt
         from vllm.v1.engine.exceptions import EngineDeadError as VllmDead
 
         traj = Trajectory(
@@ -138,20 +188,13 @@ class VLLMPolicy:
                     f"prompt of {len(traj.prompt_token_ids)} tokens + max_tokens {req.sampling.max_tokens} "
                     f"exceed max_model_len {limit}"
                 )
-            sp = sampling_params(req.sampling, _request_seed(req))
-            prompt = TokensPrompt(prompt_token_ids=traj.prompt_token_ids)
-            async for out in self._llm.generate(prompt, sp, request_id=req.request_id):
-                c = out.outputs[0]
-                if c.token_ids:
-                    if not traj.token_ids:
-                        traj.first_token_at = time.time()
-                    append_run(traj.policy_epochs, len(traj.token_ids), self.epoch)
-                    traj.token_ids.extend(c.token_ids)
-                    traj.logprobs.extend(lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids))
-                if out.finished:
-                    traj.finish_reason = c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "stop"
+            attempt = 0
+            while not await self._run_piece(req, traj, attempt := attempt + 1):
+                pass
         except VllmDead as e:
             raise EngineDeadError(f"engine {self.engine_id} died: {e}") from e
+        except (EngineDeadError, asyncio.CancelledError):
+            raise
         except Exception as e:  # a bad request: report it on this trajectory, keep serving the rest
             cause = e.__cause__ or e
             traj.finish_reason = "error"
@@ -160,9 +203,64 @@ class VLLMPolicy:
         finally:
             self._running -= 1
         traj.finished_at = time.time()
+        traj.kv_epochs = kv_runs(len(traj.prompt_token_ids), len(traj.token_ids), traj.policy_epochs, traj.kv_recomputes)
+        traj.num_preemptions = len(traj.kv_recomputes)
         self._finished += 1
         self._tokens += len(traj.token_ids)
         return traj
+
+    async def _run_piece(self, req: Request, traj: Trajectory, attempt: int) -> bool:
+        """Submit prompt + tokens so far; merge what comes back. Returns True once the sample is done."""
+        from vllm.inputs import TokensPrompt
+
+        assert self._slots is not None
+        done = len(traj.token_ids)
+        async with self._slots:
+            await self._open.wait()
+            if self._broken:
+                raise EngineDeadError(self._broken)
+            salt = self.epoch
+            piece, piece_id = _Piece(), f"{req.request_id}@{attempt}"
+            sp = sampling_params(req.sampling, _request_seed(req, attempt), done=done)
+            prompt = TokensPrompt(prompt_token_ids=traj.prompt_token_ids + traj.token_ids, cache_salt=f"epoch-{salt}")
+            ids: list[int] = []
+            lps: list[float] = []
+            spans: list[Any] = []
+            reason = "stop"
+            self._pieces[piece_id] = piece
+            try:
+                async for out in self._llm.generate(prompt, sp, request_id=piece_id):
+                    c = out.outputs[0]
+                    if c.token_ids:
+                        if not traj.first_token_at:
+                            traj.first_token_at = time.time()
+                        ids.extend(c.token_ids)
+                        lps.extend(lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids))
+                        piece.tokens += len(c.token_ids)
+                    if out.finished:
+                        reason = c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "stop"
+                        spans = c.weight_versions or []
+            finally:
+                del self._pieces[piece_id]
+        if self._broken:
+            raise EngineDeadError(self._broken)
+        mode = self.cfg.weight_sync.mode
+        if piece.resubmit and mode != "abort_resume":
+            return False  # keep: aborted before its first token reached us; rerun it whole
+        if spans and int(spans[0].version) != salt and mode in ("keep", "abort_resume"):
+            # Its prompt may have been computed partly, or found in the prefix cache, under the
+            # old weights: nothing it produced is kept, it reruns salted with the current epoch.
+            self._reruns += 1
+            return False
+        for span in spans:
+            epoch, start = int(span.version), done + span.start
+            if start > 0 and (mode == "recompute" or (start == done and mode == "abort_resume")):
+                traj.kv_recomputes.append((start, epoch))  # every KV entry before `start` recomputed
+            append_run(traj.policy_epochs, start, epoch)
+        traj.token_ids.extend(ids)
+        traj.logprobs.extend(lps)
+        traj.finish_reason = reason
+        return not (reason == "abort" and piece.resubmit)
 
     async def generate_group(self, requests: list[Request]) -> AsyncIterator[Trajectory]:
         """Run a group's requests together; yield each trajectory as it finishes.
@@ -176,6 +274,63 @@ class VLLMPolicy:
         """`generate_group` collected: the whole group in one reply, in finishing order."""
         return [t async for t in self.generate_group(requests)]
 
+    async def stage_weights(self, epoch: int, weights: Packed | str) -> int:
+        """Phase 1 of an update: receive the weights (no engine change). Returns bytes received."""
+        if isinstance(weights, str):
+            self._staged[epoch] = (weights, False)
+            return 0
+        from policies.weights import save_dir, unpack
+
+        d = tempfile.mkdtemp(prefix=f"rollout-weights-{self.engine_id}-", dir=_fast_tmp())
+        self._staged[epoch] = (d, True)
+        await asyncio.to_thread(save_dir, unpack(weights), d)
+        return weights.nbytes
+
+    async def drop_weights(self, epoch: int) -> None:
+        """Forget weights staged for `epoch` (an update that another engine failed)."""
+        d, ours = self._staged.pop(epoch, ("", False))
+        if ours:
+            shutil.rmtree(d, ignore_errors=True)
+
+    async def commit_weights(self, epoch: int) -> dict[str, float]:
+        """Phase 2: pause as `weight_sync.mode` says, load the staged weights, tag `epoch`, resume.
+
+        If loading fails the engine stays paused and refuses work: it never serves torn weights.
+        """
+        mode = self.cfg.weight_sync.mode
+        llm = self._llm
+        t0 = time.perf_counter()
+        self._open.clear()
+        try:
+            if mode == "drain":
+                await llm.pause_generation(mode="wait", clear_cache=True)
+            else:
+                await llm.pause_generation(mode="keep", clear_cache=mode == "recompute")
+            if mode in ("keep", "abort_resume"):
+                # keep: a request whose first token is not out may straddle the update with its
+                # prompt; rerun it. abort_resume: every request continues as a new one.
+                stop = [pid for pid, p in self._pieces.items() if mode == "abort_resume" or p.tokens == 0]
+                for pid in stop:
+                    self._pieces[pid].resubmit = True
+                if stop:
+                    await llm.abort(stop)
+            t1 = time.perf_counter()
+            d, _ = self._staged[epoch]
+            await llm.collective_rpc("reload_weights", kwargs={"weights_path": d})
+            t2 = time.perf_counter()
+            await llm.update_weight_version(str(epoch))
+            self.epoch = epoch
+            await llm.resume_generation()
+        except BaseException as e:
+            self._broken = f"engine {self.engine_id} failed to load epoch {epoch}: {type(e).__name__}: {e}"
+            await llm.abort(list(self._pieces))
+            raise
+        finally:
+            await self.drop_weights(epoch)
+            self._open.set()
+        t3 = time.perf_counter()
+        return {"pause_s": t1 - t0, "load_s": t2 - t1, "stall_s": t3 - t0}
+
     async def abort(self, request_ids: list[str]) -> None:
         await self._llm.abort(request_ids)
 
@@ -187,6 +342,7 @@ class VLLMPolicy:
             requests_finished=self._finished,
             tokens_generated=self._tokens,
             requests_failed=self._failed,
+            reruns=self._reruns,
         )
 
     async def reset_prefix_cache(self) -> None:
@@ -213,8 +369,13 @@ class VLLMPolicy:
             self._llm = None
 
 
-def _request_seed(req: Request) -> int | None:
+def _fast_tmp() -> str | None:
+    """/dev/shm when there is one (weights are written and read once), else the default tmp dir."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+def _request_seed(req: Request, attempt: int = 1) -> int | None:
     if req.sampling.seed is None:
         return None
-    key = msgspec.msgpack.encode((req.sampling.seed, req.prompt_id, req.sample_index))
+    key = msgspec.msgpack.encode((req.sampling.seed, req.prompt_id, req.sample_index, attempt))
     return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little")

@@ -33,6 +33,20 @@ class Engine(Protocol):
 
     async def reset_prefix_cache(self) -> None: ...
 
+    # Weight updates, in two phases so that a failure to receive changes no engine.
+    async def stage_weights(self, epoch: int, weights: Any) -> int:
+        """Receive weights for `epoch` (a handle from `EnginePool.share`); returns bytes received."""
+        ...
+
+    async def drop_weights(self, epoch: int) -> None: ...
+
+    async def commit_weights(self, epoch: int) -> dict[str, float]:
+        """Pause per `weight_sync.mode`, load the staged weights, resume at `epoch`.
+
+        Returns {"pause_s", "load_s", "stall_s"}. On failure the engine refuses further work.
+        """
+        ...
+
     async def run_raw(self, requests: list[Request]) -> dict:
         """Benchmark baseline: every request straight into the engine at once, no scheduler.
 
@@ -43,6 +57,10 @@ class Engine(Protocol):
 
 class EnginePool(Protocol):
     engines: Sequence[Engine]
+
+    def share(self, payload: Any) -> Any:
+        """Make `payload` readable by every engine, moving it once (Ray: the object store)."""
+        ...
 
     async def shutdown(self) -> None: ...
 

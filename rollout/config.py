@@ -53,6 +53,15 @@ class PromptsConfig(Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"min_len: {self.min_len} exceeds max_len {self.max_len}")
 
 
+class WeightSyncConfig(Struct, frozen=True, forbid_unknown_fields=True):
+    # keep: pause, load, resume; running requests continue over their old KV (fastest)
+    # recompute: as keep, but running requests recompute their KV with the new weights
+    # abort_resume: running requests are aborted and continue as prompt + partial output
+    # drain: stop starting requests, let running ones finish, then load (synchronous baseline)
+    mode: Literal["keep", "recompute", "abort_resume", "drain"] = "keep"
+    timeout_s: PositiveFloat = 300.0  # one engine's pause + load + resume; past it the engine is dropped
+
+
 class QueueConfig(Struct, frozen=True, forbid_unknown_fields=True):
     max_groups: PositiveInt = 256  # groups admitted but not yet taken by the learner
 
@@ -78,6 +87,7 @@ class Config(Struct, frozen=True, forbid_unknown_fields=True):
     engines: EnginesConfig = EnginesConfig()
     sampling: Sampling = Sampling()
     prompts: PromptsConfig = PromptsConfig()
+    weight_sync: WeightSyncConfig = WeightSyncConfig()
     queue: QueueConfig = QueueConfig()
     reward: str | None = None  # "package.module:function", called once per trajectory
     ray: RayConfig = RayConfig()

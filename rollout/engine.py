@@ -7,10 +7,13 @@ hand out groups and batches, and shut everything down (also on errors and cancel
         engine.feed(prompts)                      # list: checked now; iterator: read lazily
         async for group in engine.groups(): ...   # ends once every fed prompt is handed out
         batch = await engine.batches(groups=8)    # or: async for batch in engine.batches(groups=8)
+        epoch = await engine.update_weights(model.state_dict())   # or a directory of safetensors
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Generator, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,12 +23,12 @@ import anyio.from_thread
 
 from rollout.backend import EnginePool, start_pool
 from rollout.config import Config, load_config
-from rollout.errors import InvalidPromptError
+from rollout.errors import EngineDeadError, InvalidPromptError, WeightSyncError
 from rollout.log import configure, get_logger
 from rollout.prompts import BadPrompt, ModelLimits, as_async, check_prompt, coerce, effective_sampling
 from rollout.queue import TrajectoryQueue
 from rollout.scheduler import Scheduler
-from rollout.types import Batch, EngineStats, Group, Prompt, Trajectory
+from rollout.types import Batch, EngineStats, Group, Prompt, Trajectory, UpdateStats
 
 log = get_logger(__name__)
 
@@ -51,6 +54,10 @@ class RolloutEngine:
         self._scheduler: Scheduler | None = None
         self._queue: TrajectoryQueue | None = None
         self._tg: Any = None
+        self.epoch = 0  # the weights every healthy engine serves; +1 per update_weights
+        self.weight_updates: list[UpdateStats] = []
+        self._update_lock = anyio.Lock()
+        self._manifest: Any = None
 
     async def __aenter__(self) -> RolloutEngine:
         configure(self.cfg.logging.level, self.cfg.logging.json)
@@ -130,6 +137,61 @@ class RolloutEngine:
         self._check_batch_size(groups)
         return _Batches(self, groups)
 
+    async def update_weights(self, weights: Any) -> int:
+        """Load new weights into every healthy engine while requests keep streaming; returns the new epoch.
+
+        `weights`: a state dict (HF parameter names -> tensors, as `model.state_dict()` gives) or
+        a directory of HF safetensors. Names, shapes and dtypes are checked against the model
+        first (InvalidWeightsError, no engine touched). The weights move once (Ray's object
+        store), every engine receives them, and only then does any engine load them
+        (`weight_sync.mode` says what running requests do). An engine that fails to load, or
+        takes longer than `weight_sync.timeout_s`, leaves rotation and the call raises
+        WeightSyncError naming it; every other engine serves the new epoch.
+        """
+        from policies.weights import pack, read_manifest
+
+        scheduler = self._live_scheduler()
+        assert self.pool is not None
+        async with self._update_lock:
+            if self._manifest is None:
+                self._manifest = await anyio.to_thread.run_sync(read_manifest, self.model_path)
+            payload = await anyio.to_thread.run_sync(pack, weights, self._manifest)
+            live = [i for i, load in enumerate(scheduler.loads) if load.healthy]
+            if not live:
+                raise EngineDeadError("every engine is dead")
+            engines = [self.pool.engines[i] for i in live]
+            epoch, t0 = self.epoch + 1, time.perf_counter()
+            shared = self.pool.share(payload)
+            received = await asyncio.gather(*(e.stage_weights(epoch, shared) for e in engines), return_exceptions=True)
+            if bad := _failures(live, received):
+                await asyncio.gather(*(e.drop_weights(epoch) for e in engines), return_exceptions=True)
+                raise WeightSyncError(f"epoch {epoch}: weights did not reach {_describe(bad)}; no engine changed", list(bad))
+            timeout = self.cfg.weight_sync.timeout_s
+            results = await asyncio.gather(
+                *(asyncio.wait_for(e.commit_weights(epoch), timeout) for e in engines), return_exceptions=True
+            )
+            bad = _failures(live, results, f"no answer within weight_sync.timeout_s={timeout}")
+            for i in bad:
+                scheduler.mark_dead(i, bad[i])
+            stats = UpdateStats(
+                epoch=epoch,
+                mode=self.cfg.weight_sync.mode,
+                bytes=getattr(payload, "nbytes", 0),
+                bytes_received=sum(r for r in received if isinstance(r, int)),
+                seconds=time.perf_counter() - t0,
+                stall_s={i: r["stall_s"] for i, r in zip(live, results) if isinstance(r, dict)},
+                load_s={i: r["load_s"] for i, r in zip(live, results) if isinstance(r, dict)},
+                failed=sorted(bad),
+            )
+            self.weight_updates.append(stats)
+            if len(bad) == len(live):
+                raise WeightSyncError(f"epoch {epoch}: every engine failed to load it: {_describe(bad)}", list(bad))
+            self.epoch = epoch
+            log.info("weights updated", epoch=epoch, seconds=round(stats.seconds, 3), mode=stats.mode, failed=stats.failed)
+            if bad:
+                raise WeightSyncError(f"epoch {epoch}: {_describe(bad)}; out of rotation, the others serve epoch {epoch}", list(bad))
+            return epoch
+
     async def stats(self) -> list[EngineStats]:
         assert self.pool is not None
         return [await e.stats() for e in self.pool.engines]
@@ -144,6 +206,19 @@ class RolloutEngine:
         if self._scheduler is None:
             raise RuntimeError("use RolloutEngine inside `async with RolloutEngine(cfg) as engine:`")
         return self._scheduler
+
+
+def _failures(ids: list[int], results: list[Any], timeout_reason: str = "timed out") -> dict[int, str]:
+    """Engine id -> reason, for every result that is an exception."""
+    out = {}
+    for i, r in zip(ids, results):
+        if isinstance(r, BaseException):
+            out[i] = timeout_reason if isinstance(r, (asyncio.TimeoutError, TimeoutError)) else f"{type(r).__name__}: {r}"
+    return out
+
+
+def _describe(failures: dict[int, str]) -> str:
+    return "; ".join(f"engine {i}: {reason}" for i, reason in sorted(failures.items()))
 
 
 class _Batches:
@@ -198,5 +273,12 @@ class SyncRolloutEngine:
 
     def batch(self, groups: int) -> Batch | None:
         return self._portal.call(self._engine.next_batch, groups)
+    def update_weights(self, weights: Any) -> int:
+        return self._portal.call(self._engine.update_weights, weights)
+
+    @property
+    def epoch(self) -> int:
+        return self._engine.epoch
+
     def stats(self) -> list[EngineStats]:
         return self._portal.call(self._engine.stats)

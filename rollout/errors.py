@@ -4,6 +4,9 @@
 - `EngineDeadError`: an engine is gone; fatal for the requests it held unless they are moved.
 - `InvalidPromptError`: this prompt (or its sampling values) is bad; fix the input, nothing else stops.
 - `InvalidConfigError`: the config is bad; nothing was started. The message names the key path.
+- `InvalidWeightsError`: weights that do not fit the model (names, shapes, dtypes); no engine touched.
+- `WeightSyncError`: a weight update failed on some engines (`failed` lists them); they are out of
+  rotation, every other engine serves the new epoch.
 Exceptions from vllm and ray are translated into these at the boundary (`raise ... from e`).
 """
 
@@ -26,3 +29,13 @@ class InvalidPromptError(RolloutError, ValueError):
 
 class InvalidConfigError(RolloutError, ValueError):
     pass
+
+
+class InvalidWeightsError(RolloutError, ValueError):
+    pass
+
+
+class WeightSyncError(RolloutError):
+    def __init__(self, message: str, failed: list[int]):
+        super().__init__(message)
+        self.failed = failed

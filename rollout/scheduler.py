@@ -115,6 +115,9 @@ class Scheduler:
     def _release_engine(self, i: int, n: int, cost: int) -> None:
         self.loads[i].requests -= n
         self.loads[i].tokens -= n * cost
+        self._wake_admission()
+
+    def _wake_admission(self) -> None:
         self._capacity_freed.set()
         self._capacity_freed = anyio.Event()
 
@@ -130,8 +133,7 @@ class Scheduler:
                 self._release_engine(i, 1, cost)  # per sample: the engine has room as soon as one ends
                 self._finish(traj, queued_at, done)
         except EngineDeadError as e:
-            self.loads[i].healthy = False
-            log.error("engine dead", engine=i, error=str(e))
+            self.mark_dead(i, str(e))
             failure = str(e)
         except RolloutError as e:
             failure = str(e)
@@ -143,6 +145,13 @@ class Scheduler:
                 self._finish(_failed(req, i, failure or "engine returned no result"), queued_at, done)
         trajectories = [done[k] for k in range(sampling.n)]
         self.queue.put(Group(prompt_id=prompt.id, prompt=prompt, trajectories=trajectories))
+
+    def mark_dead(self, i: int, reason: str) -> None:
+        """Take engine `i` out of rotation (its running groups fail with EngineDeadError)."""
+        if self.loads[i].healthy:
+            self.loads[i].healthy = False
+            log.error("engine out of rotation", engine=i, reason=reason)
+        self._wake_admission()  # admission re-checks: there may be no engine left at all
 
     def _finish(self, traj: Trajectory, queued_at: float, done: dict[int, Trajectory]) -> None:
         traj.queued_at = queued_at

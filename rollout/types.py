@@ -5,8 +5,12 @@ sample sent to one engine), `Trajectory` (one finished sample, one Ray reply), `
 `sampling.n` samples of one prompt), `EngineStats`. Every field has a default so old readers
 keep decoding new data.
 
-Epoch runs: `policy_epochs` is a list of `(first generated index, epoch)` runs; the run holds until
-the next run starts. `expand_runs` turns runs into one value per token.
+Epoch runs (exact meaning in docs/epochs.md): `policy_epochs` is a list of `(first generated index,
+epoch)` runs, the weights whose logits sampled each generated token; `kv_epochs` is a list of
+`(first position, epoch)` runs over prompt + generated positions, the weights that computed each KV
+entry as held at the end; `kv_recomputes` lists `(generated index j, epoch)`: before token j was
+sampled, every position before it was recomputed with that epoch. A run holds until the next one
+starts. `expand_runs` turns runs into one value per token.
 """
 
 from __future__ import annotations
@@ -80,6 +84,9 @@ class Trajectory(Struct):
     finish_reason: FinishReason = "stop"
     error: str | None = None
     policy_epochs: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    kv_epochs: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    kv_recomputes: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    num_preemptions: int = 0  # times the KV was dropped and recomputed (== len(kv_recomputes))
     engine_id: int = -1
     # unix times (s): admitted by the scheduler, sent to the engine, first token, finished
     queued_at: float = 0.0
@@ -95,6 +102,14 @@ class Trajectory(Struct):
     def token_epochs(self) -> list[int]:
         """The policy epoch of every generated token."""
         return expand_runs(self.policy_epochs, len(self.token_ids))
+
+    @property
+    def epoch_span(self) -> tuple[int, int] | None:
+        """(oldest, newest) policy epoch among the generated tokens; None without tokens."""
+        if not self.policy_epochs or not self.token_ids:
+            return None
+        epochs = [e for _, e in self.policy_epochs]
+        return min(epochs), max(epochs)
 
 
 class Group(Struct):
@@ -117,6 +132,20 @@ class EngineStats(Struct):
     requests_finished: int = 0
     tokens_generated: int = 0
     requests_failed: int = 0
+    reruns: int = 0  # requests rerun because a weight update overtook their prompt
+
+
+class UpdateStats(Struct):
+    """One weight update: what moved and what each engine's requests saw."""
+
+    epoch: int
+    mode: str
+    bytes: int = 0  # size of the weights (moved once into the object store)
+    bytes_received: int = 0  # summed over engines
+    seconds: float = 0.0  # the whole `update_weights` call
+    stall_s: dict[int, float] = msgspec.field(default_factory=dict)  # engine -> pause..resume
+    load_s: dict[int, float] = msgspec.field(default_factory=dict)  # engine -> weight load alone
+    failed: list[int] = msgspec.field(default_factory=list)
 
 
 def expand_runs(runs: list[tuple[int, int]], length: int) -> list[int]:
@@ -131,6 +160,23 @@ def expand_runs(runs: list[tuple[int, int]], length: int) -> list[int]:
             raise ValueError(f"runs must have increasing starts, got {runs}")
         out.extend([value] * (end - start))
     return out[:length]
+
+
+def kv_runs(prompt_len: int, num_tokens: int, policy_epochs: list[tuple[int, int]], kv_recomputes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """`kv_epochs` implied by the policy epochs and recompute points.
+
+    KV entries exist for positions 0..P+T-2 (the last token is never fed back). Without a
+    recompute, position P+i-1 was computed by the step that sampled token i, so it has token i's
+    policy epoch, and the prompt has token 0's. A recompute at token j recomputed 0..P+j-1.
+    """
+    if num_tokens == 0:
+        return []
+    base, epoch = kv_recomputes[-1] if kv_recomputes else (0, policy_epochs[0][1])
+    runs = [(0, epoch)]
+    for start, e in policy_epochs:
+        if start > base:
+            append_run(runs, prompt_len + start - 1, e)
+    return runs
 
 
 def append_run(runs: list[tuple[int, int]], index: int, value: int) -> None:

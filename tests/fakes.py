@@ -54,6 +54,11 @@ class FakeEngine:
         self.cancelled = 0
         self.failed = 0
         self.prefix_cache_resets = 0
+        self.fail_stage = False  # weight updates: fail to receive, fail to load, or never answer
+        self.fail_commit = False
+        self.hang_commit = False
+        self.staged: dict[int, object] = {}
+        self.commits: list[int] = []
         self._changed = anyio.Event()
 
     def block(self) -> anyio.Event:
@@ -111,6 +116,25 @@ class FakeEngine:
     async def reset_prefix_cache(self) -> None:
         self.prefix_cache_resets += 1
 
+    async def stage_weights(self, epoch: int, weights: object) -> int:
+        if self.fail_stage:
+            raise RuntimeError("no space left on device")
+        self.staged[epoch] = weights
+        return 100
+
+    async def drop_weights(self, epoch: int) -> None:
+        self.staged.pop(epoch, None)
+
+    async def commit_weights(self, epoch: int) -> dict[str, float]:
+        if self.hang_commit:
+            await anyio.sleep_forever()
+        if self.fail_commit:
+            raise RuntimeError("reload failed")
+        self.staged.pop(epoch)
+        self.commits.append(epoch)
+        self.epoch = epoch
+        return {"pause_s": 0.001, "load_s": 0.002, "stall_s": 0.003}
+
     async def run_raw(self, requests: list[Request]) -> dict:
         start = time.time()
         trajectories = [await self.generate(r) for r in requests]
@@ -161,6 +185,11 @@ class FakePool:
             engines = [FakeEngine(i, **engine_kwargs) for i in range(engines)]
         self.engines = engines
         self.shutdown_calls = 0
+        self.shared: list[object] = []
+
+    def share(self, payload: object) -> object:
+        self.shared.append(payload)
+        return payload
 
     async def shutdown(self) -> None:
         self.shutdown_calls += 1

@@ -1,0 +1,121 @@
+"""Weights on their way from a learner to the engines: check, pack, unpack.
+
+Owns: the model's manifest (every parameter's name, shape and dtype, read from the safetensors
+headers of the model directory, no tensor loaded), the checks that reject a state dict or a
+directory that does not fit it (before any engine is touched), and the wire form of a state dict
+(`Packed`: raw bytes per tensor, which Ray's object store moves zero-copy, bfloat16 included).
+Does not own: loading into vLLM (see `vllm_policy.VLLMPolicy.commit_weights`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from rollout.errors import InvalidWeightsError
+
+# safetensors dtype names <-> torch dtype names
+_ST_TO_TORCH = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+}  # fmt: skip
+
+
+class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
+    dtype: str  # torch dtype name, e.g. "float32"
+    shape: tuple[int, ...]
+
+
+Manifest = dict[str, TensorSpec]
+
+
+class Packed(msgspec.Struct):
+    """A state dict on the wire: `specs[name]` describes `data[name]` (a flat uint8 numpy array)."""
+
+    specs: Manifest
+    data: dict[str, Any]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.data.values())
+
+
+def read_manifest(model_dir: str | Path) -> Manifest:
+    """Name -> (dtype, shape) of every tensor in the model's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise InvalidWeightsError(f"{model_dir}: no *.safetensors files")
+    manifest: Manifest = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                sl = st.get_slice(name)
+                manifest[name] = TensorSpec(_ST_TO_TORCH.get(sl.get_dtype(), sl.get_dtype().lower()), tuple(sl.get_shape()))
+    return manifest
+
+
+def check_specs(got: Manifest, want: Manifest, what: str) -> None:
+    """Raise InvalidWeightsError listing every missing, unknown or mismatched tensor."""
+    problems = [f"missing {n}" for n in sorted(want.keys() - got.keys())]
+    problems += [f"unknown {n}" for n in sorted(got.keys() - want.keys())]
+    for name in sorted(got.keys() & want.keys()):
+        g, w = got[name], want[name]
+        if g.shape != w.shape:
+            problems.append(f"{name}: shape {list(g.shape)}, model has {list(w.shape)}")
+        elif g.dtype != w.dtype:
+            problems.append(f"{name}: dtype {g.dtype}, model has {w.dtype} (cast it first)")
+    if problems:
+        shown = "; ".join(problems[:8]) + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else "")
+        raise InvalidWeightsError(f"{what} does not fit the model: {shown}")
+
+
+def pack(weights: Mapping[str, Any] | str | Path, manifest: Manifest) -> Packed | str:
+    """Check `weights` against the model; a state dict becomes `Packed`, a directory its path."""
+    if isinstance(weights, (str, Path)):
+        path = Path(weights).expanduser()
+        if not path.is_dir():
+            raise InvalidWeightsError(f"weights: {str(weights)!r} is not a directory")
+        check_specs(read_manifest(path), manifest, f"weights directory {path}")
+        return os.path.abspath(path)
+    import torch
+
+    if not isinstance(weights, Mapping):
+        raise InvalidWeightsError(f"weights: expected a state dict or a directory, got {type(weights).__name__}")
+    specs: Manifest = {}
+    for name, t in weights.items():
+        if not isinstance(t, torch.Tensor):
+            raise InvalidWeightsError(f"weights[{name!r}]: expected a torch.Tensor, got {type(t).__name__}")
+        specs[name] = TensorSpec(str(t.dtype).removeprefix("torch."), tuple(t.shape))
+    check_specs(specs, manifest, "state dict")
+    for name, t in weights.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise InvalidWeightsError(f"weights[{name!r}]: contains NaN or inf")
+    data = {n: t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy() for n, t in weights.items()}
+    return Packed(specs=specs, data=data)
+
+
+def unpack(packed: Packed) -> dict[str, Any]:
+    """`Packed` -> state dict of torch tensors (views on the received buffers where possible)."""
+    import torch
+
+    out = {}
+    for name, spec in packed.specs.items():
+        buf = torch.frombuffer(bytearray(packed.data[name]), dtype=torch.uint8) if packed.data[name].size else torch.empty(0, dtype=torch.uint8)
+        out[name] = buf.view(getattr(torch, spec.dtype)).reshape(spec.shape)
+    return out
+
+
+def save_dir(state: Mapping[str, Any], directory: str | Path) -> Path:
+    """Write a state dict as `model.safetensors` in `directory` (created); returns the directory."""
+    from safetensors.torch import save_file
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    save_file(dict(state), str(d / "model.safetensors"))
+    return d

@@ -1,0 +1,145 @@
+"""Weight updates without engines: the checks on incoming weights, the wire form, and the
+all-or-nothing orchestration of `RolloutEngine.update_weights` over fake engines."""
+
+from __future__ import annotations
+
+import anyio
+import msgspec
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from policies.weights import Packed, TensorSpec, pack, read_manifest, save_dir, unpack
+from rollout.config import load_config
+from rollout.engine import RolloutEngine
+from rollout.errors import EngineDeadError, InvalidWeightsError, WeightSyncError
+from rollout.types import Prompt, Trajectory, kv_runs
+from tests.fakes import FakePool
+
+STATE = {
+    "embed.weight": torch.arange(12, dtype=torch.float32).reshape(4, 3),
+    "norm.weight": torch.ones(3, dtype=torch.bfloat16),
+}
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text('{"vocab_size": 260}')
+    save_file(STATE, str(d / "model.safetensors"))
+    return d
+
+
+@pytest.fixture
+def cfg(model_dir):
+    cfg = load_config(None, ["engines.count=3", "logging.level=error", "weight_sync.timeout_s=0.5"])
+    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=str(model_dir)))
+
+
+def test_manifest_reads_headers(model_dir):
+    assert read_manifest(model_dir) == {
+        "embed.weight": TensorSpec("float32", (4, 3)),
+        "norm.weight": TensorSpec("bfloat16", (3,)),
+    }
+
+
+def test_pack_roundtrip_keeps_values_and_dtypes(model_dir):
+    packed = pack(STATE, read_manifest(model_dir))
+    assert isinstance(packed, Packed) and packed.nbytes == 12 * 4 + 3 * 2
+    back = unpack(packed)
+    for name, t in STATE.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"norm.weight": torch.ones(4, dtype=torch.bfloat16)}, "norm.weight: shape [4], model has [3]"),
+        ({"norm.weight": torch.ones(3)}, "norm.weight: dtype float32, model has bfloat16"),
+        ({"extra": torch.ones(1)}, "unknown extra"),
+        ({"embed.weight": None}, "missing embed.weight"),
+        ({"embed.weight": torch.full((4, 3), float("nan"))}, "embed.weight']: contains NaN"),
+        ({"embed.weight": [[1.0]]}, "expected a torch.Tensor, got list"),
+    ],
+)
+def test_pack_rejects_weights_that_do_not_fit(model_dir, change, message):
+    sd = {k: v for k, v in {**STATE, **change}.items() if v is not None}
+    with pytest.raises(InvalidWeightsError) as e:
+        pack(sd, read_manifest(model_dir))
+    assert message in str(e.value)
+
+
+def test_pack_checks_directories(model_dir, tmp_path):
+    assert pack(model_dir, read_manifest(model_dir)) == str(model_dir)
+    other = save_dir({"embed.weight": torch.zeros(4, 3)}, tmp_path / "other")
+    with pytest.raises(InvalidWeightsError, match="missing norm.weight"):
+        pack(other, read_manifest(model_dir))
+    with pytest.raises(InvalidWeightsError, match="not a directory"):
+        pack(tmp_path / "nope", read_manifest(model_dir))
+
+
+def test_kv_runs_follow_policy_epochs_and_recomputes():
+    # prompt of 4, tokens g0..g9: g0-g4 epoch 0, g5.. epoch 1. Without recompute the KV of
+    # position 4+5-1=8 (fed to sample g5) is epoch 1; the prompt is g0's epoch.
+    assert kv_runs(4, 10, [(0, 0), (5, 1)], []) == [(0, 0), (8, 1)]
+    # A recompute before g5 recomputed positions 0..8 with epoch 1.
+    assert kv_runs(4, 10, [(0, 0), (5, 1)], [(5, 1)]) == [(0, 1)]
+    assert kv_runs(4, 10, [(0, 0), (5, 1), (7, 2)], [(5, 1)]) == [(0, 1), (10, 2)]
+    assert kv_runs(4, 0, [], []) == []
+    t = Trajectory(token_ids=[5] * 10, policy_epochs=[(0, 0), (5, 2)])
+    assert t.epoch_span == (0, 2) and Trajectory().epoch_span is None
+
+
+async def test_update_reaches_every_engine_once_and_bumps_the_epoch(cfg):
+    pool = FakePool(3)
+    with anyio.fail_after(5):
+        async with RolloutEngine(cfg, pool=pool) as engine:
+            assert await engine.update_weights(STATE) == 1
+            assert await engine.update_weights(STATE) == 2
+            assert len(pool.shared) == 2  # moved once per update, not once per engine
+            assert [e.commits for e in pool.engines] == [[1, 2]] * 3
+            u = engine.weight_updates[-1]
+            assert (u.epoch, u.bytes, u.bytes_received, u.failed) == (2, 54, 300, [])
+            assert set(u.stall_s) == {0, 1, 2}
+
+
+async def test_a_failed_receive_changes_no_engine(cfg):
+    pool = FakePool(3)
+    pool.engines[1].fail_stage = True
+    with anyio.fail_after(5):
+        async with RolloutEngine(cfg, pool=pool) as engine:
+            with pytest.raises(WeightSyncError, match="engine 1: RuntimeError: no space left") as e:
+                await engine.update_weights(STATE)
+            assert e.value.failed == [1] and engine.epoch == 0
+            assert all(not eng.commits and not eng.staged for eng in pool.engines)
+
+
+async def test_a_failed_or_hung_load_takes_the_engine_out_of_rotation(cfg):
+    pool = FakePool(3)
+    pool.engines[0].fail_commit = True
+    pool.engines[2].hang_commit = True
+    with anyio.fail_after(5):
+        async with RolloutEngine(cfg, pool=pool) as engine:
+            with pytest.raises(WeightSyncError) as e:
+                await engine.update_weights(STATE)
+            msg = str(e.value)
+            assert "engine 0: RuntimeError: reload failed" in msg and "engine 2: no answer within weight_sync.timeout_s" in msg
+            assert e.value.failed == [0, 2] and engine.epoch == 1
+            engine.feed([Prompt(token_ids=[5, 6], id="after")])
+            group = await engine.next_group()
+            assert group.ok and {t.engine_id for t in group.trajectories} == {1}
+            pool.engines[1].fail_commit = True
+            with pytest.raises(WeightSyncError, match="every engine failed"):
+                await engine.update_weights(STATE)
+            with pytest.raises(EngineDeadError, match="every engine is dead"):
+                await engine.update_weights(STATE)
+
+
+async def test_bad_weights_never_reach_the_pool(cfg):
+    pool = FakePool(3)
+    with anyio.fail_after(5):
+        async with RolloutEngine(cfg, pool=pool) as engine:
+            with pytest.raises(InvalidWeightsError, match="missing norm.weight"):
+                await engine.update_weights({"embed.weight": STATE["embed.weight"]})
+            assert not pool.shared and engine.epoch == 0
