@@ -116,7 +116,7 @@ class VLLMPolicy:
     computed its logits, whatever the timing of the stream. Prefix-cache blocks are salted with
     the epoch a request was submitted at, and a request whose prompt was not computed in that
     epoch is rerun; vLLM's own preemption is ruled out by capping running requests at what the
-    KV cache holds (docs/epochs.md).
+    KV cache holds (README, "Per-token epochs").
     """
 
     def __init__(self, cfg: Config, model_path: str, engine_id: int = 0):

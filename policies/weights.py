@@ -87,6 +87,8 @@ def pack(weights: Mapping[str, Any] | str | Path, manifest: Manifest) -> Packed 
 
     if not isinstance(weights, Mapping):
         raise InvalidWeightsError(f"weights: expected a state dict or a directory, got {type(weights).__name__}")
+    if not weights:
+        raise InvalidWeightsError("weights: the state dict is empty")
     specs: Manifest = {}
     for name, t in weights.items():
         if not isinstance(t, torch.Tensor):

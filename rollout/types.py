@@ -5,7 +5,7 @@ sample sent to one engine), `Trajectory` (one finished sample, one Ray reply), `
 `sampling.n` samples of one prompt), `EngineStats`. Every field has a default so old readers
 keep decoding new data.
 
-Epoch runs (exact meaning in docs/epochs.md): `policy_epochs` is a list of `(first generated index,
+Epoch runs (exact meaning in the README, "Per-token epochs"): `policy_epochs` is a list of `(first generated index,
 epoch)` runs, the weights whose logits sampled each generated token; `kv_epochs` is a list of
 `(first position, epoch)` runs over prompt + generated positions, the weights that computed each KV
 entry as held at the end; `kv_recomputes` lists `(generated index j, epoch)`: before token j was

@@ -189,3 +189,19 @@ def test_sampling_defaults_and_checks():
         Sampling(max_tokens=8, min_tokens=9)
     with pytest.raises(ValueError, match="temperature"):
         Sampling(temperature=float("nan"))
+
+
+def test_exporters_follow_the_documented_worked_example():
+    from rollout.export import to_megatron, to_nemo_gym
+    from rollout.types import kv_runs
+
+    keep = Trajectory(prompt_token_ids=[9, 8, 7, 6], token_ids=[5, 6, 7, 8, 9, 10], logprobs=[-1.0] * 6, policy_epochs=[(0, 3), (3, 4)])
+    keep.kv_epochs = kv_runs(4, 6, keep.policy_epochs, [])
+    assert to_megatron(keep) == {"policy_epoch": [(4, 3), (7, 4)], "kv_cache_epoch": [(0, 3), (6, 4)], "num_evictions": 0}
+    recompute = msgspec.structs.replace(keep, kv_recomputes=[(3, 4)], num_preemptions=1, kv_epochs=kv_runs(4, 6, keep.policy_epochs, [(3, 4)]))
+    assert to_megatron(recompute)["kv_cache_epoch"] == [(0, 4)] and to_megatron(recompute)["num_evictions"] == 1
+    gym = to_nemo_gym([keep, recompute])
+    assert gym["prompt_token_ids"] == [[9, 8, 7, 6]] * 2 and gym["generation_token_ids"] == [[5, 6, 7, 8, 9, 10]] * 2
+    assert gym["generation_log_probs"][0] == [-1.0] * 6 and gym["num_evictions"] == [0, 1]
+    assert gym["policy_epoch"] == [[(4, 3), (7, 4)]] * 2 and gym["kv_cache_epoch"] == [[(0, 3), (6, 4)], [(0, 4)]]
+    assert to_nemo_gym(keep)["num_evictions"] == [0]

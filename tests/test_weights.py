@@ -61,6 +61,7 @@ def test_pack_roundtrip_keeps_values_and_dtypes(model_dir):
         ({"embed.weight": None}, "missing embed.weight"),
         ({"embed.weight": torch.full((4, 3), float("nan"))}, "embed.weight']: contains NaN"),
         ({"embed.weight": [[1.0]]}, "expected a torch.Tensor, got list"),
+        ({"embed.weight": None, "norm.weight": None}, "the state dict is empty"),
     ],
 )
 def test_pack_rejects_weights_that_do_not_fit(model_dir, change, message):
