@@ -41,7 +41,9 @@ def prompts(count: int, seed: int) -> list[Prompt]:
 
 
 async def stream_with_updates(mode: str) -> tuple[list[Trajectory], dict[int, dict], RolloutEngine]:
-    cfg = integration_config(f"weight_sync.mode={mode}", "engines.count=2")
+    # 16 running per engine: 128 requests come in waves, so even `drain` has requests to start
+    # after each update.
+    cfg = integration_config(f"weight_sync.mode={mode}", "engines.count=2", "engines.max_inflight_per_engine=16")
     async with RolloutEngine(cfg) as engine:
         base = load_file(f"{engine.model_path}/model.safetensors")
         weights = {0: base}
