@@ -23,19 +23,19 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollout.config import Config, load_config  # noqa: E402
+from rollout.config import Config, PromptsConfig, load_config  # noqa: E402
 from rollout.engine import RolloutEngine  # noqa: E402
 from rollout.prompts import configured_prompts  # noqa: E402
 
 MODES = ("keep", "recompute", "abort_resume", "drain")
 
 
-async def one_round(engine: RolloutEngine, cfg: Config, weights: Any, interval: float | None) -> dict[str, Any]:
+async def one_round(engine: RolloutEngine, prompts: PromptsConfig, weights: Any, interval: float | None) -> dict[str, Any]:
     """Run the configured prompts once; with `interval`, push `weights` every `interval` s meanwhile."""
     tokens = 0
     first_update = len(engine.weight_updates)
     start = time.perf_counter()
-    engine.feed(configured_prompts(cfg))
+    engine.feed(configured_prompts(prompts, engine.limits.vocab_size))
     done = asyncio.Event()
 
     async def updater() -> None:
@@ -64,13 +64,13 @@ async def bench_mode(cfg: Config, mode: str, rounds: int, interval: float) -> di
         weights = {}
         for f in sorted(Path(engine.model_path).glob("*.safetensors")):
             weights.update(load_file(str(f)))
-        warm = msgspec.structs.replace(cfg, prompts=msgspec.structs.replace(cfg.prompts, count=cfg.bench.warmup_prompts or 8))
+        warm = msgspec.structs.replace(cfg.prompts, count=cfg.bench.warmup_prompts or 8)
         await one_round(engine, warm, weights, interval=None)
         await engine.update_weights(weights)  # the first update pays one-off costs
         plain, updated = [], []
         for _ in range(rounds):
-            plain.append(await one_round(engine, cfg, weights, None))
-            updated.append(await one_round(engine, cfg, weights, interval))
+            plain.append(await one_round(engine, cfg.prompts, weights, None))
+            updated.append(await one_round(engine, cfg.prompts, weights, interval))
     stalls = [s for r in updated for u in r["updates"] for s in u.stall_s.values()]
     loads = [s for r in updated for u in r["updates"] for s in u.load_s.values()]
     ratios = [u["tokens_per_s"] / p["tokens_per_s"] for p, u in zip(plain, updated)]
