@@ -27,6 +27,7 @@ from rollout.errors import EngineDeadError, InvalidPromptError, WeightSyncError
 from rollout.log import configure, get_logger
 from rollout.prompts import BadPrompt, ModelLimits, as_async, check_prompt, coerce, effective_sampling
 from rollout.queue import TrajectoryQueue
+from rollout.rewards import RewardFn, load_reward
 from rollout.scheduler import Scheduler
 from rollout.types import Batch, EngineStats, Group, Prompt, Trajectory, UpdateStats
 
@@ -37,7 +38,8 @@ class RolloutEngine:
     """Async rollout engine. Use as `async with RolloutEngine(cfg) as engine:`.
 
     `pool` replaces the Ray/vLLM engines (tests pass a fake); `on_trajectory` is called for
-    every finished trajectory, as it finishes (progress bars, live metrics).
+    every finished trajectory, as it finishes (progress bars, live metrics); `reward` (a function
+    `(prompt, trajectory) -> float`, sync or async) replaces the config's `reward` path.
     """
 
     def __init__(
@@ -46,8 +48,10 @@ class RolloutEngine:
         *,
         pool: EnginePool | None = None,
         on_trajectory: Callable[[Trajectory], None] | None = None,
+        reward: RewardFn | None = None,
     ):
         self.cfg = cfg if isinstance(cfg, Config) else load_config(cfg)
+        self._reward = reward
         self.pool = pool
         self.model_path = ""
         self._on_trajectory = on_trajectory
@@ -61,6 +65,7 @@ class RolloutEngine:
 
     async def __aenter__(self) -> RolloutEngine:
         configure(self.cfg.logging.level, self.cfg.logging.json)
+        reward = self._reward or load_reward(self.cfg.reward)  # a bad path fails before engines start
         from policies.tiny import resolve_model_path
 
         path = await anyio.to_thread.run_sync(resolve_model_path, self.cfg.model.path, self.cfg.model.seed)
@@ -69,7 +74,7 @@ class RolloutEngine:
         if self.pool is None:
             self.pool = await start_pool(self.cfg, self.model_path)
         self._queue = TrajectoryQueue(self.cfg.queue.max_groups)
-        self._scheduler = Scheduler(self.cfg, self.pool.engines, self._queue, limits, self._on_trajectory)
+        self._scheduler = Scheduler(self.cfg, self.pool.engines, self._queue, limits, self._on_trajectory, reward)
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._tg.start_soon(self._scheduler.run, self._tg)

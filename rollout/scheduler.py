@@ -6,7 +6,8 @@ Owns the data path between the prompt sources and the trajectory queue:
   3) validate it against the model and its sampling values (a bad one becomes a failed group);
   4) wait for an engine with room for the whole group (`router.route`, least outstanding tokens);
   5) run the group's `n` samples on that engine, so they share its prefix cache;
-  6) hand the finished group to the queue as soon as its last sample ends.
+  6) score its trajectories with the reward function, if any (off the engine path);
+  7) hand the finished group to the queue as soon as its last sample ends.
 One task group (the caller's) owns every in-flight group; cancelling it aborts the engine requests.
 Does not own: engines (see `backend`), hand-out order and capacity (see `queue`).
 """
@@ -27,6 +28,7 @@ from rollout.errors import EngineDeadError, InvalidPromptError, RolloutError
 from rollout.log import get_logger
 from rollout.prompts import BadPrompt, ModelLimits, check_prompt, coerce, effective_sampling
 from rollout.queue import TrajectoryQueue
+from rollout.rewards import RewardFn, score
 from rollout.router import EngineLoad, route
 from rollout.types import Group, Prompt, Request, Sampling, Trajectory
 
@@ -41,12 +43,14 @@ class Scheduler:
         queue: TrajectoryQueue,
         limits: ModelLimits,
         on_trajectory: Callable[[Trajectory], None] | None = None,
+        reward: RewardFn | None = None,
     ):
         self.cfg = cfg
         self.engines = list(engines)
         self.queue = queue
         self.limits = limits
         self.on_trajectory = on_trajectory
+        self.reward = reward
         self.loads = [EngineLoad() for _ in self.engines]
         self._sources: deque[AsyncIterator] = deque()
         self._new_source = anyio.Event()
@@ -144,6 +148,10 @@ class Scheduler:
             if req.sample_index not in done:
                 self._finish(_failed(req, i, failure or "engine returned no result"), queued_at, done)
         trajectories = [done[k] for k in range(sampling.n)]
+        if self.reward is not None:
+            async with anyio.create_task_group() as tg:
+                for t in trajectories:
+                    tg.start_soon(score, self.reward, prompt, t)
         self.queue.put(Group(prompt_id=prompt.id, prompt=prompt, trajectories=trajectories))
 
     def mark_dead(self, i: int, reason: str) -> None:

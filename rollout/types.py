@@ -194,13 +194,17 @@ class Batch(Struct):
     def trajectories(self) -> list[Trajectory]:
         return [t for g in self.groups for t in g.trajectories]
 
-    def to_tensors(self, pad_id: int = 0) -> dict[str, Any]:
+    def to_tensors(self, pad_id: int = 0, normalize_std: bool = True) -> dict[str, Any]:
         """Right-padded torch tensors, NeMo RL layout, one row per successful trajectory.
 
         `input_ids` = prompt + generation; `logprobs` aligned with `input_ids` (0 on prompt and
         padding); `token_epochs` (-1 on prompt and padding); `loss_mask` 1 on generated tokens.
+        When every row has a reward: `rewards` and GRPO `advantages` (per group, over its
+        successful samples; divided by the group's std when `normalize_std`).
         """
         import torch
+
+        from rollout.offpolicy import grpo_advantages
 
         rows = [t for t in self.trajectories if t.ok]
         lengths = [len(t.prompt_token_ids) + len(t.token_ids) for t in rows]
@@ -216,7 +220,15 @@ class Batch(Struct):
             logprobs[r, p : p + g] = torch.tensor(t.logprobs, dtype=torch.float32)
             epochs[r, p : p + g] = torch.tensor(t.token_epochs(), dtype=torch.long)
             loss_mask[r, p : p + g] = 1.0
+        extra = {}
+        if rows and all(t.reward is not None for t in rows):
+            extra["rewards"] = torch.tensor([t.reward for t in rows], dtype=torch.float32)
+            per_group = [[t.reward for t in g.trajectories if t.ok] for g in self.groups]
+            extra["advantages"] = torch.cat(
+                [grpo_advantages(torch.tensor([r], dtype=torch.float32), normalize_std)[0] for r in per_group if r]
+            )
         return {
+            **extra,
             "input_ids": input_ids,
             "input_lengths": torch.tensor([len(t.prompt_token_ids) for t in rows], dtype=torch.long),
             "generation_lengths": torch.tensor([len(t.token_ids) for t in rows], dtype=torch.long),

@@ -1,0 +1,103 @@
+"""Reward functions on fake engines: loading, sync and async calls, failures that stay local."""
+
+from __future__ import annotations
+
+import math
+
+import anyio
+import msgspec
+import pytest
+import torch
+
+from rollout.config import load_config
+from rollout.engine import RolloutEngine
+from rollout.errors import InvalidConfigError
+from rollout.rewards import load_reward
+from rollout.types import Prompt, Trajectory
+from tests.fakes import FakePool
+
+
+def length_reward(prompt: Prompt, traj: Trajectory) -> float:
+    return float(len(traj.token_ids) + traj.sample_index)
+
+
+async def async_reward(prompt: Prompt, traj: Trajectory) -> float:
+    await anyio.sleep(0)
+    return 1.0 if prompt.metadata.get("good") else 0.0
+
+
+def picky_reward(prompt: Prompt, traj: Trajectory):
+    if prompt.id == "raise":
+        raise KeyError("no answer key")
+    return {"nan": math.nan, "text": "1.0", "bool": True}.get(prompt.id, 2)
+
+
+NOT_CALLABLE = 3
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    (tmp_path / "config.json").write_text('{"vocab_size": 260}')
+    cfg = load_config(None, ["sampling.n=3", "sampling.max_tokens=4", "logging.level=error", "model.max_model_len=64"])
+    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=str(tmp_path)))
+
+
+@pytest.mark.parametrize(
+    "path, message",
+    [
+        ("nocolon", "expected 'package.module:function'"),
+        ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz': ModuleNotFoundError"),
+        ("tests.test_rewards:missing", "has no attribute 'missing'"),
+        ("tests.test_rewards:NOT_CALLABLE", "is not callable"),
+    ],
+)
+def test_bad_reward_paths_name_the_key(path, message):
+    with pytest.raises(InvalidConfigError, match="^reward: ") as e:
+        load_reward(path)
+    assert message in str(e.value)
+
+
+async def test_a_bad_reward_path_fails_before_engines_start(cfg):
+    pool = FakePool(2)
+    with pytest.raises(InvalidConfigError, match="reward: cannot import"):
+        async with RolloutEngine(msgspec.structs.replace(cfg, reward="nope_mod:f"), pool=pool):
+            pass
+    assert total_requests(pool) == 0
+
+
+def total_requests(pool: FakePool) -> int:
+    return sum(len(e.requests) for e in pool.engines)
+
+
+async def test_sync_reward_from_config_and_grpo_advantages(cfg):
+    with anyio.fail_after(5):
+        async with RolloutEngine(msgspec.structs.replace(cfg, reward="tests.test_rewards:length_reward"), pool=FakePool(2)) as engine:
+            engine.feed([Prompt(token_ids=[5, 6], id="a"), Prompt(token_ids=[7], id="b")])
+            batch = await engine.batches(groups=2)
+    assert [t.reward for g in batch.groups for t in g.trajectories] == [4.0, 5.0, 6.0] * 2
+    tensors = batch.to_tensors()
+    assert tensors["rewards"].tolist() == [4.0, 5.0, 6.0] * 2
+    assert torch.allclose(tensors["advantages"], torch.tensor([-1.0, 0.0, 1.0] * 2), atol=1e-5)  # std of (4,5,6) = 1
+    assert torch.allclose(batch.to_tensors(normalize_std=False)["advantages"], torch.tensor([-1.0, 0.0, 1.0] * 2))
+
+
+async def test_async_reward_passed_in_code(cfg):
+    with anyio.fail_after(5):
+        async with RolloutEngine(cfg, pool=FakePool(2), reward=async_reward) as engine:
+            engine.feed([Prompt(token_ids=[5], id="g", metadata={"good": True}), Prompt(token_ids=[6], id="b")])
+            groups = {g.prompt_id: g async for g in engine.groups()}
+    assert [t.reward for t in groups["g"].trajectories] == [1.0] * 3
+    assert [t.reward for t in groups["b"].trajectories] == [0.0] * 3
+
+
+async def test_reward_failures_mark_only_that_trajectory(cfg):
+    with anyio.fail_after(5):
+        async with RolloutEngine(cfg, pool=FakePool(2), reward=picky_reward) as engine:
+            engine.feed([Prompt(token_ids=[5], id=i) for i in ("raise", "nan", "text", "bool", "fine")])
+            groups = {g.prompt_id: g async for g in engine.groups()}
+    assert groups["fine"].ok and [t.reward for t in groups["fine"].trajectories] == [2.0] * 3
+    raised = groups["raise"].trajectories[0]
+    assert raised.finish_reason == "error" and "KeyError: 'no answer key'" in raised.error and "Traceback" in raised.error
+    assert "returned nan, expected a finite number" in groups["nan"].trajectories[0].error
+    assert "returned '1.0'" in groups["text"].trajectories[0].error
+    assert "returned True" in groups["bool"].trajectories[0].error
