@@ -12,6 +12,7 @@ trajectory with `finish_reason="error"` and a reason; only a dead engine raises.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import shutil
@@ -323,7 +324,8 @@ class VLLMPolicy:
             await llm.resume_generation()
         except BaseException as e:
             self._broken = f"engine {self.engine_id} failed to load epoch {epoch}: {type(e).__name__}: {e}"
-            await llm.abort(list(self._pieces))
+            with contextlib.suppress(Exception):  # a dead engine has nothing left to abort
+                await llm.abort(list(self._pieces))
             raise
         finally:
             await self.drop_weights(epoch)
