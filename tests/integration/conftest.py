@@ -36,6 +36,9 @@ def integration_config(*overrides: str):
             "sampling.max_tokens=16",
             "engines.max_inflight_per_engine=64",
             "logging.level=warning",
+            # Logical CPUs for the local cluster: the session engines and a test's own pool
+            # (test_weights) must both fit; OpenMP threads stay pinned to the real cores.
+            "ray.num_cpus=8",
             *overrides,
         ],
     )
