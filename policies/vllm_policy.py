@@ -194,7 +194,7 @@ class VLLMPolicy:
                 pass
         except VllmDead as e:
             raise EngineDeadError(f"engine {self.engine_id} died: {e}") from e
-        except (EngineDeadError, asyncio.CancelledError):
+        except EngineDeadError:
             raise
         except Exception as e:  # a bad request: report it on this trajectory, keep serving the rest
             cause = e.__cause__ or e
@@ -284,7 +284,7 @@ class VLLMPolicy:
 
         d = tempfile.mkdtemp(prefix=f"rollout-weights-{self.engine_id}-", dir=_fast_tmp())
         self._staged[epoch] = (d, True)
-        await asyncio.to_thread(save_dir, unpack(weights), d)
+        await asyncio.to_thread(lambda: save_dir(unpack(weights), d))  # the copies stay off the event loop
         return weights.nbytes
 
     async def drop_weights(self, epoch: int) -> None:
