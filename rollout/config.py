@@ -62,8 +62,21 @@ class WeightSyncConfig(Struct, frozen=True, forbid_unknown_fields=True):
     timeout_s: PositiveFloat = 300.0  # one engine's pause + load + resume; past it the engine is dropped
 
 
+class StalenessConfig(Struct, frozen=True, forbid_unknown_fields=True):
+    # Lag of a token = the epoch when its trajectory is handed out - the token's policy epoch.
+    max_lag: NonNegInt | None = None  # None: unbounded; 0: synchronous (with weight_sync.mode=drain)
+    # What hand-out does with a trajectory that still has tokens lagging more than max_lag:
+    # drop it (a group left with none is not handed out), or mask those tokens out of the loss.
+    stale: Literal["drop", "mask"] = "drop"
+    # Groups the learner consumes per weight update, for admission control. None: the `groups`
+    # of the latest `batches(groups=k)` call (`groups()` counts as 1).
+    batch_groups: PositiveInt | None = None
+
+
 class QueueConfig(Struct, frozen=True, forbid_unknown_fields=True):
     max_groups: PositiveInt = 256  # groups admitted but not yet taken by the learner
+    # ready_first: groups are handed out as they finish; in_order: in the order they were fed
+    order: Literal["ready_first", "in_order"] = "ready_first"
 
 
 class RayConfig(Struct, frozen=True, forbid_unknown_fields=True):
@@ -88,6 +101,7 @@ class Config(Struct, frozen=True, forbid_unknown_fields=True):
     sampling: Sampling = Sampling()
     prompts: PromptsConfig = PromptsConfig()
     weight_sync: WeightSyncConfig = WeightSyncConfig()
+    staleness: StalenessConfig = StalenessConfig()
     queue: QueueConfig = QueueConfig()
     reward: str | None = None  # "package.module:function", called once per trajectory
     ray: RayConfig = RayConfig()
@@ -100,6 +114,9 @@ class Config(Struct, frozen=True, forbid_unknown_fields=True):
                 f"sampling.n: {self.sampling.n} exceeds engines.max_inflight_per_engine "
                 f"{self.engines.max_inflight_per_engine} (a group runs on one engine)"
             )
+        k = self.staleness.batch_groups
+        if k is not None and k > self.queue.max_groups:
+            raise ValueError(f"staleness.batch_groups: {k} can never fill, queue.max_groups is {self.queue.max_groups}")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
