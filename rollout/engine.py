@@ -29,6 +29,7 @@ from rollout.prompts import BadPrompt, ModelLimits, as_async, check_prompt, coer
 from rollout.queue import TrajectoryQueue
 from rollout.rewards import RewardFn, load_reward
 from rollout.scheduler import Scheduler
+from rollout.staleness import StalenessFilter, StalenessStats
 from rollout.types import Batch, EngineStats, Group, Prompt, Trajectory, UpdateStats
 
 log = get_logger(__name__)
@@ -62,6 +63,7 @@ class RolloutEngine:
         self.weight_updates: list[UpdateStats] = []
         self._update_lock = anyio.Lock()
         self._manifest: Any = None
+        self._staleness = StalenessFilter(self.cfg.staleness)
 
     async def __aenter__(self) -> RolloutEngine:
         configure(self.cfg.logging.level, self.cfg.logging.json)
@@ -73,7 +75,7 @@ class RolloutEngine:
         limits = ModelLimits.from_model_dir(path, self.cfg.model.max_model_len, self.cfg.engines.max_inflight_per_engine)
         if self.pool is None:
             self.pool = await start_pool(self.cfg, self.model_path)
-        self._queue = TrajectoryQueue(self.cfg.queue.max_groups)
+        self._queue = TrajectoryQueue(self.cfg.queue.max_groups, in_order=self.cfg.queue.order == "in_order")
         self._scheduler = Scheduler(self.cfg, self.pool.engines, self._queue, limits, self._on_trajectory, reward)
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
@@ -119,10 +121,24 @@ class RolloutEngine:
             prompts = items
         scheduler.add_source(as_async(prompts))
 
+    @property
+    def staleness(self) -> StalenessStats:
+        """Lags seen at hand-out and what `staleness.max_lag` dropped or masked (cumulative)."""
+        return self._staleness.stats
+
     async def next_group(self) -> Group | None:
         """The next finished group, or None once every fed prompt has been handed out."""
-        assert self._queue is not None, "use RolloutEngine inside `async with`"
-        return await self._queue.get()
+        scheduler = self._live_scheduler()
+        if scheduler.admission.batch_groups is None:
+            scheduler.admission.learner_batch(1)  # a learner taking single groups
+        return await self._next_group()
+
+    async def _next_group(self) -> Group | None:
+        assert self._queue is not None
+        while (group := await self._queue.get()) is not None:
+            if (group := self._staleness.apply(group, self.epoch)) is not None:  # None: every sample too stale
+                return group
+        return None
 
     async def groups(self) -> AsyncIterator[Group]:
         """Finished groups as they complete; ends once every prompt fed so far is handed out."""
@@ -132,8 +148,9 @@ class RolloutEngine:
     async def next_batch(self, groups: int) -> Batch | None:
         """`groups` complete groups (fewer only at the end of the input); None when nothing is left."""
         self._check_batch_size(groups)
+        self._live_scheduler().admission.learner_batch(groups)
         batch = Batch()
-        while len(batch.groups) < groups and (group := await self.next_group()) is not None:
+        while len(batch.groups) < groups and (group := await self._next_group()) is not None:
             batch.groups.append(group)
         return batch if batch.groups else None
 
@@ -192,6 +209,7 @@ class RolloutEngine:
             if len(bad) == len(live):
                 raise WeightSyncError(f"epoch {epoch}: every engine failed to load it: {_describe(bad)}", list(bad))
             self.epoch = epoch
+            scheduler.admission.set_epoch(epoch)
             log.info("weights updated", epoch=epoch, seconds=round(stats.seconds, 3), mode=stats.mode, failed=stats.failed)
             if bad:
                 raise WeightSyncError(f"epoch {epoch}: {_describe(bad)}; out of rotation, the others serve epoch {epoch}", list(bad))
@@ -278,12 +296,17 @@ class SyncRolloutEngine:
 
     def batch(self, groups: int) -> Batch | None:
         return self._portal.call(self._engine.next_batch, groups)
+
     def update_weights(self, weights: Any) -> int:
         return self._portal.call(self._engine.update_weights, weights)
 
     @property
     def epoch(self) -> int:
         return self._engine.epoch
+
+    @property
+    def staleness(self) -> StalenessStats:
+        return self._engine.staleness
 
     def stats(self) -> list[EngineStats]:
         return self._portal.call(self._engine.stats)

@@ -2,7 +2,8 @@
 
 Owns the data path between the prompt sources and the trajectory queue:
   1) read the next prompt from the fed sources (lazily, one at a time);
-  2) reserve a queue slot (a full queue stops admission here);
+  2) wait for the staleness budget (`staleness.max_lag`, see `staleness.Admission`), then reserve a
+     queue slot (a full queue stops admission here);
   3) validate it against the model and its sampling values (a bad one becomes a failed group);
   4) wait for an engine with room for the whole group (`router.route`, least outstanding tokens);
   5) run the group's `n` samples on that engine, so they share its prefix cache;
@@ -30,6 +31,7 @@ from rollout.prompts import BadPrompt, ModelLimits, check_prompt, coerce, effect
 from rollout.queue import TrajectoryQueue
 from rollout.rewards import RewardFn, score
 from rollout.router import EngineLoad, route
+from rollout.staleness import Admission
 from rollout.types import Group, Prompt, Request, Sampling, Trajectory
 
 log = get_logger(__name__)
@@ -55,7 +57,7 @@ class Scheduler:
         self._sources: deque[AsyncIterator] = deque()
         self._new_source = anyio.Event()
         self._capacity_freed = anyio.Event()
-        self._seq = 0
+        self.admission = Admission(cfg.staleness)
 
     def add_source(self, source: AsyncIterator) -> None:
         """Queue a prompt source; it is read lazily, after the ones fed before it."""
@@ -78,8 +80,8 @@ class Scheduler:
                 except EngineDeadError:
                     raise
                 except RolloutError as e:  # a source that cannot be read further (e.g. a bad file)
-                    await self.queue.reserve()
-                    self.queue.put(Group(prompt_id="", prompt=Prompt(), error=str(e)))
+                    seq = await self.queue.reserve()
+                    self.queue.put(Group(prompt_id="", prompt=Prompt(), error=str(e)), seq)
                 finally:
                     self._sources.popleft()
                     self.queue.producer_done()
@@ -88,22 +90,22 @@ class Scheduler:
             self.queue.fail(e)
 
     async def _admit(self, item: Prompt | BadPrompt, tg: TaskGroup) -> None:
-        await self.queue.reserve()
+        await self.admission.acquire()
+        seq = await self.queue.reserve()
         queued_at = time.time()
-        self._seq += 1
         if isinstance(item, BadPrompt):
-            self.queue.put(Group(prompt_id=item.id, prompt=Prompt(id=item.id), error=item.reason))
+            self.queue.put(Group(prompt_id=item.id, prompt=Prompt(id=item.id), error=item.reason), seq)
             return
-        prompt = item if item.id else _with_id(item, f"p{self._seq}")
+        prompt = item if item.id else _with_id(item, f"p{seq + 1}")
         try:
             sampling = effective_sampling(self.cfg.sampling, prompt)
             check_prompt(prompt, sampling, self.limits)
         except InvalidPromptError as e:
-            self.queue.put(Group(prompt_id=prompt.id, prompt=prompt, error=str(e)))
+            self.queue.put(Group(prompt_id=prompt.id, prompt=prompt, error=str(e)), seq)
             return
         cost = len(prompt.token_ids or prompt.text or "") + sampling.max_tokens
         engine = await self._acquire_engine(sampling.n, cost)
-        tg.start_soon(self._run_group, engine, prompt, sampling, f"r{self._seq}", cost, queued_at)
+        tg.start_soon(self._run_group, engine, prompt, sampling, seq, cost, queued_at)
 
     async def _acquire_engine(self, n: int, cost: int) -> int:
         capacity = self.cfg.engines.max_inflight_per_engine
@@ -125,9 +127,9 @@ class Scheduler:
         self._capacity_freed.set()
         self._capacity_freed = anyio.Event()
 
-    async def _run_group(self, i: int, prompt: Prompt, sampling: Sampling, rid: str, cost: int, queued_at: float) -> None:
+    async def _run_group(self, i: int, prompt: Prompt, sampling: Sampling, seq: int, cost: int, queued_at: float) -> None:
         requests = [
-            Request(f"{rid}-{k}", prompt.id, k, sampling, token_ids=prompt.token_ids, text=prompt.text)
+            Request(f"r{seq + 1}-{k}", prompt.id, k, sampling, token_ids=prompt.token_ids, text=prompt.text)
             for k in range(sampling.n)
         ]
         done: dict[int, Trajectory] = {}
@@ -152,7 +154,7 @@ class Scheduler:
             async with anyio.create_task_group() as tg:
                 for t in trajectories:
                     tg.start_soon(score, self.reward, prompt, t)
-        self.queue.put(Group(prompt_id=prompt.id, prompt=prompt, trajectories=trajectories))
+        self.queue.put(Group(prompt_id=prompt.id, prompt=prompt, trajectories=trajectories), seq)
 
     def mark_dead(self, i: int, reason: str) -> None:
         """Take engine `i` out of rotation (its running groups fail with EngineDeadError)."""

@@ -94,6 +94,7 @@ class Trajectory(Struct):
     first_token_at: float = 0.0
     finished_at: float = 0.0
     reward: float | None = None
+    stale_tokens: int = 0  # leading generated tokens masked out of the loss as too stale (staleness.stale: mask)
 
     @property
     def ok(self) -> bool:
@@ -198,7 +199,8 @@ class Batch(Struct):
         """Right-padded torch tensors, NeMo RL layout, one row per successful trajectory.
 
         `input_ids` = prompt + generation; `logprobs` aligned with `input_ids` (0 on prompt and
-        padding); `token_epochs` (-1 on prompt and padding); `loss_mask` 1 on generated tokens.
+        padding); `token_epochs` (-1 on prompt and padding); `loss_mask` 1 on generated tokens
+        (except the leading `stale_tokens` of a trajectory, masked as too stale).
         When every row has a reward: `rewards` and GRPO `advantages` (per group, over its
         successful samples; divided by the group's std when `normalize_std`).
         """
@@ -219,7 +221,7 @@ class Batch(Struct):
             input_ids[r, : p + g] = torch.tensor(t.prompt_token_ids + t.token_ids, dtype=torch.long)
             logprobs[r, p : p + g] = torch.tensor(t.logprobs, dtype=torch.float32)
             epochs[r, p : p + g] = torch.tensor(t.token_epochs(), dtype=torch.long)
-            loss_mask[r, p : p + g] = 1.0
+            loss_mask[r, p + min(t.stale_tokens, g) : p + g] = 1.0
         extra = {}
         if rows and all(t.reward is not None for t in rows):
             extra["rewards"] = torch.tensor([t.reward for t in rows], dtype=torch.float32)

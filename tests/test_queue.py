@@ -17,23 +17,47 @@ def group(pid: str) -> Group:
     return Group(prompt_id=pid, prompt=Prompt(id=pid))
 
 
-async def test_reserve_put_get_in_order():
+async def test_ready_first_hands_out_in_finishing_order():
     q = TrajectoryQueue(max_groups=3)
     with anyio.fail_after(TIMEOUT):
-        for _ in range(3):
-            await q.reserve()
+        seqs = [await q.reserve() for _ in range(3)]
+        assert seqs == [0, 1, 2]
         assert q.in_flight == 3 and len(q) == 0
-        for pid in ("b", "a", "c"):  # finishing order, not admission order
-            q.put(group(pid))
+        for pid, seq in (("b", 1), ("a", 0), ("c", 2)):  # finishing order, not admission order
+            q.put(group(pid), seq)
         assert q.in_flight == 0 and len(q) == 3
         assert [(await q.get()).prompt_id for _ in range(3)] == ["b", "a", "c"]
         assert await q.get() is None
 
 
+async def test_in_order_holds_a_finished_group_until_the_earlier_ones():
+    q = TrajectoryQueue(max_groups=4, in_order=True)
+    got: list[str] = []
+    with anyio.fail_after(TIMEOUT):
+        async with anyio.create_task_group() as tg:
+            for _ in range(4):
+                await q.reserve()
+
+            async def consumer():
+                while (g := await q.get()) is not None:
+                    got.append(g.prompt_id)
+
+            tg.start_soon(consumer)
+            q.put(group("g2"), 2)
+            q.put(group("g1"), 1)
+            await wait_all_tasks_blocked()
+            assert got == [] and len(q) == 0  # g0 still running
+            q.put(group("g0"), 0)
+            await wait_all_tasks_blocked()
+            assert got == ["g0", "g1", "g2"]
+            q.put(group("g3"), 3)
+    assert got == ["g0", "g1", "g2", "g3"]
+
+
 async def test_put_without_reserve_is_a_bug():
     q = TrajectoryQueue(max_groups=1)
     with pytest.raises(AssertionError, match="put without reserve"):
-        q.put(group("a"))
+        q.put(group("a"), 0)
 
 
 async def test_full_queue_blocks_reserve_until_a_get():
@@ -43,8 +67,8 @@ async def test_full_queue_blocks_reserve_until_a_get():
         async with anyio.create_task_group() as tg:
             await q.reserve()
             await q.reserve()
-            q.put(group("a"))  # finished groups still hold their slot until taken
-            q.put(group("b"))
+            q.put(group("a"), 0)  # finished groups still hold their slot until taken
+            q.put(group("b"), 1)
 
             async def third():
                 await q.reserve()
@@ -81,7 +105,7 @@ async def test_get_waits_while_a_group_is_running():
             tg.start_soon(consumer)
             await wait_all_tasks_blocked()
             assert got == []  # running group: no end of stream yet
-            q.put(group("a"))
+            q.put(group("a"), 0)
     assert [g.prompt_id if g else None for g in got] == ["a", None]
 
 
@@ -133,7 +157,7 @@ async def test_fail_after_queued_groups_hands_them_out_first():
     q = TrajectoryQueue(max_groups=2)
     with anyio.fail_after(TIMEOUT):
         await q.reserve()
-        q.put(group("a"))
+        q.put(group("a"), 0)
         q.fail(EngineDeadError("dead"))
         assert (await q.get()).prompt_id == "a"
         with pytest.raises(EngineDeadError):

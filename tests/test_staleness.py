@@ -1,0 +1,180 @@
+"""Staleness control: the hand-out filter (pure) and admission by the capacity rule (on fakes)."""
+
+from __future__ import annotations
+
+import anyio
+import msgspec
+import pytest
+import torch
+from anyio import wait_all_tasks_blocked
+from safetensors.torch import save_file
+
+from rollout.config import StalenessConfig, load_config
+from rollout.engine import RolloutEngine
+from rollout.staleness import StalenessFilter, StalenessStats
+from rollout.types import Batch, Group, Prompt, Trajectory
+from tests.fakes import FakePool
+
+TIMEOUT = 5
+STATE = {"embed.weight": torch.zeros(4, 3)}
+
+
+def traj(epochs: list[tuple[int, int]], length: int, **kw) -> Trajectory:
+    return Trajectory(prompt_token_ids=[5, 6], token_ids=[7] * length, logprobs=[-1.0] * length, policy_epochs=epochs, **kw)
+
+
+def group(*trajectories: Trajectory) -> Group:
+    return Group(prompt_id="p", prompt=Prompt(id="p"), trajectories=list(trajectories))
+
+
+# -- the hand-out filter ------------------------------------------------------------------------
+
+
+def test_lag_histogram_counts_every_token_without_a_bound():
+    f = StalenessFilter(StalenessConfig())
+    g = f.apply(group(traj([(0, 1), (3, 2)], 5), traj([(0, 3)], 2)), epoch=3)
+    assert g is not None and len(g.trajectories) == 2
+    assert f.stats.lag_tokens == {2: 3, 1: 2, 0: 2}
+    assert (f.stats.dropped_tokens, f.stats.masked_tokens, f.stats.groups) == (0, 0, 1)
+    assert f.stats.lag_quantile(0.5) == 1 and f.stats.lag_quantile(1.0) == 2
+
+
+def test_lag_exactly_max_lag_is_kept_and_one_more_is_dropped():
+    f = StalenessFilter(StalenessConfig(max_lag=2, stale="drop"))
+    at_limit, over = traj([(0, 1)], 4, sample_index=0), traj([(0, 0), (1, 1)], 4, sample_index=1)
+    g = f.apply(group(at_limit, over), epoch=3)
+    assert g is not None and [t.sample_index for t in g.trajectories] == [0]
+    assert (f.stats.dropped_trajectories, f.stats.dropped_tokens, f.stats.dropped_groups) == (1, 4, 0)
+    assert f.stats.lag_tokens == {2: 4 + 3, 3: 1}
+
+
+def test_a_group_with_every_sample_stale_is_not_handed_out():
+    f = StalenessFilter(StalenessConfig(max_lag=0, stale="drop"))
+    assert f.apply(group(traj([(0, 0)], 3), traj([(0, 1)], 3)), epoch=2) is None
+    assert (f.stats.dropped_groups, f.stats.dropped_trajectories, f.stats.groups) == (1, 2, 0)
+
+
+def test_mask_keeps_the_trajectory_and_masks_its_stale_prefix():
+    f = StalenessFilter(StalenessConfig(max_lag=1, stale="mask"))
+    t = traj([(0, 0), (2, 1), (3, 2)], 5)  # lags 2, 2, 1, 0, 0 at epoch 2
+    g = f.apply(group(t), epoch=2)
+    assert g is not None and t.stale_tokens == 2 and f.stats.masked_tokens == 2
+    mask = Batch(groups=[g]).to_tensors()["loss_mask"][0]
+    assert mask.tolist() == [0, 0, 0, 0, 1, 1, 1]  # prompt (2), stale (2), kept (3)
+
+
+def test_failed_and_empty_trajectories_pass_untouched():
+    f = StalenessFilter(StalenessConfig(max_lag=0))
+    failed = Trajectory(finish_reason="error", error="boom")
+    g = f.apply(group(failed, traj([], 0)), epoch=5)
+    assert g is not None and len(g.trajectories) == 2 and f.stats.lag_tokens == {}
+
+
+def test_lag_quantile_without_tokens():
+    assert StalenessStats().lag_quantile(0.9) is None
+
+
+# -- admission, end to end on fake engines -------------------------------------------------------
+
+
+@pytest.fixture
+def make_cfg(tmp_path):
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text('{"vocab_size": 260}')
+    save_file(STATE, str(d / "model.safetensors"))
+
+    def make(*overrides: str):
+        cfg = load_config(None, ["sampling.n=2", "sampling.max_tokens=6", "engines.count=2", "model.max_model_len=64",
+                                 "logging.level=error", *overrides])  # fmt: skip
+        return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=str(d)))
+
+    return make
+
+
+def prompts(count: int) -> list[Prompt]:
+    return [Prompt(token_ids=[10 + i] * 3, id=f"q{i}") for i in range(count)]
+
+
+def started(pool: FakePool) -> int:
+    return sum(len(e.prompt_ids) for e in pool.engines)
+
+
+async def test_max_lag_0_is_synchronous_one_batch_per_epoch(make_cfg):
+    pool = FakePool(2)
+    with anyio.fail_after(TIMEOUT):
+        async with RolloutEngine(make_cfg("staleness.max_lag=0"), pool=pool) as engine:
+            engine.feed(prompts(7))
+            await wait_all_tasks_blocked()
+            assert started(pool) == 0  # the batch size is not known before the learner asks
+            seen = []
+            async for batch in engine.batches(groups=3):
+                seen.append((started(pool), sorted({t.token_epochs()[0] for t in batch.trajectories})))
+                await wait_all_tasks_blocked()
+                assert started(pool) == min(3 * (engine.epoch + 1), 7)  # nothing more starts until the update
+                await engine.update_weights(STATE)
+    assert seen == [(3, [0]), (6, [1]), (7, [2])]  # every batch generated by the learner's latest weights
+    assert engine.staleness.lag_tokens == {0: 7 * 2 * 6}
+
+
+async def test_max_lag_bounds_groups_started_ahead_of_the_learner(make_cfg):
+    pool = FakePool(2)
+    with anyio.fail_after(TIMEOUT):
+        async with RolloutEngine(make_cfg("staleness.max_lag=2", "staleness.batch_groups=2"), pool=pool) as engine:
+            engine.feed(prompts(20))
+            await wait_all_tasks_blocked()
+            assert started(pool) == (0 + 2 + 1) * 2
+            await engine.update_weights(STATE)
+            await wait_all_tasks_blocked()
+            assert started(pool) == (1 + 2 + 1) * 2  # started before anything was consumed
+            batch = await engine.batches(groups=2)
+            assert batch is not None and len(batch.groups) == 2
+
+
+@pytest.mark.parametrize("stale", ["drop", "mask"])
+async def test_groups_left_waiting_past_max_lag_are_dropped_or_masked(make_cfg, stale):
+    pool = FakePool(2)
+    with anyio.fail_after(TIMEOUT):
+        cfg = make_cfg("staleness.max_lag=1", "staleness.batch_groups=2", f"staleness.stale={stale}")
+        async with RolloutEngine(cfg, pool=pool) as engine:
+            engine.feed(prompts(6))
+            await wait_all_tasks_blocked()
+            assert started(pool) == 4  # (0 + 1 + 1) * 2, all finished at epoch 0, none taken
+            await engine.update_weights(STATE)  # 2 more start, at epoch 1
+            await wait_all_tasks_blocked()
+            await engine.update_weights(STATE)  # now the first 4 lag 2 > max_lag
+            batches = [b async for b in engine.batches(groups=2)]
+    s = engine.staleness
+    assert s.lag_tokens == {2: 4 * 2 * 6, 1: 2 * 2 * 6}
+    rows = [t for b in batches for t in b.trajectories]
+    if stale == "drop":
+        assert len(rows) == 4 and all(t.token_epochs()[0] == 1 for t in rows)
+        assert (s.dropped_groups, s.dropped_trajectories, s.dropped_tokens, s.groups) == (4, 8, 48, 2)
+    else:
+        assert len(rows) == 12 and s.masked_tokens == 48 and s.dropped_tokens == 0
+        assert sum(b.to_tensors()["loss_mask"].sum().item() for b in batches) == 4 * 6
+
+
+async def test_single_groups_count_as_batches_of_one(make_cfg):
+    pool = FakePool(2)
+    with anyio.fail_after(TIMEOUT):
+        async with RolloutEngine(make_cfg("staleness.max_lag=1"), pool=pool) as engine:
+            engine.feed(prompts(5))
+            assert (await engine.next_group()) is not None
+            await wait_all_tasks_blocked()
+            assert started(pool) == 2  # (0 + 1 + 1) * 1
+            await engine.update_weights(STATE)
+            await wait_all_tasks_blocked()
+            assert started(pool) == 3
+
+
+async def test_in_order_hands_out_in_feed_order(make_cfg):
+    pool = FakePool(2)
+    with anyio.fail_after(TIMEOUT):
+        async with RolloutEngine(make_cfg("queue.order=in_order"), pool=pool) as engine:
+            gate = pool.engines[0].block()  # engine 0's groups (q0, q2, ...) finish last
+            engine.feed(prompts(6))
+            await pool.engines[1].wait_until(lambda e: e.finished >= 2)
+            gate.set()
+            order = [g.prompt_id async for g in engine.groups()]
+    assert order == [f"q{i}" for i in range(6)]
