@@ -77,6 +77,9 @@ class QueueConfig(Struct, frozen=True, forbid_unknown_fields=True):
     max_groups: PositiveInt = 256  # groups admitted but not yet taken by the learner
     # ready_first: groups are handed out as they finish; in_order: in the order they were fed
     order: Literal["ready_first", "in_order"] = "ready_first"
+    # When set: finished groups are logged here (fsync'd) before hand-out and acknowledged when
+    # taken; a new engine on the same directory hands out the unacknowledged ones first.
+    durable_dir: str | None = None
 
 
 class RayConfig(Struct, frozen=True, forbid_unknown_fields=True):

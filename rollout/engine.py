@@ -23,6 +23,7 @@ import anyio.from_thread
 
 from rollout.backend import EnginePool, start_pool
 from rollout.config import Config, load_config
+from rollout.durable import DurableLog
 from rollout.errors import EngineDeadError, InvalidPromptError, WeightSyncError
 from rollout.log import configure, get_logger
 from rollout.prompts import BadPrompt, ModelLimits, as_async, check_prompt, coerce, effective_sampling
@@ -64,6 +65,8 @@ class RolloutEngine:
         self._update_lock = anyio.Lock()
         self._manifest: Any = None
         self._staleness = StalenessFilter(self.cfg.staleness)
+        self._durable: DurableLog | None = None
+        self._recovered: list[Group] = []  # from the durable log of an earlier run: handed out first
 
     async def __aenter__(self) -> RolloutEngine:
         configure(self.cfg.logging.level, self.cfg.logging.json)
@@ -73,10 +76,13 @@ class RolloutEngine:
         path = await anyio.to_thread.run_sync(resolve_model_path, self.cfg.model.path, self.cfg.model.seed)
         self.model_path = str(path)
         limits = ModelLimits.from_model_dir(path, self.cfg.model.max_model_len, self.cfg.engines.max_inflight_per_engine)
+        if self.cfg.queue.durable_dir:
+            self._durable = DurableLog(self.cfg.queue.durable_dir)
+            self._recovered = await anyio.to_thread.run_sync(self._durable.open)
         if self.pool is None:
             self.pool = await start_pool(self.cfg, self.model_path)
         self._queue = TrajectoryQueue(self.cfg.queue.max_groups, in_order=self.cfg.queue.order == "in_order")
-        self._scheduler = Scheduler(self.cfg, self.pool.engines, self._queue, limits, self._on_trajectory, reward)
+        self._scheduler = Scheduler(self.cfg, self.pool.engines, self._queue, limits, self._on_trajectory, reward, self._durable)
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._tg.start_soon(self._scheduler.run, self._tg)
@@ -88,6 +94,8 @@ class RolloutEngine:
             await self._tg.__aexit__(None, None, None)
         finally:
             with anyio.CancelScope(shield=True):
+                if self._durable is not None:
+                    self._durable.close()
                 if self.pool is not None:
                     await self.pool.shutdown()
 
@@ -135,10 +143,19 @@ class RolloutEngine:
 
     async def _next_group(self) -> Group | None:
         assert self._queue is not None
+        if self._recovered:  # logged by an earlier run, handed out as they were
+            group = self._recovered.pop(0)
+            await self._ack(group)
+            return group
         while (group := await self._queue.get()) is not None:
-            if (group := self._staleness.apply(group, self.epoch)) is not None:  # None: every sample too stale
-                return group
+            await self._ack(group)
+            if (kept := self._staleness.apply(group, self.epoch)) is not None:  # None: every sample too stale
+                return kept
         return None
+
+    async def _ack(self, group: Group) -> None:
+        if self._durable is not None:
+            await anyio.to_thread.run_sync(self._durable.ack, group)
 
     async def groups(self) -> AsyncIterator[Group]:
         """Finished groups as they complete; ends once every prompt fed so far is handed out."""

@@ -8,7 +8,8 @@ Owns the data path between the prompt sources and the trajectory queue:
   4) wait for an engine with room for the whole group (`router.route`, least outstanding tokens);
   5) run the group's `n` samples on that engine, so they share its prefix cache;
   6) score its trajectories with the reward function, if any (off the engine path);
-  7) hand the finished group to the queue as soon as its last sample ends.
+  7) hand the finished group to the queue as soon as its last sample ends (after logging it to
+     `queue.durable_dir`, when set).
 One task group (the caller's) owns every in-flight group; cancelling it aborts the engine requests.
 Does not own: engines (see `backend`), hand-out order and capacity (see `queue`).
 """
@@ -25,6 +26,7 @@ from anyio.abc import TaskGroup
 
 from rollout.backend import Engine
 from rollout.config import Config
+from rollout.durable import DurableLog
 from rollout.errors import EngineDeadError, InvalidPromptError, RolloutError
 from rollout.log import get_logger
 from rollout.prompts import BadPrompt, ModelLimits, check_prompt, coerce, effective_sampling
@@ -46,6 +48,7 @@ class Scheduler:
         limits: ModelLimits,
         on_trajectory: Callable[[Trajectory], None] | None = None,
         reward: RewardFn | None = None,
+        durable: DurableLog | None = None,
     ):
         self.cfg = cfg
         self.engines = list(engines)
@@ -53,6 +56,7 @@ class Scheduler:
         self.limits = limits
         self.on_trajectory = on_trajectory
         self.reward = reward
+        self.durable = durable
         self.loads = [EngineLoad() for _ in self.engines]
         self._sources: deque[AsyncIterator] = deque()
         self._new_source = anyio.Event()
@@ -81,7 +85,7 @@ class Scheduler:
                     raise
                 except RolloutError as e:  # a source that cannot be read further (e.g. a bad file)
                     seq = await self.queue.reserve()
-                    self.queue.put(Group(prompt_id="", prompt=Prompt(), error=str(e)), seq)
+                    await self._hand_in(Group(prompt_id="", prompt=Prompt(), error=str(e)), seq)
                 finally:
                     self._sources.popleft()
                     self.queue.producer_done()
@@ -94,14 +98,14 @@ class Scheduler:
         seq = await self.queue.reserve()
         queued_at = time.time()
         if isinstance(item, BadPrompt):
-            self.queue.put(Group(prompt_id=item.id, prompt=Prompt(id=item.id), error=item.reason), seq)
+            await self._hand_in(Group(prompt_id=item.id, prompt=Prompt(id=item.id), error=item.reason), seq)
             return
         prompt = item if item.id else _with_id(item, f"p{seq + 1}")
         try:
             sampling = effective_sampling(self.cfg.sampling, prompt)
             check_prompt(prompt, sampling, self.limits)
         except InvalidPromptError as e:
-            self.queue.put(Group(prompt_id=prompt.id, prompt=prompt, error=str(e)), seq)
+            await self._hand_in(Group(prompt_id=prompt.id, prompt=prompt, error=str(e)), seq)
             return
         cost = len(prompt.token_ids or prompt.text or "") + sampling.max_tokens
         engine = await self._acquire_engine(sampling.n, cost)
@@ -154,7 +158,13 @@ class Scheduler:
             async with anyio.create_task_group() as tg:
                 for t in trajectories:
                     tg.start_soon(score, self.reward, prompt, t)
-        self.queue.put(Group(prompt_id=prompt.id, prompt=prompt, trajectories=trajectories), seq)
+        await self._hand_in(Group(prompt_id=prompt.id, prompt=prompt, trajectories=trajectories), seq)
+
+    async def _hand_in(self, group: Group, seq: int) -> None:
+        """Into the queue, after the durable log (if any) holds it."""
+        if self.durable is not None:
+            await anyio.to_thread.run_sync(self.durable.append, group)
+        self.queue.put(group, seq)
 
     def mark_dead(self, i: int, reason: str) -> None:
         """Take engine `i` out of rotation (its running groups fail with EngineDeadError)."""
