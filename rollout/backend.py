@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from rollout.specdecode import SpecCounters
 from rollout.types import EngineStats, Request, Trajectory
 
 if TYPE_CHECKING:
@@ -52,6 +53,11 @@ class Engine(Protocol):
 
         Returns {"tokens", "trajectories", "start", "end"} (unix times).
         """
+        ...
+
+    async def spec_counters(self) -> SpecCounters:
+        """Cumulative speculative decoding counts since the engine started, this engine's only
+        (all zero when it does not speculate). `rollout.specdecode` turns readings into windows."""
         ...
 
 

@@ -6,6 +6,10 @@ same prompts and sampling straight into each engine's AsyncLLM at once (groups d
 over the same engines, no scheduler, no per-request Ray call) and time that. The ratio
 (this engine / raw vLLM) of generated tokens per second is the figure that matters on a shared
 machine; absolute numbers are noise.
+
+With `speculative:` on, both runs also report speculative decoding figures over exactly that
+run (`rollout.specdecode`): per engine and summed over engines, in the table and under
+"spec_decode" in the JSON report.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import msgspec
 from rollout.config import Config, dump_config
 from rollout.engine import RolloutEngine
 from rollout.prompts import configured_prompts, effective_sampling
+from rollout.specdecode import SpecDecodeMeter
 from rollout.types import Group, Prompt, Request, Trajectory
 
 
@@ -68,16 +73,25 @@ async def run_bench(cfg: Config, config_name: str = "", progress: bool = True) -
             trajectories.clear()
             bar.reset()
         await _reset_prefix_caches(engine)
+        meter = SpecDecodeMeter(engine) if cfg.speculative.enabled else None
+        if meter:
+            await meter.read()  # the window starts here: warm-up drafts are not counted
         start = time.time()
         engine.feed(prompts)
         groups: list[Group] = [g async for g in engine.groups()]
         ours = summarize(trajectories, time.time() - start, cfg.engines.count)
         bar.close()
         ours["failed_groups"] = sum(1 for g in groups if g.error)
+        if meter:
+            ours["spec_decode"] = msgspec.to_builtins(await meter.read())
         report: dict[str, Any] = {"config": config_name, "engine": ours}
         if cfg.bench.baseline:
             await _reset_prefix_caches(engine)
+            if meter:
+                await meter.read()
             report["raw_vllm"] = await _raw_baseline(engine, cfg, [g.prompt for g in groups if not g.error])
+            if meter:
+                report["raw_vllm"]["spec_decode"] = msgspec.to_builtins(await meter.read())
             report["ratio_tokens_per_s"] = ours["tokens_per_s"] / max(report["raw_vllm"]["tokens_per_s"], 1e-9)
         report["engine_stats"] = [msgspec.to_builtins(s) for s in await engine.stats()]
     report["resolved_config"] = msgspec.to_builtins(cfg)
@@ -149,7 +163,41 @@ def format_table(report: dict[str, Any]) -> str:
     lines.append(f"{'per-engine token share':<28}" + "  ".join(f"e{i} {s:.1%}" for i, s in enumerate(ours["engine_share"])))
     if ours["failed"] or ours.get("failed_groups"):
         lines.append(f"{'failed':<28}{ours['failed']} trajectories, {ours.get('failed_groups', 0)} groups")
+    if "spec_decode" in ours:
+        lines.extend(spec_decode_rows(cfg["speculative"], ours["spec_decode"], raw.get("spec_decode") if raw else None))
     return "\n".join(lines)
+
+
+def spec_decode_rows(spec_cfg: dict[str, Any], ours: dict[str, Any], raw: dict[str, Any] | None) -> list[str]:
+    """Table rows of speculative decoding figures (`SpecDecodeReport`s as builtins): summed over
+    engines (this engine, and raw vLLM when given), then each engine of this engine's run."""
+    lines = [f"speculative decoding: {spec_cfg['method']}, {ours['num_speculative_tokens']} draft tokens per step"]
+
+    def cell(x: float | None, fmt: str) -> str:
+        return fmt.format(x) if x is not None else "-"
+
+    for name, key, fmt in (
+        ("mean acceptance length", "mean_acceptance_length", "{:.3f}"),
+        ("acceptance rate", "acceptance_rate", "{:.1%}"),
+        ("drafts", "drafts", "{:d}"),
+        ("draft tokens", "draft_tokens", "{:d}"),
+        ("accepted tokens", "accepted_tokens", "{:d}"),
+    ):
+        other = f"{cell(raw['total'][key], fmt):>14}" if raw else ""
+        lines.append(f"{'  ' + name:<28}{cell(ours['total'][key], fmt):>14}{other}")
+    lines.append(f"{'  per-position rate':<28}{_positions(ours['total'])}" + (f"   (raw vLLM {_positions(raw['total'])})" if raw else ""))
+    for m in ours["engines"]:
+        label = f"  e{m['engine_id']} length/rate/pos"
+        lines.append(
+            f"{label:<28}{cell(m['mean_acceptance_length'], '{:.3f}')} / {cell(m['acceptance_rate'], '{:.1%}')} / "
+            f"{_positions(m)}  ({m['drafts']} drafts)"
+        )
+    return lines
+
+
+def _positions(m: dict[str, Any]) -> str:
+    rates = m["per_position_rate"]
+    return " ".join(f"{r:.3f}" for r in rates) if rates else "-"
 
 
 def _progress_bar(cfg: Config, enabled: bool) -> Any:

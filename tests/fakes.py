@@ -15,9 +15,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import anyio
+import msgspec
 
 from rollout.backend import as_finished
 from rollout.errors import EngineDeadError
+from rollout.specdecode import SpecCounters
 from rollout.types import EngineStats, Request, Trajectory
 
 VOCAB_SIZE = 260  # the tiny model's: 4 special ids, then 256 bytes
@@ -59,6 +61,7 @@ class FakeEngine:
         self.hang_commit = False
         self.staged: dict[int, object] = {}
         self.commits: list[int] = []
+        self.spec = SpecCounters(engine_id=engine_id)  # what spec_counters() reports; tests set it
         self._changed = anyio.Event()
 
     def block(self) -> anyio.Event:
@@ -144,6 +147,11 @@ class FakeEngine:
             "start": start,
             "end": time.time(),
         }
+
+    async def spec_counters(self) -> SpecCounters:
+        if self.dead:
+            raise EngineDeadError(f"fake engine {self.engine_id} is dead")
+        return msgspec.structs.replace(self.spec, accepted_per_pos=list(self.spec.accepted_per_pos))
 
     def _trajectory(self, request: Request) -> Trajectory:
         s = request.sampling
