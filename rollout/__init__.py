@@ -3,12 +3,14 @@
 from rollout.config import Config, load_config
 from rollout.engine import RolloutEngine, SyncRolloutEngine
 from rollout.errors import EngineDeadError, InvalidConfigError, InvalidPromptError, RetryableError, RolloutError
+from rollout.generation import GenerationError, RolloutGeneration, verify_right_padding
 from rollout.types import Batch, Group, Prompt, Sampling, Trajectory, expand_runs
 
 __all__ = [
     "Batch",
     "Config",
     "EngineDeadError",
+    "GenerationError",
     "Group",
     "InvalidConfigError",
     "InvalidPromptError",
@@ -16,9 +18,11 @@ __all__ = [
     "RetryableError",
     "RolloutEngine",
     "RolloutError",
+    "RolloutGeneration",
     "Sampling",
     "SyncRolloutEngine",
     "Trajectory",
     "expand_runs",
     "load_config",
+    "verify_right_padding",
 ]

@@ -1,23 +1,21 @@
-"""A NeMo RL-style generation interface over `RolloutEngine`, so a NeMo-RL-style trainer can swap it in.
+"""NeMo RL's generation interface over `RolloutEngine`, so a NeMo-RL-style trainer can swap it in.
 
 Owns: turning a right-padded batch (`input_ids` [B, S], `input_lengths` [B], optional per-row
 `stop_strings`) into one `n=1` prompt per row, routing each finished group back to its row, and
-building NeMo RL's output tensors (`output_ids`, `logprobs`, `generation_lengths`,
-`unpadded_sequence_lengths`, `truncated`, plus `token_epochs`). Row i of the output is row i of the
-input, always. Does not own: scheduling, sampling, weights (all `RolloutEngine`'s).
+building NeMo RL's output tensors. Row i of the output is row i of the input, always. Does not
+own: scheduling, sampling, weights (all `RolloutEngine`'s).
 
     gen = RolloutGeneration("configs/tiny.yaml")          # starts and owns the engines
     out = gen.generate({"input_ids": ids, "input_lengths": lens}, greedy=True)
     gen.shutdown()
 
-How a call reaches the engine: `RolloutEngine` lives on one event loop. Built from a config, this
-class starts it on a loop in a thread of its own (like `SyncRolloutEngine`); given a running
-engine (`engine=`), it uses that engine's loop and must be created on it. Blocking methods
-(`generate`, `update_weights`) hop onto that loop; `agenerate` and `generate_async` run on it
-directly when awaited there, and otherwise step through a worker thread, so they work on any loop.
-Calls may overlap: the engine has one output queue, so whichever call is waiting reads the next
-group and hands it to the call that fed it (prompt ids `gen<call>-row<i>`). While a call runs this
-class must be the engine's only consumer; a group it did not feed raises RuntimeError.
+Reaching the engine: a `RolloutEngine` lives on one event loop. Built from a config, this class
+starts it on a loop in a thread of its own (as `SyncRolloutEngine` does); given a running engine
+(`engine=`), it uses that engine's loop and must be created on it. Blocking methods hop onto that
+loop; `agenerate` and `generate_async` run on it directly when awaited there, and otherwise step
+through a worker thread, so they work from any loop. Calls may overlap: the engine has one output
+queue, so whichever call is waiting reads the next group and hands it to the call that fed it
+(prompt ids `gen<facade>.<call>-row<i>`). While a call runs, this class must be the engine's only consumer.
 """
 
 from __future__ import annotations
@@ -42,25 +40,27 @@ from rollout.prompts import effective_sampling
 from rollout.types import Group, Prompt, Trajectory
 
 T = TypeVar("T")
-
+_instances = itertools.count()  # prompt ids differ between facades sharing an engine one after another
 GREEDY = {"temperature": 0.0, "top_k": 1}
 PAIRS = (("input_ids", "input_lengths"), ("output_ids", "unpadded_sequence_lengths"))
 
 
 class GenerationError(RolloutError):
-    """Rows whose sample failed in the engine (finish reason `error` or `abort`); `rows`: row -> reason."""
+    """Rows whose sample failed in the engine (finish reason error or abort); `rows`: row -> reason."""
 
     def __init__(self, message: str, rows: dict[int, str]):
         super().__init__(message)
         self.rows = rows
 
 
-def verify_right_padding(data: Mapping[str, Any], pad_value: int | None = 0, raise_error: bool = True) -> tuple[bool, str | None]:
+def verify_right_padding(
+    data: Mapping[str, Any], pad_value: int | None = 0, raise_error: bool = True
+) -> tuple[bool, str | None]:
     """Check that every position past a row's length holds `pad_value`.
 
     Checks `input_ids` against `input_lengths` when both are present, else `output_ids` against
-    `unpadded_sequence_lengths`. Returns `(True, None)`, or `(False, message)`; with
-    `raise_error` (the default) raises ValueError with that message instead.
+    `unpadded_sequence_lengths`. Returns `(True, None)` or `(False, message)`; with `raise_error`
+    (the default) raises ValueError with that message instead.
     """
     import torch
 
@@ -75,17 +75,16 @@ def verify_right_padding(data: Mapping[str, Any], pad_value: int | None = 0, rai
         return fail(f"expected a mapping of tensors (a dict or BatchedDataDict), got {type(data).__name__}")
     pair = next((p for p in PAIRS if p[0] in data and p[1] in data), None)
     if pair is None:
-        return fail(
-            "expected input_ids with input_lengths, or output_ids with unpadded_sequence_lengths; "
-            f"got keys {list(data.keys())}"
-        )
+        pairs = "input_ids with input_lengths, or output_ids with unpadded_sequence_lengths"
+        return fail(f"expected {pairs}; got keys {list(data.keys())}")
     ids_key, len_key = pair
     ids, lengths = torch.as_tensor(data[ids_key]), torch.as_tensor(data[len_key])
     if ids.ndim != 2:
         return fail(f"{ids_key}: expected a 2-D [batch, sequence] tensor, got shape {tuple(ids.shape)}")
     batch, width = ids.shape
     if lengths.ndim != 1 or lengths.shape[0] != batch:
-        return fail(f"{len_key}: expected one length per row of {ids_key}, shape ({batch},), got shape {tuple(lengths.shape)}")
+        shape = tuple(lengths.shape)
+        return fail(f"{len_key}: expected one length per row of {ids_key}, shape ({batch},), got shape {shape}")
     if lengths.is_floating_point() or lengths.is_complex():
         return fail(f"{len_key}: expected integer lengths, got {lengths.dtype}")
     lengths = lengths.to(device=ids.device, dtype=torch.long)
@@ -95,8 +94,7 @@ def verify_right_padding(data: Mapping[str, Any], pad_value: int | None = 0, rai
     if (lengths > width).any():
         i = int((lengths > width).nonzero()[0])
         return fail(f"{len_key}[{i}] = {int(lengths[i])} exceeds the sequence dimension of {ids_key} ({width})")
-    past_end = torch.arange(width, device=ids.device)[None, :] >= lengths[:, None]
-    bad = past_end & (ids != pad_value)
+    bad = (torch.arange(width, device=ids.device)[None, :] >= lengths[:, None]) & (ids != pad_value)
     if bad.any():
         i = int(bad.any(dim=1).nonzero()[0])
         positions = bad[i].nonzero().flatten().tolist()
@@ -123,14 +121,13 @@ def prompts_from_batch(
     `stop_strings` (a list, a string, or None) are added to `base_stop` (the configured ones) for
     that row only. Prompt ids are `{id_prefix}{i}`. Raises InvalidPromptError naming the problem:
     missing keys, a batch that is not right-padded (verify_right_padding's message), an empty
-    row, non-integer ids, `stop_strings` of the wrong length.
+    row, non-integer ids, `stop_strings` not one per row.
     """
     import torch
 
-    if not isinstance(data, Mapping):
-        raise InvalidPromptError(f"data: expected a mapping of tensors (a dict or BatchedDataDict), got {type(data).__name__}")
-    if "input_ids" not in data or "input_lengths" not in data:
-        raise InvalidPromptError(f"data: generation needs input_ids and input_lengths, got keys {list(data.keys())}")
+    if not isinstance(data, Mapping) or "input_ids" not in data or "input_lengths" not in data:
+        got = f"keys {list(data.keys())}" if isinstance(data, Mapping) else f"a {type(data).__name__}"
+        raise InvalidPromptError(f"data: generation needs a mapping with input_ids and input_lengths, got {got}")
     checked = {"input_ids": data["input_ids"], "input_lengths": data["input_lengths"]}
     ok, message = verify_right_padding(checked, pad_value, raise_error=False)
     if not ok:
@@ -140,13 +137,10 @@ def prompts_from_batch(
         raise InvalidPromptError(f"input_ids: expected integer token ids, got {ids.dtype}")
     if 0 in lengths:
         raise InvalidPromptError(f"input_lengths[{lengths.index(0)}] is 0: every row needs at least one prompt token")
-    stops = _row_stops(data.get("stop_strings"), len(lengths))
     base = {**(sampling or {}), "n": 1, **(GREEDY if greedy else {})}
     prompts = []
-    for i, (length, row_stop) in enumerate(zip(lengths, stops)):
-        overrides = dict(base)
-        if row_stop:
-            overrides["stop"] = list(dict.fromkeys([*base_stop, *row_stop]))
+    for i, (length, stop) in enumerate(zip(lengths, _row_stops(data.get("stop_strings"), len(lengths)))):
+        overrides = {**base, "stop": list(dict.fromkeys([*base_stop, *stop]))} if stop else base
         prompts.append(Prompt(token_ids=ids[i, :length].tolist(), id=f"{id_prefix}{i}", sampling=overrides))
     return prompts, ids.shape[1]
 
@@ -157,22 +151,20 @@ def _row_stops(stop_strings: Any, batch: int) -> list[list[str]]:
     if isinstance(stop_strings, str) or len(stop_strings) != batch:
         got = "a string" if isinstance(stop_strings, str) else f"{len(stop_strings)} entries"
         raise InvalidPromptError(f"stop_strings: expected one entry per row ({batch}), got {got}")
-    out = []
-    for i, s in enumerate(stop_strings):
-        s = [] if s is None else [s] if isinstance(s, str) else list(s)
+    out = [[] if s is None else [s] if isinstance(s, str) else list(s) for s in stop_strings]
+    for i, s in enumerate(out):
         if not all(isinstance(x, str) and x for x in s):
-            raise InvalidPromptError(f"stop_strings[{i}]: expected None, a string or a list of non-empty strings, got {s!r}")
-        out.append(s)
+            raise InvalidPromptError(f"stop_strings[{i}]: expected None, a string or non-empty strings, got {s!r}")
     return out
 
 
 def output_tensors(trajectories: Sequence[Trajectory], input_width: int, pad_value: int) -> dict[str, Any]:
     """NeMo RL's generation output, one row per trajectory, right-padded with `pad_value`.
 
-    Width: `input_width` plus the longest generation (as NeMo RL's vLLM backend sizes it), so
-    every row fits. `output_ids` = prompt then generated tokens; `logprobs` holds the sampled
-    token's logprob at each generated position, 0.0 on prompt and padding; `token_epochs` the
-    policy epoch of each generated token, -1 elsewhere; `truncated` is finish reason "length".
+    Width: `input_width` plus the longest generation (as NeMo RL's vLLM backend sizes it).
+    `output_ids`: prompt then generated tokens. `logprobs`: the sampled token's logprob at each
+    generated position, 0.0 on prompt and padding. `token_epochs`: the policy epoch of each
+    generated token, -1 elsewhere. `truncated`: finish reason "length". All on the CPU.
     """
     import torch
 
@@ -190,7 +182,7 @@ def output_tensors(trajectories: Sequence[Trajectory], input_width: int, pad_val
         "output_ids": output_ids,
         "logprobs": logprobs,
         "generation_lengths": torch.tensor(gen, dtype=torch.long),
-        "unpadded_sequence_lengths": torch.tensor([len(t.prompt_token_ids) + len(t.token_ids) for t in trajectories], dtype=torch.long),
+        "unpadded_sequence_lengths": torch.tensor([len(t.prompt_token_ids) + len(t.token_ids) for t in trajectories]),
         "truncated": torch.tensor([t.finish_reason == "length" for t in trajectories], dtype=torch.bool),
         "token_epochs": epochs,
     }
@@ -199,34 +191,28 @@ def output_tensors(trajectories: Sequence[Trajectory], input_width: int, pad_val
 def pad_id_from_model_dir(path: str | Path) -> int | None:
     """The model's pad token id: the tokenizer's pad token, else config.json's `pad_token_id`; None if neither."""
     path = Path(path)
-    tok_cfg, tok_file = path / "tokenizer_config.json", path / "tokenizer.json"
-    if tok_cfg.is_file() and tok_file.is_file():
-        pad = json.loads(tok_cfg.read_text()).get("pad_token")
+    if (path / "tokenizer_config.json").is_file() and (path / "tokenizer.json").is_file():
+        pad = json.loads((path / "tokenizer_config.json").read_text()).get("pad_token")
         pad = pad.get("content") if isinstance(pad, dict) else pad
         if pad:
             from tokenizers import Tokenizer
 
-            pad_id = Tokenizer.from_file(str(tok_file)).token_to_id(pad)
-            if pad_id is not None:
+            if (pad_id := Tokenizer.from_file(str(path / "tokenizer.json")).token_to_id(pad)) is not None:
                 return pad_id
-    cfg = path / "config.json"
-    pad_id = json.loads(cfg.read_text()).get("pad_token_id") if cfg.is_file() else None
-    return pad_id if isinstance(pad_id, int) else None
+    config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+    return config.get("pad_token_id") if isinstance(config.get("pad_token_id"), int) else None
 
 
 class _Call:
-    """One generate call's rows in flight: groups routed to it wait in `arrived` as (row, group)."""
+    """One call's rows in flight; groups routed to it wait in `arrived` as (row, group)."""
 
     def __init__(self, prompts: list[Prompt]):
         self.prompts = prompts
         self.arrived: deque[tuple[int, Group]] = deque()
 
 
-_FOREIGN = object()
-
-
 class RolloutGeneration:
-    """NeMo RL's `GenerationInterface` over a `RolloutEngine`. Results are plain dicts of tensors.
+    """NeMo RL's `GenerationInterface` over a `RolloutEngine`. Results are plain dicts of CPU tensors.
 
     `RolloutGeneration(cfg, **engine_kwargs)` starts a RolloutEngine (blocking, like NeMo RL's
     backends) and `shutdown()` stops it; `RolloutGeneration(engine=engine)` wraps a running one
@@ -252,25 +238,31 @@ class RolloutGeneration:
         self._sampling = dict(sampling or {})
         if self._sampling.get("n", 1) != 1:
             raise ValueError(f"sampling.n: generation returns one row per input row (n=1), got {self._sampling['n']}")
-        self._portal_cm: Any = None
         self._portal: Any = None
         self._closed = False
-        self._lock = threading.Lock()  # guards _routes and the call counter (callers' threads use them)
+        self._lock = threading.Lock()  # guards _routes and the call counter: callers' threads use them
         self._routes: dict[str, tuple[_Call, int]] = {}  # prompt id of a row in flight -> (call, row)
         self._calls = itertools.count()
+        self._tag = next(_instances)
         self._reading = False  # a call is awaiting the engine's next group
-        self._changed: anyio.Event | None = None  # created on the engine loop
-        if engine is None:
-            engine, owned = RolloutEngine(cfg, **engine_kwargs), True  # not started yet
-        else:
-            owned = False
+        self._changed: anyio.Event | None = None  # set when a read ends; created on the engine loop
+        owned = engine is None
+        self.engine = engine = RolloutEngine(cfg, **engine_kwargs) if owned else engine  # type: ignore[arg-type]
+        if not owned:
             engine.limits  # noqa: B018 -- raises RuntimeError unless the engine is running
-        self.engine = engine
         base = engine.cfg.sampling
         effective_sampling(base, Prompt(sampling={**self._sampling, "n": 1}))  # InvalidPromptError names the field
         self._base_stop = [*base.stop, *self._sampling.get("stop", [])]
-        if owned:
-            self._start()
+        if owned:  # start it on a loop in a thread of our own
+            self._portal_cm = anyio.from_thread.start_blocking_portal()
+            self._portal = self._portal_cm.__enter__()
+            try:
+                self._engine_cm = self._portal.wrap_async_context_manager(engine)
+                self._engine_cm.__enter__()
+            except BaseException:
+                self._portal_cm.__exit__(None, None, None)
+                raise
+            self._loop_thread = self._portal.call(threading.get_ident)
         else:
             try:
                 self._token = anyio.lowlevel.current_token()
@@ -282,63 +274,45 @@ class RolloutGeneration:
             self.shutdown()
             raise ValueError(f"the model at {engine.model_path} has no pad token: pass pad_value=")
 
-    def _start(self) -> None:
-        """Start the engine on an event loop in a thread this object owns."""
-        self._portal_cm = anyio.from_thread.start_blocking_portal()
-        self._portal = self._portal_cm.__enter__()
-        try:
-            self._engine_cm = self._portal.wrap_async_context_manager(self.engine)
-            self._engine_cm.__enter__()
-        except BaseException:
-            self._portal_cm.__exit__(None, None, None)
-            self._closed = True
-            raise
-        self._loop_thread = self._portal.call(threading.get_ident)
-
     def __enter__(self) -> RolloutGeneration:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
 
-    # -- NeMo RL's GenerationInterface ---------------------------------------------------------
-
     def generate(self, data: Mapping[str, Any], greedy: bool = False) -> dict[str, Any]:
-        """Generate one sample per row; blocks until every row is done. Returns a plain dict.
+        """One sample per row, blocking until every row is done. Returns a plain dict:
 
-        Keys: `output_ids` [B, S + longest generation] (prompt then generation, right-padded with
-        `pad_value`), `logprobs` (aligned with `output_ids`: the sampled token's logprob at each
-        generated position, 0.0 on prompt and padding), `generation_lengths`,
-        `unpadded_sequence_lengths`, `truncated` (finish reason "length"), `token_epochs` (-1 off
-        the generated positions). Raises InvalidPromptError on bad input (a batch that is not
-        right-padded: verify_right_padding's message) with nothing admitted, GenerationError
-        naming every failed row after all rows finished, EngineDeadError. Call it from a thread
-        other than the engine loop's (there, await `agenerate`).
+        `output_ids` [B, S + longest generation] (prompt then generation, right-padded with
+        `pad_value`), `logprobs` (aligned with `output_ids`), `generation_lengths`,
+        `unpadded_sequence_lengths`, `truncated`, `token_epochs` (see `output_tensors`).
+        Raises InvalidPromptError on bad input, nothing admitted (a batch that is not
+        right-padded: verify_right_padding's message); GenerationError naming every failed row,
+        once all rows are done; EngineDeadError. Not on the engine's loop (there: `agenerate`).
         """
         self._check_open()
         call, width = self._prepare(data, greedy)
-        groups = self._blocking(self._run, call)
-        return output_tensors(_successes(groups), width, self.pad_value)
+        return output_tensors(_successes(self._blocking(self._run, call)), width, self.pad_value)
 
     async def agenerate(self, data: Mapping[str, Any], greedy: bool = False) -> dict[str, Any]:
         """`generate`, awaitable from any event loop."""
         self._check_open()
         call, width = self._prepare(data, greedy)
-        groups = await self._on_engine(self._run, call)
-        return output_tensors(_successes(groups), width, self.pad_value)
+        return output_tensors(_successes(await self._on_engine(self._run, call)), width, self.pad_value)
 
-    async def generate_async(self, data: Mapping[str, Any], greedy: bool = False) -> AsyncIterator[tuple[int, dict[str, Any]]]:
-        """Yield `(row index, one-row result)` as each row finishes; every row exactly once.
+    async def generate_async(
+        self, data: Mapping[str, Any], greedy: bool = False
+    ) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+        """Yield `(row index, one-row result)` as each row finishes, every row exactly once.
 
-        A one-row result has `generate`'s keys, width S + that row's generation. A failed row
-        raises GenerationError when it comes up (rows yielded before it stand). Leaving early
-        is fine: rows still running are dropped as they finish.
+        A one-row result has `generate`'s keys, width S + its generation. A failed row raises
+        GenerationError when it comes up (rows yielded before it stand). Leaving early is fine:
+        rows still running are dropped as they finish.
         """
         self._check_open()
         call, width = self._prepare(data, greedy)
-        if not call.prompts:
-            return
-        await self._on_engine(self._submit, call)
+        if call.prompts:
+            await self._on_engine(self._submit, call)
         for _ in call.prompts:
             i, group = await self._on_engine(self._next_row, call)
             yield i, output_tensors(_successes({i: group}), width, self.pad_value)
@@ -346,9 +320,9 @@ class RolloutGeneration:
     def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
         """Ready the engines for a generation phase: a no-op, returns True.
 
-        NeMo RL wakes sleeping vLLM engines here (`AsyncLLM.wake_up`). These engines never sleep:
-        vLLM's sleep mode needs CUDA/ROCm/XPU (none on CPU), and the engine interface
-        (`rollout.backend.Engine`) has no sleep/wake yet, so they stay loaded between phases.
+        NeMo RL wakes sleeping vLLM engines here (`AsyncLLM.wake_up`). These never sleep: vLLM's
+        sleep mode needs CUDA, ROCm or XPU (not CPU), and the engine interface
+        (`rollout.backend.Engine`) has no sleep/wake, so the engines stay loaded between phases.
         """
         return True
 
@@ -361,48 +335,45 @@ class RolloutGeneration:
         return True
 
     def update_weights(self, weights: Any) -> int:
-        """`RolloutEngine.update_weights` (a state dict or a directory of HF safetensors); returns the new epoch.
+        """`RolloutEngine.update_weights` (a state dict or a directory of HF safetensors): the new epoch.
 
-        Raises what it raises (InvalidWeightsError, WeightSyncError, EngineDeadError).
+        Raises what that raises (InvalidWeightsError, WeightSyncError, EngineDeadError).
         """
         self._check_open()
         return self._blocking(self.engine.update_weights, weights)
 
     def shutdown(self) -> bool:
         """Stop the engines this object started (none when it wraps one); repeated calls are safe."""
-        if self._closed:
-            return True
-        self._closed = True
-        if self._portal is not None:
+        if not self._closed and self._portal is not None:
             try:
                 self._engine_cm.__exit__(None, None, None)
             finally:
                 self._portal_cm.__exit__(None, None, None)
+        self._closed = True
         return True
-
-    # -- rows in and out -----------------------------------------------------------------------
 
     def _prepare(self, data: Mapping[str, Any], greedy: bool) -> tuple[_Call, int]:
         with self._lock:
-            n = next(self._calls)
+            prefix = f"gen{self._tag}.{next(self._calls)}-row"
         prompts, width = prompts_from_batch(
-            data, self.pad_value, greedy=greedy, sampling=self._sampling, base_stop=self._base_stop, id_prefix=f"gen{n}-row"
+            data, self.pad_value, greedy=greedy, sampling=self._sampling, base_stop=self._base_stop, id_prefix=prefix
         )
         return _Call(prompts), width
 
+    # -- on the engine's loop -------------------------------------------------------------------
+
     async def _run(self, call: _Call) -> dict[int, Group]:
-        """On the engine loop: feed the call's rows and wait for all of them."""
-        if not call.prompts:
-            return {}
-        await self._submit(call)
+        """Feed the call's rows and wait for all of them."""
         groups: dict[int, Group] = {}
+        if call.prompts:
+            await self._submit(call)
         while len(groups) < len(call.prompts):
             i, group = await self._next_row(call)
             groups[i] = group
         return groups
 
     async def _submit(self, call: _Call) -> None:
-        """On the engine loop: register the rows, then feed them (checked now: InvalidPromptError admits none)."""
+        """Register the rows, then feed them (checked now: InvalidPromptError admits none)."""
         if self._changed is None:
             self._changed = anyio.Event()
         with self._lock:
@@ -412,45 +383,36 @@ class RolloutGeneration:
         except BaseException:
             with self._lock:
                 for p in call.prompts:
-                    self._routes.pop(p.id, None)
+                    del self._routes[p.id]
             raise
 
     async def _next_row(self, call: _Call) -> tuple[int, Group]:
-        """On the engine loop: the next finished row of `call`.
-
-        One waiting call at a time reads the engine's queue and routes the group to the call that
-        fed it; the others wait for that hand-off, then check their own rows again.
-        """
-        assert self._changed is not None
+        """The next finished row of `call`. One waiting call at a time reads the engine's queue and
+        hands the group to the call that fed it; the others wait for that, then look again."""
         while not call.arrived:
             if self._reading:
-                changed = self._changed
-                await changed.wait()
+                await self._changed.wait()  # type: ignore[union-attr]
                 continue
             self._reading = True
             try:
                 group = await self.engine.next_group()
             finally:
                 self._reading = False
-                self._changed.set()
+                self._changed.set()  # type: ignore[union-attr]
                 self._changed = anyio.Event()
-            self._route(group)
+            if group is None:
+                raise RuntimeError("the engine handed out every fed prompt while rows were still pending")
+            with self._lock:
+                owner = self._routes.pop(group.prompt_id, None)
+            if owner is None:
+                raise RuntimeError(
+                    f"the engine handed out group {group.prompt_id!r}, which this RolloutGeneration did not feed: "
+                    "while a call runs it must be the engine's only consumer"
+                )
+            owner[0].arrived.append((owner[1], group))  # a call nobody waits for any more keeps it, unread
         return call.arrived.popleft()
 
-    def _route(self, group: Group | None) -> None:
-        if group is None:
-            raise RuntimeError("the engine handed out every fed prompt while rows were still pending")
-        with self._lock:
-            owner = self._routes.pop(group.prompt_id, _FOREIGN)
-        if owner is _FOREIGN:
-            raise RuntimeError(
-                f"the engine handed out group {group.prompt_id!r}, which this RolloutGeneration did not feed: "
-                "while a call runs it must be the engine's only consumer"
-            )
-        call, i = owner  # a call its caller stopped waiting for still collects its rows, unread
-        call.arrived.append((i, group))
-
-    # -- reaching the engine loop --------------------------------------------------------------
+    # -- reaching the engine's loop -------------------------------------------------------------
 
     def _blocking(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         if threading.get_ident() == self._loop_thread:
@@ -473,7 +435,7 @@ class RolloutGeneration:
 
 
 def _successes(groups: dict[int, Group]) -> list[Trajectory]:
-    """Each row's trajectory, in row order. Raises GenerationError naming every row that failed."""
+    """Each row's trajectory in row order. Raises GenerationError naming every row that failed."""
     failed, out = {}, []
     for i in sorted(groups):
         group = groups[i]

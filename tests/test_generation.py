@@ -71,24 +71,35 @@ def test_a_custom_pad_value_is_what_padding_must_hold():
 
 
 def test_input_pair_is_checked_before_output_pair():
-    data = {**batch([[5, 6], [7]]), "output_ids": torch.tensor([[0, 5]]), "unpadded_sequence_lengths": torch.tensor([1])}
+    data = {**batch([[5, 6], [7]]), **ids_and([[0, 5]], [1], "output_ids", "unpadded_sequence_lengths")}
     assert verify_right_padding(data) == (True, None)
 
 
+def ids_and(ids, lengths, ids_key="input_ids", len_key="input_lengths") -> dict:
+    return {ids_key: torch.tensor(ids), len_key: torch.tensor(lengths)}
+
+
+NOT_PADDED = "is not right-padded with pad value 0: row"
 BAD_PADDING = [
-    ({"input_ids": torch.tensor([[5]])}, "expected input_ids with input_lengths, or output_ids with unpadded_sequence_lengths; got keys ['input_ids']"),
-    ({"input_ids": torch.tensor([5, 6]), "input_lengths": torch.tensor([2])}, "input_ids: expected a 2-D [batch, sequence] tensor, got shape (2,)"),
-    ({"input_ids": torch.zeros(2, 3, dtype=torch.long), "input_lengths": torch.tensor([1])}, "input_lengths: expected one length per row of input_ids, shape (2,), got shape (1,)"),
-    ({"input_ids": torch.zeros(1, 3, dtype=torch.long), "input_lengths": torch.tensor([1.0])}, "input_lengths: expected integer lengths, got torch.float32"),
-    ({"input_ids": torch.zeros(2, 3, dtype=torch.long), "input_lengths": torch.tensor([1, 4])}, "input_lengths[1] = 4 exceeds the sequence dimension of input_ids (3)"),
-    ({"input_ids": torch.zeros(2, 3, dtype=torch.long), "input_lengths": torch.tensor([-1, 2])}, "input_lengths[0] = -1 is negative"),
     (
-        {"input_ids": torch.tensor([[5, 6, 0, 0], [0, 0, 5, 6]]), "input_lengths": torch.tensor([2, 2])},
-        "input_ids is not right-padded with pad value 0: row 1 has length 2 but holds other values at positions [2, 3]",
+        {"input_ids": torch.tensor([[5]])},
+        "expected input_ids with input_lengths, or output_ids with unpadded_sequence_lengths; got keys ['input_ids']",
+    ),
+    (ids_and([5, 6], [2]), "input_ids: expected a 2-D [batch, sequence] tensor, got shape (2,)"),
+    (
+        ids_and([[0] * 3] * 2, [1]),
+        "input_lengths: expected one length per row of input_ids, shape (2,), got shape (1,)",
+    ),
+    (ids_and([[0] * 3], [1.0]), "input_lengths: expected integer lengths, got torch.float32"),
+    (ids_and([[0] * 3] * 2, [1, 4]), "input_lengths[1] = 4 exceeds the sequence dimension of input_ids (3)"),
+    (ids_and([[0] * 3] * 2, [-1, 2]), "input_lengths[0] = -1 is negative"),
+    (
+        ids_and([[5, 6, 0, 0], [0, 0, 5, 6]], [2, 2]),
+        f"input_ids {NOT_PADDED} 1 has length 2 but holds other values at positions [2, 3]",
     ),
     (
-        {"output_ids": torch.tensor([[5, 6, 7]]), "unpadded_sequence_lengths": torch.tensor([1])},
-        "output_ids is not right-padded with pad value 0: row 0 has length 1 but holds other values at positions [1, 2]",
+        ids_and([[5, 6, 7]], [1], "output_ids", "unpadded_sequence_lengths"),
+        f"output_ids {NOT_PADDED} 0 has length 1 but holds other values at positions [1, 2]",
     ),
 ]
 
@@ -104,7 +115,8 @@ def test_bad_padding_is_named(data, message):
 def test_long_runs_of_bad_positions_are_cut_short_and_pad_none_is_refused():
     data = {"input_ids": torch.full((1, 20), 7), "input_lengths": torch.tensor([2])}
     assert verify_right_padding(data, raise_error=False)[1].endswith("positions [2, 3, 4, 5, 6, 7, 8, 9, ...]")
-    assert verify_right_padding(batch([[5]]), pad_value=None, raise_error=False) == (False, "pad_value is None: pass the tokenizer's pad token id")
+    refused = (False, "pad_value is None: pass the tokenizer's pad token id")
+    assert verify_right_padding(batch([[5]]), pad_value=None, raise_error=False) == refused
 
 
 # -- rows in -------------------------------------------------------------------------------------
@@ -112,7 +124,9 @@ def test_long_runs_of_bad_positions_are_cut_short_and_pad_none_is_refused():
 
 def test_each_row_becomes_one_prompt_with_its_own_stop_strings():
     data = batch([[5, 6, 7], [8], [9, 10]], width=5, stop_strings=[["x", "b"], None, "y"])
-    prompts, width = prompts_from_batch(data, 0, greedy=True, sampling={"max_tokens": 7}, base_stop=["b"], id_prefix="g-row")
+    prompts, width = prompts_from_batch(
+        data, 0, greedy=True, sampling={"max_tokens": 7}, base_stop=["b"], id_prefix="g-row"
+    )
     assert width == 5
     assert [p.token_ids for p in prompts] == [[5, 6, 7], [8], [9, 10]]
     assert [p.id for p in prompts] == ["g-row0", "g-row1", "g-row2"]
@@ -125,13 +139,19 @@ def test_each_row_becomes_one_prompt_with_its_own_stop_strings():
 
 
 BAD_ROWS = [
-    ({"input_lengths": torch.tensor([1])}, "data: generation needs input_ids and input_lengths, got keys ['input_lengths']"),
-    ({"input_ids": torch.tensor([[0, 5]]), "input_lengths": torch.tensor([1])}, "input_ids is not right-padded with pad value 0: row 0 has length 1 but holds other values at positions [1]"),
-    ({"input_ids": torch.tensor([[5.0, 0.0]]), "input_lengths": torch.tensor([1])}, "input_ids: expected integer token ids, got torch.float32"),
-    ({"input_ids": torch.tensor([[5], [0]]), "input_lengths": torch.tensor([1, 0])}, "input_lengths[1] is 0: every row needs at least one prompt token"),
-    ({**batch([[5], [6]]), "stop_strings": [["x"]]}, "stop_strings: expected one entry per row (2), got 1 entries"),
-    ({**batch([[5], [6]]), "stop_strings": "x"}, "stop_strings: expected one entry per row (2), got a string"),
-    ({**batch([[5], [6]]), "stop_strings": [None, [""]]}, "stop_strings[1]: expected None, a string or a list of non-empty strings, got ['']"),
+    (
+        {"input_lengths": torch.tensor([1])},
+        "data: generation needs a mapping with input_ids and input_lengths, got keys ['input_lengths']",
+    ),
+    (ids_and([[0, 5]], [1]), f"input_ids {NOT_PADDED} 0 has length 1 but holds other values at positions [1]"),
+    (ids_and([[5.0, 0.0]], [1]), "input_ids: expected integer token ids, got torch.float32"),
+    (ids_and([[5], [0]], [1, 0]), "input_lengths[1] is 0: every row needs at least one prompt token"),
+    (batch([[5], [6]], stop_strings=[["x"]]), "stop_strings: expected one entry per row (2), got 1 entries"),
+    (batch([[5], [6]], stop_strings="x"), "stop_strings: expected one entry per row (2), got a string"),
+    (
+        batch([[5], [6]], stop_strings=[None, [""]]),
+        "stop_strings[1]: expected None, a string or non-empty strings, got ['']",
+    ),
 ]
 
 
@@ -147,11 +167,18 @@ def test_bad_rows_are_refused_with_the_reason(data, message):
 
 def test_output_rows_are_prompt_then_generation_with_aligned_logprobs_and_epochs():
     rows = [
-        Trajectory(prompt_token_ids=[5, 6, 7], token_ids=[20, 21], logprobs=[-0.5, -1.5], finish_reason="stop", policy_epochs=[(0, 3)]),
-        Trajectory(prompt_token_ids=[8], token_ids=[30, 31, 32, 33], logprobs=[-1.0, -2.0, -3.0, -4.0], finish_reason="length", policy_epochs=[(0, 3), (2, 4)]),
+        Trajectory(prompt_token_ids=[5, 6, 7], token_ids=[20, 21], logprobs=[-0.5, -1.5], policy_epochs=[(0, 3)]),
+        Trajectory(
+            prompt_token_ids=[8],
+            token_ids=[30, 31, 32, 33],
+            logprobs=[-1.0, -2.0, -3.0, -4.0],
+            finish_reason="length",
+            policy_epochs=[(0, 3), (2, 4)],
+        ),
     ]
     out = output_tensors(rows, input_width=4, pad_value=9)
-    assert set(out) == {"output_ids", "logprobs", "generation_lengths", "unpadded_sequence_lengths", "truncated", "token_epochs"}
+    keys = {"output_ids", "logprobs", "generation_lengths", "unpadded_sequence_lengths", "truncated", "token_epochs"}
+    assert set(out) == keys
     assert out["output_ids"].tolist() == [[5, 6, 7, 20, 21, 9, 9, 9], [8, 30, 31, 32, 33, 9, 9, 9]]  # width 4 + 4
     assert out["logprobs"].tolist() == [[0, 0, 0, -0.5, -1.5, 0, 0, 0], [0, -1, -2, -3, -4, 0, 0, 0]]
     assert out["token_epochs"].tolist() == [[-1, -1, -1, 3, 3, -1, -1, -1], [-1, 3, 3, 4, 4, -1, -1, -1]]
@@ -220,7 +247,8 @@ def expected_generation(prompt: list[int]) -> list[int]:
 def assert_row(out: dict, r: int, prompt: list[int], width: int) -> None:
     p, gen = len(prompt), expected_generation(prompt)
     assert out["output_ids"][r].tolist() == prompt + gen + [0] * (width - p - len(gen))
-    assert out["logprobs"][r, p : p + len(gen)].tolist() == pytest.approx([fake_logprob(t, i) for i, t in enumerate(gen)])
+    expected = [fake_logprob(t, i) for i, t in enumerate(gen)]
+    assert out["logprobs"][r, p : p + len(gen)].tolist() == pytest.approx(expected)
     assert out["logprobs"][r, :p].abs().sum() == 0 and out["logprobs"][r, p + len(gen) :].abs().sum() == 0
     assert out["generation_lengths"][r] == MAX_TOKENS and out["unpadded_sequence_lengths"][r] == p + MAX_TOKENS
     assert bool(out["truncated"][r])
@@ -236,10 +264,12 @@ async def test_rows_come_back_in_input_order_one_sample_each(cfg):
     for r, prompt in enumerate(ROWS):
         assert_row(out, r, prompt, width)
     requests = {r.prompt_id: r for e in pool.engines for r in e.requests}
-    assert sorted(requests) == sorted(f"gen0-row{i}" for i in range(len(ROWS)))
+    tag = next(iter(requests)).split(".")[0]  # gen<facade>.<call>-row<i>
+    assert sorted(requests) == sorted(f"{tag}.0-row{i}" for i in range(len(ROWS)))
     assert all(r.sample_index == 0 and r.sampling.n == 1 for r in requests.values())
     assert all(r.sampling.temperature == 0.0 and r.sampling.top_k == 1 for r in requests.values())
-    assert requests["gen0-row1"].sampling.stop == ["cfg", "x"] and requests["gen0-row0"].sampling.stop == ["cfg"]
+    assert requests[f"{tag}.0-row1"].sampling.stop == ["cfg", "x"]  # the configured stop strings, then the row's
+    assert requests[f"{tag}.0-row0"].sampling.stop == ["cfg"]
 
 
 async def test_generate_async_yields_every_row_once_by_index(cfg):
@@ -296,6 +326,14 @@ async def test_rows_left_behind_by_an_abandoned_stream_are_dropped(cfg):
         await wait_all_tasks_blocked()
         assert await gen.engine.next_group() is None  # nothing left over in the engine either
 
+        async with aclosing(gen.generate_async(batch(ROWS))) as stream:
+            async for _ in stream:
+                break
+        await wait_all_tasks_blocked()
+        other = RolloutGeneration(engine=gen.engine)  # the first one's rows are still in the engine's queue
+        with pytest.raises(RuntimeError, match=r"group 'gen\d+\.2-row\d', which this RolloutGeneration did not feed"):
+            await other.agenerate(batch([[30, 31]]))  # never handed to the wrong row
+
 
 async def test_blocking_calls_work_from_a_thread_but_refuse_the_engine_loop(cfg):
     async with wrapped(cfg, FakePool(2)) as gen:
@@ -311,7 +349,7 @@ class FailingEngine(FakeEngine):
     def _trajectory(self, request: Request) -> Trajectory:
         traj = super()._trajectory(request)
         if request.token_ids and request.token_ids[0] == 99:
-            return msgspec.structs.replace(traj, token_ids=[], logprobs=[], policy_epochs=[], finish_reason="error", error="boom")
+            return Trajectory(prompt_token_ids=traj.prompt_token_ids, finish_reason="error", error="boom")
         return traj
 
 
@@ -338,7 +376,7 @@ async def test_bad_input_fails_before_anything_is_admitted(cfg):
         with pytest.raises(InvalidPromptError) as e:
             await gen.agenerate(left_padded)
         assert not ok and str(e.value) == message
-        with pytest.raises(InvalidPromptError, match="prompt 'gen1-row1': 60 prompt tokens"):
+        with pytest.raises(InvalidPromptError, match=r"prompt 'gen\d+\.1-row1': 60 prompt tokens"):
             await gen.agenerate(batch([[5], [6] * 60]))  # 60 + max_tokens 5 > max_model_len 64
         with pytest.raises(InvalidPromptError, match="outside the vocabulary"):
             await gen.agenerate(batch([[5], [300]]))
