@@ -429,8 +429,13 @@ class VLLMPolicy:
 
     async def shutdown(self) -> None:
         if self._llm is not None:
+            from policies.shm import snapshot, sweep
+
+            held = snapshot()  # this actor, its engine core and workers
             self._llm.shutdown()
             self._llm = None
+            if removed := sweep(held):
+                log.info("removed shared memory a killed engine process left", segments=removed)
 
 
 class _SpecCounting:

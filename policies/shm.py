@@ -1,0 +1,87 @@
+"""Shared-memory hygiene for an engine's process tree: nothing left in /dev/shm after shutdown.
+
+vLLM's engine core and workers talk through POSIX shared memory (`psm_*` ring buffers,
+`sem.mp-*` semaphores); Intel OpenMP leaves a `__KMP_REGISTERED_LIB_<pid>_*` file per process.
+A process that is killed before its clean-up (the engine core takes longer than vLLM's shutdown
+grace period on a loaded machine; a signal mid-step) leaves them behind, and a `psm_` buffer is
+160 MiB of RAM. `snapshot()` records what this process and its descendants hold while they run;
+`sweep()` after shutdown removes the ones nobody maps any more. Only names this tree used are
+ever touched, so other programs' segments are safe.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+SHM = Path("/dev/shm")
+PREFIXES = ("psm_", "sem.mp-")
+
+
+def descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def mapped(pids: set[int] | None = None) -> set[str]:
+    """Names under /dev/shm mapped by `pids` (every process when None)."""
+    if pids is None:
+        pids = {int(e) for e in os.listdir("/proc") if e.isdigit()}
+    out = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                out.update(line.rsplit("/dev/shm/", 1)[1].split()[0] for line in f if "/dev/shm/" in line)
+        except OSError:  # exited, or not readable
+            continue
+    return out
+
+
+class Snapshot:
+    def __init__(self, names: set[str], pids: set[int]):
+        self.names, self.pids = names, pids
+
+
+def snapshot(pid: int | None = None) -> Snapshot:
+    """What `pid` (default: this process) and its descendants hold in /dev/shm now."""
+    root = os.getpid() if pid is None else pid
+    pids = descendants(root) | {root}
+    return Snapshot({n for n in mapped(pids) if n.startswith(PREFIXES)}, pids)
+
+
+def sweep(snap: Snapshot) -> list[str]:
+    """Unlink the snapshot's segments no live process maps, and the OpenMP files of its dead pids."""
+    in_use = mapped()
+    removed = []
+    candidates = [n for n in snap.names if n not in in_use]
+    candidates += [p.name for pid in snap.pids if not _alive(pid) for p in SHM.glob(f"__KMP_REGISTERED_LIB_{pid}_*")]
+    for name in candidates:
+        try:
+            (SHM / name).unlink()
+            removed.append(name)
+        except FileNotFoundError:
+            continue
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
