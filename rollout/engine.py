@@ -13,6 +13,8 @@ hand out groups and batches, and shut everything down (also on errors and cancel
 from __future__ import annotations
 
 import asyncio
+import signal
+import threading
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Generator, Iterable, Iterator
 from pathlib import Path
@@ -67,9 +69,11 @@ class RolloutEngine:
         self._staleness = StalenessFilter(self.cfg.staleness)
         self._durable: DurableLog | None = None
         self._recovered: list[Group] = []  # from the durable log of an earlier run: handed out first
+        self._old_sigterm: Any = None
 
     async def __aenter__(self) -> RolloutEngine:
         configure(self.cfg.logging.level, self.cfg.logging.json)
+        self._catch_sigterm()
         reward = self._reward or load_reward(self.cfg.reward)  # a bad path fails before engines start
         from policies.tiny import resolve_model_path
 
@@ -81,6 +85,8 @@ class RolloutEngine:
             self._recovered = await anyio.to_thread.run_sync(self._durable.open)
         if self.pool is None:
             self.pool = await start_pool(self.cfg, self.model_path)
+            if self._old_sigterm is not None:  # take it back: Ray's driver installs a handler that aborts
+                signal.signal(signal.SIGTERM, _exit_on_sigterm)
         self._queue = TrajectoryQueue(self.cfg.queue.max_groups, in_order=self.cfg.queue.order == "in_order")
         self._scheduler = Scheduler(self.cfg, self.pool.engines, self._queue, limits, self._on_trajectory, reward, self._durable)
         self._tg = anyio.create_task_group()
@@ -98,6 +104,19 @@ class RolloutEngine:
                     self._durable.close()
                 if self.pool is not None:
                     await self.pool.shutdown()
+            self._restore_sigterm()
+
+    def _catch_sigterm(self) -> None:
+        """SIGTERM exits like Ctrl-C does: through `__aexit__`, so the engines shut down cleanly.
+
+        Only where nobody else handles it (the default handler, in the main thread)."""
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            self._old_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+    def _restore_sigterm(self) -> None:
+        if self._old_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+            self._old_sigterm = None
 
     @property
     def limits(self) -> ModelLimits:
@@ -246,6 +265,11 @@ class RolloutEngine:
         if self._scheduler is None:
             raise RuntimeError("use RolloutEngine inside `async with RolloutEngine(cfg) as engine:`")
         return self._scheduler
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the shutdown short
+    raise SystemExit(128 + signum)  # unwinds the event loop; asyncio.run cancels the tasks, __aexit__ runs
 
 
 def _failures(ids: list[int], results: list[Any], timeout_reason: str = "timed out") -> dict[int, str]:

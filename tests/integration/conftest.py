@@ -81,6 +81,24 @@ def shm_segments() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith(("psm_", "sem.mp-"))}
 
 
+def mapped_shm() -> set[str]:
+    """/dev/shm segments some live process maps: in use, not leaked (whoever made them)."""
+    out = set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/maps") as f:
+                    out.update(line.rsplit("/dev/shm/", 1)[1].split()[0] for line in f if "/dev/shm/" in line)
+            except OSError:  # gone, or not ours to read
+                continue
+    return out
+
+
+def leaked_shm(before: set[str]) -> set[str]:
+    """Segments made since `before` that no live process maps any more."""
+    return (shm_segments() - before) - mapped_shm()
+
+
 def run_python(code: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})}

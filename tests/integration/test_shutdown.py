@@ -1,0 +1,137 @@
+"""A driver that is stopped: SIGTERM and SIGINT leave nothing behind; after SIGKILL, a new run on the
+same `queue.durable_dir` hands out exactly the groups that were finished but not taken."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import anyio
+import pytest
+
+from rollout import RolloutEngine
+from rollout.durable import LOG_NAME, read_log
+
+from .conftest import ROOT, engine_processes, integration_config, leaked_shm, shm_segments
+
+DRIVER = """
+import json, sys, anyio
+from rollout import RolloutEngine, Prompt
+from tests.integration.conftest import integration_config
+
+TAKE = 3
+async def main():
+    finished = []
+    cfg = integration_config("engines.count=1", "sampling.n=2", *sys.argv[1:])
+    async with RolloutEngine(cfg, on_trajectory=finished.append) as engine:
+        engine.feed(Prompt(token_ids=[5 + i % 200] * 8, id=f"q{i}") for i in range(100000))
+        taken = [(await engine.next_group()).prompt_id for _ in range(TAKE)]
+        while len(finished) < 2 * (TAKE + 3):  # at least 3 more groups finished and not taken
+            await anyio.sleep(0.05)
+        print(json.dumps({"taken": taken}), flush=True)
+        await anyio.sleep_forever()
+
+anyio.run(main)
+"""
+
+
+def start_driver(*overrides: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", DRIVER, *overrides], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below `pid` now (its Ray cluster, the engine actors, vLLM's engine cores)."""
+    children: dict[int, list[int]] = {}
+    for line in subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout.splitlines():
+        child, parent = map(int, line.split())
+        children.setdefault(parent, []).append(child)
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+def alive(pids: set[int]) -> set[int]:
+    out = set()
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        out.add(pid)
+    return out
+
+
+def wait_gone(pids: set[int], timeout: float = 60) -> set[int]:
+    deadline = time.monotonic() + timeout
+    while (left := alive(pids)) and time.monotonic() < deadline:
+        time.sleep(0.5)  # polling the OS process table; nothing to wait on
+    return left
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stopped_driver_leaves_no_process_or_shm(sig):
+    before_shm = shm_segments()
+    proc = start_driver("queue.max_groups=8")
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("{"), proc.stderr.read()[-3000:] if proc.poll() is not None else line
+        started = descendants(proc.pid) & engine_processes()
+        assert len(started) >= 3, "the driver should have a Ray cluster and an engine by now"
+        os.kill(proc.pid, sig)
+        proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode in (128 + signal.SIGTERM, -signal.SIGINT)
+    assert not wait_gone(started), "engine or Ray processes outlived the driver"
+    assert not leaked_shm(before_shm), f"leaked /dev/shm segments: {leaked_shm(before_shm)}"
+
+
+def kill_orphans(pids: set[int]) -> None:
+    """What a SIGKILLed driver started and could not stop (its Ray cluster, its engines)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in alive(pids):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        if not wait_gone(pids, timeout=30):
+            return
+
+
+async def test_after_sigkill_a_new_run_hands_out_exactly_the_untaken_groups(tmp_path):
+    durable = tmp_path / "log"
+    before_shm = shm_segments()
+    proc = start_driver(f"queue.durable_dir={durable}", "queue.max_groups=16")
+    orphans: set[int] = set()
+    try:
+        line = await anyio.to_thread.run_sync(proc.stdout.readline)
+        assert line.startswith("{"), proc.stderr.read()[-3000:] if proc.poll() is not None else line
+        taken = json.loads(line)["taken"]
+        orphans = descendants(proc.pid)
+        proc.kill()  # SIGKILL: no clean-up of any kind
+        proc.wait(timeout=30)
+    finally:
+        orphans |= descendants(proc.pid)
+        proc.kill()
+        kill_orphans(orphans)
+        for name in leaked_shm(before_shm):
+            os.unlink(f"/dev/shm/{name}")
+    groups, acked, _ = read_log(durable / LOG_NAME)
+    untaken = [g.prompt_id for rid, g in groups.items() if rid not in acked]
+    assert sorted(g.prompt_id for rid, g in groups.items() if rid in acked) == sorted(taken)
+    assert len(untaken) >= 3 and not set(untaken) & set(taken)
+    with open(durable / LOG_NAME, "ab") as f:
+        f.write(b"\x40\x00\x00\x00\x12\x34")  # a record torn by the power cut, mid-header
+
+    async with RolloutEngine(integration_config("engines.count=1", f"queue.durable_dir={durable}")) as engine:
+        again = [g async for g in engine.groups()]
+    assert [g.prompt_id for g in again] == untaken  # exactly those, in the order they finished
+    assert all(g.ok and len(g.trajectories) == 2 and all(t.token_ids for t in g.trajectories) for g in again)

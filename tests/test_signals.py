@@ -1,0 +1,50 @@
+"""SIGTERM and SIGINT of a driver unwind through `RolloutEngine.__aexit__` (fake engines, own process)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+DRIVER = """
+import sys, anyio, msgspec
+from rollout.config import load_config
+from rollout.engine import RolloutEngine
+from tests.fakes import FakePool
+
+class Pool(FakePool):
+    async def shutdown(self):
+        await anyio.sleep(0.2)  # a shutdown that takes a while must still complete
+        print("pool shut down", flush=True)
+
+async def main():
+    cfg = load_config(None, ["sampling.max_tokens=4", "logging.level=error", "model.path=" + sys.argv[1]])
+    async with RolloutEngine(cfg, pool=Pool(1)) as engine:
+        gate = engine.pool.engines[0].block()  # requests hang: the driver is mid-rollout
+        engine.feed([[5, 6, 7]])
+        print("running", flush=True)
+        await engine.next_group()
+
+anyio.run(main)
+"""
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 128 + 15), (signal.SIGINT, -signal.SIGINT)])
+def test_signal_shuts_the_engines_down(tmp_path, sig, code):
+    (tmp_path / "config.json").write_text('{"vocab_size": 260}')
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert proc.stdout.readline().strip() == "running"
+        os.kill(proc.pid, sig)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert "pool shut down" in out, err[-2000:]
+    assert proc.returncode == code, err[-2000:]  # SIGINT: Python re-raises it after KeyboardInterrupt unwinds
