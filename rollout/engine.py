@@ -107,16 +107,11 @@ class RolloutEngine:
             self._restore_sigterm()
 
     def _catch_sigterm(self) -> None:
-        """SIGTERM exits like Ctrl-C does: through `__aexit__`, so the engines shut down cleanly.
-
-        Only where nobody else handles it (the default handler, in the main thread)."""
-        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-            self._old_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        self._old_sigterm = _catch_sigterm()
 
     def _restore_sigterm(self) -> None:
-        if self._old_sigterm is not None:
-            signal.signal(signal.SIGTERM, self._old_sigterm)
-            self._old_sigterm = None
+        _restore_sigterm(self._old_sigterm)
+        self._old_sigterm = None
 
     @property
     def limits(self) -> ModelLimits:
@@ -267,6 +262,20 @@ class RolloutEngine:
         return self._scheduler
 
 
+def _catch_sigterm() -> Any:
+    """SIGTERM exits like Ctrl-C does, through `__aexit__`/`__exit__`, so the engines shut down
+    cleanly. Only where nobody else handles it (the default handler, in the main thread).
+    Returns the handler to restore, or None when nothing was installed."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        return signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    return None
+
+
+def _restore_sigterm(old: Any) -> None:
+    if old is not None:
+        signal.signal(signal.SIGTERM, old)
+
+
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the shutdown short
     raise SystemExit(128 + signum)  # unwinds the event loop; asyncio.run cancels the tasks, __aexit__ runs
@@ -315,18 +324,24 @@ class SyncRolloutEngine:
         self._engine_cm = self._portal.wrap_async_context_manager(self._engine)
 
     def __enter__(self) -> SyncRolloutEngine:
+        self._old_sigterm = _catch_sigterm()  # the engine's loop runs in a thread: catch it here
         try:
             self._engine_cm.__enter__()
         except BaseException:
             self._portal_cm.__exit__(None, None, None)
+            _restore_sigterm(self._old_sigterm)
             raise
+        if self._old_sigterm is not None:  # take it back from Ray's driver, which aborts on it
+            signal.signal(signal.SIGTERM, _exit_on_sigterm)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         try:
             self._engine_cm.__exit__(*exc)
         finally:
-            self._portal_cm.__exit__(None, None, None)
+            # With an exception (a signal in the middle of a call), calls still running are cancelled.
+            self._portal_cm.__exit__(*exc)
+            _restore_sigterm(self._old_sigterm)
 
     def feed(self, prompts: Any) -> None:
         self._portal.call(self._engine.feed, prompts)

@@ -31,14 +31,24 @@ async def main():
         print("running", flush=True)
         await engine.next_group()
 
-anyio.run(main)
+def sync_main():
+    from rollout.engine import SyncRolloutEngine
+    cfg = load_config(None, ["sampling.max_tokens=4", "logging.level=error", "model.path=" + sys.argv[1]])
+    with SyncRolloutEngine(cfg, pool=Pool(1)) as engine:
+        engine._engine.pool.engines[0].block()
+        engine.feed([[5, 6, 7]])
+        print("running", flush=True)
+        list(engine.groups())
+
+sync_main() if sys.argv[2] == "sync" else anyio.run(main)
 """
 
 
+@pytest.mark.parametrize("api", ["async", "sync"])
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 128 + 15), (signal.SIGINT, -signal.SIGINT)])
-def test_signal_shuts_the_engines_down(tmp_path, sig, code):
+def test_signal_shuts_the_engines_down(tmp_path, sig, code, api):
     (tmp_path / "config.json").write_text('{"vocab_size": 260}')
-    proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path), api], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         assert proc.stdout.readline().strip() == "running"
