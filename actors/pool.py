@@ -13,6 +13,7 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -63,6 +64,12 @@ class RayEngine:
     async def stats(self) -> EngineStats:
         return await self._call(self.actor.stats.remote())
 
+    async def progress(self) -> list[Trajectory]:
+        return msgspec.msgpack.decode(await self._call(self.actor.progress.remote()), type=list[Trajectory])
+
+    async def kill(self) -> None:
+        ray.kill(self.actor, no_restart=True)
+
     async def reset_prefix_cache(self) -> None:
         await self._call(self.actor.reset_prefix_cache.remote())
 
@@ -108,6 +115,7 @@ class RayEnginePool:
         self.engines = [RayEngine(a, i) for i, a in enumerate(actors)]
         self._pg = pg
         self._started_ray = started_ray
+        self.model_path = ""
 
     @classmethod
     async def start(cls, cfg: Config, model_path: str) -> RayEnginePool:
@@ -119,20 +127,10 @@ class RayEnginePool:
         pg = placement_group([bundle] * e.count, strategy=e.placement_strategy)
         actors: list[Any] = []
         pool = cls(cfg, actors, pg, started_ray)
+        pool.model_path = model_path
         try:
             await asyncio.wait_for(pg.ready(), timeout=e.start_timeout_s)
-            actor_cls = ray.remote(VLLMPolicy)
-            for i in range(e.count):
-                actors.append(
-                    actor_cls.options(
-                        name=None,
-                        num_cpus=e.cpus_per_engine,
-                        num_gpus=e.gpus_per_engine,
-                        max_concurrency=e.max_inflight_per_engine + 16,
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-                        runtime_env={"env_vars": {**engine_env(i, e.cpus_per_engine, e.gpus_per_engine), **engine_env_extra(cfg)}},
-                    ).remote(cfg, model_path, i)
-                )
+            actors.extend(pool._spawn(i) for i in range(e.count))
             pool.engines = [RayEngine(a, i) for i, a in enumerate(actors)]
             log.info("engines starting", count=e.count, model=model_path)
             await asyncio.wait_for(asyncio.gather(*(a.start.remote() for a in actors)), timeout=e.start_timeout_s)
@@ -145,6 +143,31 @@ class RayEnginePool:
             raise
         log.info("engines ready", count=e.count)
         return pool
+
+    def _spawn(self, i: int) -> Any:
+        """Engine actor `i` in bundle `i` of the placement group (not started yet)."""
+        e = self.cfg.engines
+        return ray.remote(VLLMPolicy).options(
+            name=None,
+            num_cpus=e.cpus_per_engine,
+            num_gpus=e.gpus_per_engine,
+            max_concurrency=e.max_inflight_per_engine + 16,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i),
+            runtime_env={"env_vars": {**engine_env(i, e.cpus_per_engine, e.gpus_per_engine), **engine_env_extra(self.cfg)}},
+        ).remote(self.cfg, self.model_path, i)
+
+    async def restart(self, i: int) -> RayEngine:
+        """Replace engine `i` (killed first, freeing its bundle) with a fresh one at epoch 0."""
+        ray.kill(self.actors[i], no_restart=True)
+        actor = self.actors[i] = self._spawn(i)
+        self.engines[i] = RayEngine(actor, i)
+        try:
+            await asyncio.wait_for(actor.start.remote(), timeout=self.cfg.engines.start_timeout_s)
+        except (asyncio.TimeoutError, GetTimeoutError) as err:
+            raise EngineDeadError(f"engine {i} did not restart within engines.start_timeout_s") from err
+        except (RayActorError, RayTaskError) as err:
+            raise EngineDeadError(f"engine {i} failed to restart: {err}") from err
+        return self.engines[i]
 
     def share(self, payload: Any) -> Any:
         """Put `payload` in Ray's object store once; every engine reads the same copy."""

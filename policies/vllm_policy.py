@@ -152,9 +152,13 @@ def sampling_params(s: Sampling, request_seed: int | None, done: int = 0) -> Any
 class _Piece:
     """One vLLM request: a whole sample, or the part of it since its last resubmission."""
 
-    def __init__(self) -> None:
+    def __init__(self, salt: int, commits: int) -> None:
         self.tokens = 0  # tokens received so far
         self.resubmit = False  # an update aborted it: run again as prompt + tokens so far
+        self.salt = salt  # the epoch it was submitted at
+        self.commits = commits  # updates begun before it was submitted
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
 
 
 class VLLMPolicy:
@@ -178,6 +182,8 @@ class VLLMPolicy:
         self._open.set()
         self._slots: asyncio.Semaphore | None = None
         self._pieces: dict[str, _Piece] = {}
+        self._samples: dict[str, tuple[Trajectory, _Piece | None]] = {}  # request id -> (so far, running piece)
+        self._commits = 0  # updates begun
         self._staged: dict[int, tuple[str, bool]] = {}  # epoch -> (weights dir, ours to delete)
         self._broken: str | None = None
         self._running = 0
@@ -234,6 +240,12 @@ class VLLMPolicy:
             engine_id=self.engine_id,
             submitted_at=time.time(),
         )
+        if req.resume is not None:  # another engine died with this much of it: continue from there
+            r = req.resume
+            traj.prompt_token_ids, traj.token_ids, traj.logprobs = list(r.prompt_token_ids), list(r.token_ids), list(r.logprobs)
+            traj.policy_epochs, traj.kv_recomputes = list(r.policy_epochs), list(r.kv_recomputes)
+            traj.first_token_at = r.first_token_at
+        self._samples[req.request_id] = (traj, None)
         self._running += 1
         try:
             if req.token_ids is None:  # text: tokenize here, so the length check below covers it too
@@ -276,14 +288,14 @@ class VLLMPolicy:
             if self._broken:
                 raise EngineDeadError(self._broken)
             salt = self.epoch
-            piece, piece_id = _Piece(), f"{req.request_id}@{attempt}"
+            piece, piece_id = _Piece(salt, self._commits), f"{req.request_id}@{attempt}"
             sp = sampling_params(req.sampling, _request_seed(req, attempt), done=done)
             prompt = TokensPrompt(prompt_token_ids=traj.prompt_token_ids + traj.token_ids, cache_salt=f"epoch-{salt}")
-            ids: list[int] = []
-            lps: list[float] = []
+            ids, lps = piece.ids, piece.logprobs
             spans: list[Any] = []
             reason = "stop"
             self._pieces[piece_id] = piece
+            self._samples[req.request_id] = (traj, piece)
             try:
                 async for out in self._llm.generate(prompt, sp, request_id=piece_id):
                     c = out.outputs[0]
@@ -298,6 +310,7 @@ class VLLMPolicy:
                         spans = c.weight_versions or []
             finally:
                 del self._pieces[piece_id]
+                self._samples[req.request_id] = (traj, None)
         if self._broken:
             raise EngineDeadError(self._broken)
         mode = self.cfg.weight_sync.mode
@@ -310,7 +323,9 @@ class VLLMPolicy:
             return False
         for span in spans:
             epoch, start = int(span.version), done + span.start
-            if start > 0 and (mode == "recompute" or (start == done and mode == "abort_resume")):
+            # A piece after tokens (abort_resume, or a sample moved from a dead engine) prefills them
+            # anew; in recompute mode every update inside a piece recomputes the KV.
+            if start > 0 and (mode == "recompute" or start == done):
                 traj.kv_recomputes.append((start, epoch))  # every KV entry before `start` recomputed
             append_run(traj.policy_epochs, start, epoch)
         traj.token_ids.extend(ids)
@@ -328,7 +343,32 @@ class VLLMPolicy:
 
     async def finish_group(self, requests: list[Request]) -> list[Trajectory]:
         """`generate_group` collected: the whole group in one reply, in finishing order."""
-        return [t async for t in self.generate_group(requests)]
+        try:
+            return [t async for t in self.generate_group(requests)]
+        finally:
+            for r in requests:
+                self._samples.pop(r.request_id, None)
+
+    def progress(self) -> bytes:
+        """Every sample of the running groups as far as it is exact, msgpack-encoded Trajectories:
+        finished ones whole (`finished_at` set), running ones with the tokens of their current
+        piece only while no update began since it was submitted (their epoch is then its salt;
+        vLLM tells a piece's epochs only when it ends). What a crash of this engine keeps."""
+        out = []
+        for traj, piece in list(self._samples.values()):
+            t = msgspec.structs.replace(
+                traj, token_ids=list(traj.token_ids), logprobs=list(traj.logprobs),
+                policy_epochs=list(traj.policy_epochs), kv_recomputes=list(traj.kv_recomputes),
+            )  # fmt: skip
+            if piece is not None and piece.ids and piece.commits == self._commits and not traj.finished_at:
+                n, done = len(piece.logprobs), len(t.token_ids)  # logprobs are appended after ids
+                if done:
+                    t.kv_recomputes.append((done, piece.salt))
+                append_run(t.policy_epochs, done, piece.salt)
+                t.token_ids += piece.ids[:n]
+                t.logprobs += piece.logprobs[:n]
+            out.append(t)
+        return msgspec.msgpack.encode(out)
 
     async def stage_weights(self, epoch: int, weights: Packed | str) -> int:
         """Phase 1 of an update: receive the weights (no engine change). Returns bytes received."""
@@ -356,6 +396,7 @@ class VLLMPolicy:
         mode = self.cfg.weight_sync.mode
         llm = self._llm
         t0 = time.perf_counter()
+        self._commits += 1  # from here on, running pieces' epochs are known only when they end
         self._open.clear()
         try:
             if mode == "drain":

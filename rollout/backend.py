@@ -32,6 +32,15 @@ class Engine(Protocol):
 
     async def stats(self) -> EngineStats: ...
 
+    async def progress(self) -> list[Trajectory]:
+        """Every request of the running groups as far as known: finished ones whole
+        (`finished_at` set), running ones with the tokens whose epochs are already exact."""
+        ...
+
+    async def kill(self) -> None:
+        """Stop the engine at once (it hangs or misbehaves); its running calls raise EngineDeadError."""
+        ...
+
     async def reset_prefix_cache(self) -> None: ...
 
     # Weight updates, in two phases so that a failure to receive changes no engine.
@@ -66,6 +75,10 @@ class EnginePool(Protocol):
 
     def share(self, payload: Any) -> Any:
         """Make `payload` readable by every engine, moving it once (Ray: the object store)."""
+        ...
+
+    async def restart(self, i: int) -> Engine:
+        """Replace engine `i` with a freshly started one (epoch 0) and return it."""
         ...
 
     async def shutdown(self) -> None: ...

@@ -34,6 +34,14 @@ class EnginesConfig(Struct, frozen=True, forbid_unknown_fields=True):
     max_inflight_per_engine: PositiveInt = 256  # requests the scheduler keeps on one engine
     start_timeout_s: PositiveFloat = 600.0
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    # Health: every interval each engine reports its requests' progress (what a crash would keep);
+    # an engine that does not answer within health_timeout_s is killed and its requests move on.
+    health_interval_s: PositiveFloat = 2.0
+    health_timeout_s: PositiveFloat = 60.0
+    max_restarts: NonNegInt = 3  # per engine; the n-th restart waits restart_backoff_s * 2**(n-1)
+    restart_backoff_s: Annotated[float, Meta(ge=0)] = 1.0
+    request_timeout_s: PositiveFloat | None = None  # a group with no result by then is retried elsewhere
+    max_retries: NonNegInt = 3  # times a group's unfinished samples move to another engine, then fail
     # Pass-through vLLM engine args (any AsyncEngineArgs field), plus `kv_cache_gib` for CPU.
     vllm: dict[str, Any] = msgspec.field(default_factory=lambda: {"kv_cache_gib": 1})
 

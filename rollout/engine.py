@@ -70,6 +70,8 @@ class RolloutEngine:
         self._durable: DurableLog | None = None
         self._recovered: list[Group] = []  # from the durable log of an earlier run: handed out first
         self._old_sigterm: Any = None
+        self._weights: Any = None  # the latest weights as shared with the engines (restarts load them)
+        self._restarts: dict[int, int] = {}
 
     async def __aenter__(self) -> RolloutEngine:
         configure(self.cfg.logging.level, self.cfg.logging.json)
@@ -88,10 +90,13 @@ class RolloutEngine:
             if self._old_sigterm is not None:  # take it back: Ray's driver installs a handler that aborts
                 signal.signal(signal.SIGTERM, _exit_on_sigterm)
         self._queue = TrajectoryQueue(self.cfg.queue.max_groups, in_order=self.cfg.queue.order == "in_order")
-        self._scheduler = Scheduler(self.cfg, self.pool.engines, self._queue, limits, self._on_trajectory, reward, self._durable)
+        self._scheduler = Scheduler(
+            self.cfg, self.pool.engines, self._queue, limits, self._on_trajectory, reward, self._durable, self._restart_later
+        )
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._tg.start_soon(self._scheduler.run, self._tg)
+        self._tg.start_soon(self._scheduler.watch)
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -237,6 +242,8 @@ class RolloutEngine:
                 failed=sorted(bad),
             )
             self.weight_updates.append(stats)
+            if len(bad) < len(live):
+                self._weights = shared
             if len(bad) == len(live):
                 raise WeightSyncError(f"epoch {epoch}: every engine failed to load it: {_describe(bad)}", list(bad))
             self.epoch = epoch
@@ -245,6 +252,36 @@ class RolloutEngine:
             if bad:
                 raise WeightSyncError(f"epoch {epoch}: {_describe(bad)}; out of rotation, the others serve epoch {epoch}", list(bad))
             return epoch
+
+    def _restart_later(self, i: int) -> bool:
+        """The scheduler lost engine `i`: restart it in the background, unless it used up its restarts."""
+        n = self._restarts.get(i, 0)
+        if n >= self.cfg.engines.max_restarts or not hasattr(self.pool, "restart"):
+            return False
+        self._restarts[i] = n + 1
+        self._tg.start_soon(self._restart, i, n + 1)
+        return True
+
+    async def _restart(self, i: int, n: int) -> None:
+        """Restart engine `i` (the `n`-th time), load the current epoch's weights, readmit it."""
+        scheduler = self._live_scheduler()
+        assert self.pool is not None
+        await anyio.sleep(self.cfg.engines.restart_backoff_s * 2 ** (n - 1))
+        try:
+            log.warning("restarting engine", engine=i, restart=n, of=self.cfg.engines.max_restarts)
+            engine = await self.pool.restart(i)
+            async with self._update_lock:  # no update may slip between loading and readmission
+                if self.epoch:
+                    await engine.stage_weights(self.epoch, self._weights)
+                    with anyio.fail_after(self.cfg.weight_sync.timeout_s):
+                        await engine.commit_weights(self.epoch)
+                scheduler.revive(i, engine)
+        except Exception as e:
+            reason = f"restart {n} failed: {type(e).__name__}: {e}"
+            if not self._restart_later(i):
+                scheduler.give_up(i, reason)
+            else:
+                log.error("engine restart failed; trying again", engine=i, reason=reason)
 
     async def stats(self) -> list[EngineStats]:
         assert self.pool is not None

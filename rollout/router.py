@@ -11,6 +11,7 @@ class EngineLoad(Struct):
     requests: int = 0  # requests in flight on the engine
     tokens: int = 0  # outstanding tokens: prompt + max_tokens of those requests
     healthy: bool = True
+    restarting: bool = False  # out of rotation until its restart succeeds
 
 
 def route(loads: Sequence[EngineLoad], n: int, capacity: int) -> int | None:

@@ -6,7 +6,9 @@ Owns the data path between the prompt sources and the trajectory queue:
      queue slot (a full queue stops admission here);
   3) validate it against the model and its sampling values (a bad one becomes a failed group);
   4) wait for an engine with room for the whole group (`router.route`, least outstanding tokens);
-  5) run the group's `n` samples on that engine, so they share its prefix cache;
+  5) run the group's `n` samples on that engine, so they share its prefix cache; if the engine dies
+     (or the group outlives `engines.request_timeout_s`), its unfinished samples continue on
+     another engine from the engine's last progress report (`watch`), up to `engines.max_retries`;
   6) score its trajectories with the reward function, if any (off the engine path);
   7) hand the finished group to the queue as soon as its last sample ends (after logging it to
      `queue.durable_dir`, when set).
@@ -49,6 +51,7 @@ class Scheduler:
         on_trajectory: Callable[[Trajectory], None] | None = None,
         reward: RewardFn | None = None,
         durable: DurableLog | None = None,
+        on_engine_dead: Callable[[int], bool] | None = None,
     ):
         self.cfg = cfg
         self.engines = list(engines)
@@ -57,6 +60,9 @@ class Scheduler:
         self.on_trajectory = on_trajectory
         self.reward = reward
         self.durable = durable
+        self.on_engine_dead = on_engine_dead  # starts a restart; False when it will not
+        self.progress: dict[str, Trajectory] = {}  # request id -> what its engine last reported
+        self._live: set[str] = set()  # request ids of the groups running now
         self.loads = [EngineLoad() for _ in self.engines]
         self._sources: deque[AsyncIterator] = deque()
         self._new_source = anyio.Event()
@@ -114,7 +120,7 @@ class Scheduler:
     async def _acquire_engine(self, n: int, cost: int) -> int:
         capacity = self.cfg.engines.max_inflight_per_engine
         while (i := route(self.loads, n, capacity)) is None:
-            if not any(load.healthy for load in self.loads):
+            if not any(load.healthy or load.restarting for load in self.loads):
                 raise EngineDeadError("every engine is dead")
             freed = self._capacity_freed
             await freed.wait()
@@ -132,33 +138,120 @@ class Scheduler:
         self._capacity_freed = anyio.Event()
 
     async def _run_group(self, i: int, prompt: Prompt, sampling: Sampling, seq: int, cost: int, queued_at: float) -> None:
-        requests = [
-            Request(f"r{seq + 1}-{k}", prompt.id, k, sampling, token_ids=prompt.token_ids, text=prompt.text)
+        pending = {
+            k: Request(f"r{seq + 1}-{k}", prompt.id, k, sampling, token_ids=prompt.token_ids, text=prompt.text)
             for k in range(sampling.n)
-        ]
+        }
         done: dict[int, Trajectory] = {}
-        failure = None
-        try:
-            async for traj in self.engines[i].generate_group(requests):
-                self._release_engine(i, 1, cost)  # per sample: the engine has room as soon as one ends
-                self._finish(traj, queued_at, done)
-        except EngineDeadError as e:
-            self.mark_dead(i, str(e))
-            failure = str(e)
-        except RolloutError as e:
-            failure = str(e)
-        finally:
-            if len(done) < len(requests):
-                self._release_engine(i, len(requests) - len(done), cost)
-        for req in requests:
-            if req.sample_index not in done:
-                self._finish(_failed(req, i, failure or "engine returned no result"), queued_at, done)
+        ids = [r.request_id for r in pending.values()]
+        self._live.update(ids)
+        retries, timeout = 0, self.cfg.engines.request_timeout_s
+        while True:
+            failure, moved = await self._attempt(i, pending, cost, queued_at, done, timeout)
+            if not pending or not moved or retries == self.cfg.engines.max_retries:
+                break
+            retries += 1
+            for k, req in list(pending.items()):  # continue from the last progress report
+                partial = self.progress.get(req.request_id)
+                if partial is not None and partial.finished_at:
+                    self._finish(partial, queued_at, done)
+                    del pending[k]
+                elif partial is not None and partial.token_ids:
+                    pending[k] = msgspec.structs.replace(req, resume=partial)
+            if not pending:
+                break
+            try:
+                i = await self._acquire_engine(len(pending), cost)
+            except EngineDeadError as e:
+                failure = str(e)
+                break
+            log.warning("samples moved to another engine", prompt=prompt.id, samples=len(pending), engine=i,
+                        reason=failure, resumed_tokens=sum(len(r.resume.token_ids) for r in pending.values() if r.resume))  # fmt: skip
+        for k, req in pending.items():
+            reason = failure or "engine returned no result"
+            self._finish(_failed(req, i, f"{reason} (moved {retries} times)" if retries else reason), queued_at, done)
+        for req_id in ids:
+            self._live.discard(req_id)
+            self.progress.pop(req_id, None)
         trajectories = [done[k] for k in range(sampling.n)]
         if self.reward is not None:
             async with anyio.create_task_group() as tg:
                 for t in trajectories:
                     tg.start_soon(score, self.reward, prompt, t)
         await self._hand_in(Group(prompt_id=prompt.id, prompt=prompt, trajectories=trajectories), seq)
+
+    async def _attempt(
+        self, i: int, pending: dict[int, Request], cost: int, queued_at: float, done: dict[int, Trajectory], timeout: float | None
+    ) -> tuple[str | None, bool]:
+        """Run `pending` on engine `i` (capacity already taken), moving finished ones to `done`.
+
+        Returns (failure, whether the rest may move to another engine)."""
+        failure, moved = None, False
+        try:
+            with anyio.fail_after(timeout):
+                async for traj in self.engines[i].generate_group(list(pending.values())):
+                    del pending[traj.sample_index]
+                    self._release_engine(i, 1, cost)  # per sample: the engine has room as soon as one ends
+                    self._finish(traj, queued_at, done)
+        except EngineDeadError as e:
+            self.mark_dead(i, str(e))
+            failure, moved = str(e), True
+        except TimeoutError:
+            failure, moved = f"no result within engines.request_timeout_s={timeout} on engine {i}", True
+        except RolloutError as e:
+            failure = str(e)
+        finally:
+            if pending:
+                self._release_engine(i, len(pending), cost)
+        return failure, moved
+
+    async def watch(self) -> None:
+        """Every `engines.health_interval_s`: each healthy engine reports its requests' progress.
+
+        The reports are what a crash keeps. An engine that fails to answer within
+        `engines.health_timeout_s` is killed, so its running groups move on instead of hanging.
+        """
+        while True:
+            await anyio.sleep(self.cfg.engines.health_interval_s)
+            async with anyio.create_task_group() as tg:
+                for i, load in enumerate(self.loads):
+                    if load.healthy:
+                        tg.start_soon(self._check, i)
+
+    async def _check(self, i: int) -> None:
+        engine, timeout = self.engines[i], self.cfg.engines.health_timeout_s
+        try:
+            with anyio.fail_after(timeout):
+                reports = await engine.progress()
+        except TimeoutError:
+            reason = f"engine {i}: no health report within engines.health_timeout_s={timeout}"
+        except RolloutError as e:
+            reason = str(e)
+        else:
+            if engine is self.engines[i]:
+                self.progress.update((t.request_id, t) for t in reports if t.request_id in self._live)
+            return
+        if engine is self.engines[i]:
+            self.mark_dead(i, reason)
+            await engine.kill()  # its calls fail now, and its groups move on
+
+    def revive(self, i: int, engine: Engine) -> None:
+        """A restarted engine `i`, at the current epoch: back into rotation."""
+        self.engines[i] = engine
+        self.loads[i].healthy, self.loads[i].restarting = True, False
+        log.info("engine back in rotation", engine=i)
+        self._wake_admission()
+
+    def give_up(self, i: int, reason: str) -> None:
+        """Engine `i` will not come back."""
+        self.loads[i].restarting = False
+        log.error("engine gone for good", engine=i, reason=reason)
+        self._check_alive()
+
+    def _check_alive(self) -> None:
+        if not any(load.healthy or load.restarting for load in self.loads):
+            self.queue.fail(EngineDeadError("every engine is dead (and none is restarting)"))
+        self._wake_admission()  # admission re-checks: there may be no engine left at all
 
     async def _hand_in(self, group: Group, seq: int) -> None:
         """Into the queue, after the durable log (if any) holds it."""
@@ -167,11 +260,12 @@ class Scheduler:
         self.queue.put(group, seq)
 
     def mark_dead(self, i: int, reason: str) -> None:
-        """Take engine `i` out of rotation (its running groups fail with EngineDeadError)."""
+        """Take engine `i` out of rotation (its running groups move on) and have it restarted."""
         if self.loads[i].healthy:
             self.loads[i].healthy = False
             log.error("engine out of rotation", engine=i, reason=reason)
-        self._wake_admission()  # admission re-checks: there may be no engine left at all
+            self.loads[i].restarting = self.on_engine_dead is not None and self.on_engine_dead(i)
+        self._check_alive()
 
     def _finish(self, traj: Trajectory, queued_at: float, done: dict[int, Trajectory]) -> None:
         traj.queued_at = queued_at

@@ -62,7 +62,11 @@ class Prompt(Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class Request(Struct, frozen=True):
-    """One sample of one prompt, as sent to an engine."""
+    """One sample of one prompt, as sent to an engine.
+
+    `resume`: what an engine that died had generated of this sample (its last progress report);
+    the new engine continues from there, as prompt + those tokens, recomputing their KV.
+    """
 
     request_id: str
     prompt_id: str
@@ -70,6 +74,7 @@ class Request(Struct, frozen=True):
     sampling: Sampling
     token_ids: list[int] | None = None
     text: str | None = None
+    resume: Trajectory | None = None
 
 
 class Trajectory(Struct):

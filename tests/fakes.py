@@ -20,7 +20,7 @@ import msgspec
 from rollout.backend import as_finished
 from rollout.errors import EngineDeadError
 from rollout.specdecode import SpecCounters
-from rollout.types import EngineStats, Request, Trajectory
+from rollout.types import EngineStats, Request, Trajectory, append_run
 
 VOCAB_SIZE = 260  # the tiny model's: 4 special ids, then 256 bytes
 EOS_ID = 2
@@ -60,6 +60,10 @@ class FakeEngine:
         self.fail_commit = False
         self.hang_commit = False
         self.staged: dict[int, object] = {}
+        self.reported_tokens = 0  # progress(): how many tokens of a held request it reports
+        self.hang_progress = False
+        self.held: dict[str, Request] = {}  # requests in flight, by id
+        self.killed = False
         self.commits: list[int] = []
         self.spec = SpecCounters(engine_id=engine_id)  # what spec_counters() reports; tests set it
         self._changed = anyio.Event()
@@ -82,6 +86,7 @@ class FakeEngine:
 
     async def generate(self, request: Request) -> Trajectory:
         self.requests.append(request)
+        self.held[request.request_id] = request
         self.inflight += 1
         self.max_inflight = max(self.max_inflight, self.inflight)
         self._notify()
@@ -99,6 +104,7 @@ class FakeEngine:
             raise
         finally:
             self.inflight -= 1
+            self.held.pop(request.request_id, None)
             self._notify()
 
     async def generate_group(self, requests: list[Request]) -> AsyncIterator[Trajectory]:
@@ -115,6 +121,26 @@ class FakeEngine:
             tokens_generated=0,
             requests_failed=self.failed,
         )
+
+    async def progress(self) -> list[Trajectory]:
+        if self.hang_progress:
+            await anyio.sleep_forever()
+        if self.dead:
+            raise EngineDeadError(f"fake engine {self.engine_id} is dead")
+        out = []
+        for r in self.held.values():
+            t = self._trajectory(r)
+            keep = min(len(t.token_ids), max(self.reported_tokens, len(r.resume.token_ids) if r.resume else 0))
+            t.token_ids, t.logprobs, t.finish_reason, t.finished_at = t.token_ids[:keep], t.logprobs[:keep], "stop", 0.0
+            t.policy_epochs = [(s, e) for s, e in t.policy_epochs if s < keep]
+            t.kv_recomputes = [(j, e) for j, e in t.kv_recomputes if j < keep]
+            out.append(t)
+        return out
+
+    async def kill(self) -> None:
+        self.dead = self.killed = True
+        if self.gate is not None:
+            self.gate.set()
 
     async def reset_prefix_cache(self) -> None:
         self.prefix_cache_resets += 1
@@ -154,17 +180,26 @@ class FakeEngine:
         return msgspec.structs.replace(self.spec, accepted_per_pos=list(self.spec.accepted_per_pos))
 
     def _trajectory(self, request: Request) -> Trajectory:
-        s = request.sampling
+        """What this engine generates for `request`: deterministic per position, so a sample resumed
+        on another engine ends with the same tokens as one that ran through."""
+        s, resume = request.sampling, request.resume
         prompt_ids = list(request.token_ids) if request.token_ids is not None else text_ids(request.text or "")
-        tokens: list[int] = []
+        tokens: list[int] = list(resume.token_ids) if resume else []
         finish = "length"
-        for pos in range(s.max_tokens):
+        for pos in range(len(tokens), s.max_tokens):
             tok = EOS_ID if pos == self.eos_at else fake_token(prompt_ids, request.sample_index, pos)
             tokens.append(tok)  # like vLLM, the stop token is part of the output
             if tok in s.stop_token_ids and len(tokens) > s.min_tokens:
                 finish = "stop"
                 break
         now = time.time()
+        done = len(resume.token_ids) if resume else 0
+        epochs = list(resume.policy_epochs) if resume else []
+        recomputes = list(resume.kv_recomputes) if resume else []
+        if len(tokens) > done:
+            append_run(epochs, done, self.epoch)
+        if done:
+            recomputes.append((done, self.epoch))
         return Trajectory(
             request_id=request.request_id,
             prompt_id=request.prompt_id,
@@ -173,7 +208,9 @@ class FakeEngine:
             token_ids=tokens,
             logprobs=[fake_logprob(t, i) for i, t in enumerate(tokens)],
             finish_reason=finish,
-            policy_epochs=[(0, self.epoch)] if tokens else [],
+            policy_epochs=epochs,
+            kv_recomputes=recomputes,
+            num_preemptions=len(recomputes),
             engine_id=self.engine_id,
             submitted_at=now,
             first_token_at=now,
@@ -194,10 +231,19 @@ class FakePool:
         self.engines = engines
         self.shutdown_calls = 0
         self.shared: list[object] = []
+        self.restarts: list[int] = []
+        self.fail_restart = False
 
     def share(self, payload: object) -> object:
         self.shared.append(payload)
         return payload
+
+    async def restart(self, i: int) -> FakeEngine:
+        if self.fail_restart:
+            raise RuntimeError("engine failed to start")
+        self.restarts.append(i)
+        self.engines[i] = FakeEngine(i, eos_at=self.engines[i].eos_at)
+        return self.engines[i]
 
     async def shutdown(self) -> None:
         self.shutdown_calls += 1

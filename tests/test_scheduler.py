@@ -321,31 +321,39 @@ async def test_an_error_in_the_body_cancels_and_shuts_down(make_cfg):
     assert pool.shutdown_calls == 1
 
 
-async def test_dead_engine_fails_its_trajectories_and_is_avoided(make_cfg):
+async def test_a_dead_engines_samples_move_on_and_it_is_avoided(make_cfg):
     pool = FakePool(2)
     dead, alive = pool.engines
     dead.dead = True
-    async with rollout(make_cfg(), pool) as engine:
+    async with rollout(make_cfg("engines.max_restarts=0"), pool) as engine:
         engine.feed(prompts(1))  # idle engines tie: the lower index takes it
         [first] = await all_groups(engine)
-        assert not first.ok and first.error is None
-        assert [t.finish_reason for t in first.trajectories] == ["error", "error"]
-        assert all("fake engine 0 is dead" in t.error and t.engine_id == 0 for t in first.trajectories)
-        assert [t.sample_index for t in first.trajectories] == [0, 1]
-        assert all(t.prompt_token_ids == first.prompt.token_ids for t in first.trajectories)
+        assert first.ok and [t.sample_index for t in first.trajectories] == [0, 1]
+        assert all(t.engine_id == 1 and t.num_preemptions == 0 for t in first.trajectories)  # nothing to resume
 
         engine.feed([Prompt(token_ids=[5 + i], id=f"after{i}") for i in range(4)])
         later = await all_groups(engine)
     assert len(later) == 4 and all(g.ok for g in later)
     assert all(t.engine_id == 1 for g in later for t in g.trajectories)
     assert len(dead.requests) == 2 and dead.failed == 2
-    assert len(alive.requests) == 8
+    assert len(alive.requests) == 2 + 8
+
+
+async def test_samples_fail_with_the_reason_once_retries_run_out(make_cfg):
+    pool = FakePool(2)
+    for e in pool.engines:
+        e.dead = True
+    async with rollout(make_cfg("engines.max_restarts=0", "engines.max_retries=1"), pool) as engine:
+        engine.feed(prompts(1))
+        with pytest.raises(EngineDeadError, match="every engine is dead"):
+            await all_groups(engine)
 
 
 async def test_all_engines_dead_raises_instead_of_hanging(make_cfg):
     pool = FakePool(1)
     pool.engines[0].dead = True
-    async with rollout(make_cfg("engines.count=1", "engines.max_inflight_per_engine=2"), pool) as engine:
+    cfg = make_cfg("engines.count=1", "engines.max_inflight_per_engine=2", "engines.max_restarts=0")
+    async with rollout(cfg, pool) as engine:
         engine.feed(prompts(3))  # one group fits at a time; the second waits for the dead engine
         with pytest.raises(EngineDeadError):
             await all_groups(engine)

@@ -1,0 +1,137 @@
+"""Nothing lost when an engine dies or hangs: samples resume elsewhere from the last progress
+report, hung engines are killed by the health check, dead ones restart at the current epoch."""
+
+from __future__ import annotations
+
+import anyio
+import msgspec
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from rollout.config import load_config
+from rollout.engine import RolloutEngine
+from rollout.errors import EngineDeadError
+from rollout.types import Prompt
+from tests.fakes import FakeEngine, FakePool
+
+TIMEOUT = 5
+STATE = {"embed.weight": torch.zeros(4, 3)}
+
+
+@pytest.fixture
+def make_cfg(tmp_path):
+    (tmp_path / "config.json").write_text('{"vocab_size": 260}')
+    save_file(STATE, str(tmp_path / "model.safetensors"))
+
+    def make(*overrides: str):
+        cfg = load_config(None, ["sampling.n=2", "sampling.max_tokens=8", "engines.count=2", "model.max_model_len=64",
+                                 "logging.level=error", "engines.health_interval_s=0.01", "engines.restart_backoff_s=0",
+                                 *overrides])  # fmt: skip
+        return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=str(tmp_path)))
+
+    return make
+
+
+PROMPT = Prompt(token_ids=[7, 8, 9], id="p")
+
+
+async def reference(make_cfg) -> list[list[int]]:
+    """The group's tokens when nothing goes wrong."""
+    async with RolloutEngine(make_cfg(), pool=FakePool(2)) as engine:
+        engine.feed([PROMPT])
+        return [t.token_ids for t in (await engine.next_group()).trajectories]
+
+
+async def test_samples_continue_on_another_engine_from_the_last_report(make_cfg):
+    want = await reference(make_cfg)
+    pool = FakePool(2)
+    doomed = pool.engines[0]
+    doomed.reported_tokens = 3
+    doomed.block()
+    with anyio.fail_after(TIMEOUT):
+        async with RolloutEngine(make_cfg("engines.max_restarts=0"), pool=pool) as engine:
+            engine.feed([PROMPT])
+            await doomed.wait_until(lambda e: e.inflight == 2)
+            while len(engine._scheduler.progress) < 2:  # both samples reported at least once
+                await anyio.sleep(0.01)
+            await doomed.kill()
+            group = await engine.next_group()
+    assert group.ok and [t.token_ids for t in group.trajectories] == want  # nothing lost, nothing doubled
+    for t in group.trajectories:
+        assert t.engine_id == 1
+        assert t.kv_recomputes == [(3, 0)] and t.num_preemptions == 1  # the KV before token 3 was recomputed
+        assert t.policy_epochs == [(0, 0)] and len(t.logprobs) == len(t.token_ids)
+    assert [len(r.resume.token_ids) for r in pool.engines[1].requests] == [3, 3]
+
+
+async def test_a_hung_engine_is_killed_by_the_health_check(make_cfg):
+    pool = FakePool(2)
+    hung = pool.engines[0]
+    hung.block()
+    hung.hang_progress = True
+    with anyio.fail_after(TIMEOUT):
+        async with RolloutEngine(make_cfg("engines.health_timeout_s=0.05", "engines.max_restarts=0"), pool=pool) as engine:
+            engine.feed([PROMPT])
+            group = await engine.next_group()
+    assert hung.killed and group.ok and all(t.engine_id == 1 for t in group.trajectories)
+
+
+async def test_a_stuck_group_is_retried_elsewhere_then_failed_with_the_reason(make_cfg):
+    pool = FakePool(2)
+    for e in pool.engines:
+        e.block()  # alive and healthy, but nothing ever finishes
+    with anyio.fail_after(TIMEOUT):
+        cfg = make_cfg("engines.request_timeout_s=0.05", "engines.max_retries=2")
+        async with RolloutEngine(cfg, pool=pool) as engine:
+            engine.feed([PROMPT])
+            group = await engine.next_group()
+    assert not group.ok
+    assert all("engines.request_timeout_s=0.05" in t.error and "moved 2 times" in t.error for t in group.trajectories)
+    assert sum(len(e.requests) for e in pool.engines) == sum(e.cancelled for e in pool.engines) == 2 * 3
+    assert not any(e.killed for e in pool.engines)  # slow is not dead
+
+
+async def test_a_dead_engine_restarts_at_the_current_epoch_and_serves_again(make_cfg):
+    pool = FakePool(2)
+    with anyio.fail_after(TIMEOUT):
+        async with RolloutEngine(make_cfg(), pool=pool) as engine:
+            await engine.update_weights(STATE)
+            await engine.update_weights(STATE)
+            old = pool.engines[0]
+            await old.kill()
+            engine.feed([PROMPT])  # runs on engine 1 meanwhile, or on 0 once it is back
+            assert (await engine.next_group()).ok
+            while not engine._scheduler.loads[0].healthy:
+                await anyio.sleep(0.01)
+            new = pool.engines[0]
+            assert new is not old and pool.restarts == [0]
+            assert new.commits == [2] and new.epoch == 2  # brought to the current epoch before readmission
+            assert engine._scheduler.engines[0] is new
+            pool.engines[1].dead = True  # now only the restarted engine can serve
+            engine.feed([Prompt(token_ids=[5], id="q")])
+            group = await engine.next_group()
+    assert group.ok and all(t.engine_id == 0 and t.policy_epochs == [(0, 2)] for t in group.trajectories)
+
+
+async def test_restarts_are_bounded_then_the_engine_is_given_up(make_cfg):
+    pool = FakePool(1)
+    pool.fail_restart = True
+    pool.engines[0].dead = True
+    with anyio.fail_after(TIMEOUT):
+        cfg = make_cfg("engines.count=1", "engines.max_restarts=2")
+        async with RolloutEngine(cfg, pool=pool) as engine:
+            engine.feed([PROMPT])
+            with pytest.raises(EngineDeadError, match="every engine is dead"):
+                await engine.next_group()
+    assert engine._restarts == {0: 2}
+
+
+async def test_with_every_engine_restarting_admission_waits_instead_of_failing(make_cfg):
+    pool = FakePool([FakeEngine(0)])
+    pool.engines[0].dead = True
+    with anyio.fail_after(TIMEOUT):
+        async with RolloutEngine(make_cfg("engines.count=1"), pool=pool) as engine:
+            engine.feed([PROMPT, Prompt(token_ids=[5], id="q")])
+            groups = [g async for g in engine.groups()]
+    assert [g.ok for g in groups] == [True, True] and pool.restarts == [0]
