@@ -149,10 +149,25 @@ def sampling_params(s: Sampling, request_seed: int | None, done: int = 0) -> Any
     )
 
 
+def _merge_piece(traj: Trajectory, spans: list[tuple[int, int]], ids: list[int], lps: list[float], mode: str) -> None:
+    """Append a piece's tokens to `traj`; `spans` are its (first token within the piece, epoch)."""
+    done = len(traj.token_ids)
+    for start, epoch in spans:
+        start += done
+        # A piece after tokens (abort_resume, or a sample moved from a dead engine) prefills them
+        # anew; in recompute mode every update inside a piece recomputes the KV.
+        if start > 0 and (mode == "recompute" or start == done):
+            traj.kv_recomputes.append((start, epoch))  # every KV entry before `start` recomputed
+        append_run(traj.policy_epochs, start, epoch)
+    traj.token_ids.extend(ids)
+    traj.logprobs.extend(lps)
+
+
 class _Piece:
     """One vLLM request: a whole sample, or the part of it since its last resubmission."""
 
-    def __init__(self, salt: int, commits: int) -> None:
+    def __init__(self, piece_id: str, salt: int, commits: int) -> None:
+        self.id = piece_id
         self.tokens = 0  # tokens received so far
         self.resubmit = False  # an update aborted it: run again as prompt + tokens so far
         self.salt = salt  # the epoch it was submitted at
@@ -288,7 +303,8 @@ class VLLMPolicy:
             if self._broken:
                 raise EngineDeadError(self._broken)
             salt = self.epoch
-            piece, piece_id = _Piece(salt, self._commits), f"{req.request_id}@{attempt}"
+            piece_id = f"{req.request_id}@{attempt}"
+            piece = _Piece(piece_id, salt, self._commits)
             sp = sampling_params(req.sampling, _request_seed(req, attempt), done=done)
             prompt = TokensPrompt(prompt_token_ids=traj.prompt_token_ids + traj.token_ids, cache_salt=f"epoch-{salt}")
             ids, lps = piece.ids, piece.logprobs
@@ -321,15 +337,7 @@ class VLLMPolicy:
             # old weights: nothing it produced is kept, it reruns salted with the current epoch.
             self._reruns += 1
             return False
-        for span in spans:
-            epoch, start = int(span.version), done + span.start
-            # A piece after tokens (abort_resume, or a sample moved from a dead engine) prefills them
-            # anew; in recompute mode every update inside a piece recomputes the KV.
-            if start > 0 and (mode == "recompute" or start == done):
-                traj.kv_recomputes.append((start, epoch))  # every KV entry before `start` recomputed
-            append_run(traj.policy_epochs, start, epoch)
-        traj.token_ids.extend(ids)
-        traj.logprobs.extend(lps)
+        _merge_piece(traj, [(s.start, int(s.version)) for s in spans], ids, lps, mode)
         traj.finish_reason = reason
         return not (reason == "abort" and piece.resubmit)
 
@@ -355,20 +363,32 @@ class VLLMPolicy:
         piece only while no update began since it was submitted (their epoch is then its salt;
         vLLM tells a piece's epochs only when it ends). What a crash of this engine keeps."""
         out = []
+        mode = self.cfg.weight_sync.mode
         for traj, piece in list(self._samples.values()):
             t = msgspec.structs.replace(
                 traj, token_ids=list(traj.token_ids), logprobs=list(traj.logprobs),
                 policy_epochs=list(traj.policy_epochs), kv_recomputes=list(traj.kv_recomputes),
             )  # fmt: skip
-            if piece is not None and piece.ids and piece.commits == self._commits and not traj.finished_at:
-                n, done = len(piece.logprobs), len(t.token_ids)  # logprobs are appended after ids
-                if done:
-                    t.kv_recomputes.append((done, piece.salt))
-                append_run(t.policy_epochs, done, piece.salt)
-                t.token_ids += piece.ids[:n]
-                t.logprobs += piece.logprobs[:n]
+            n = len(piece.logprobs) if piece is not None and not traj.finished_at else 0  # logprobs come after ids
+            spans = self._piece_epochs(piece) if n else None
+            if spans and not (spans[0][1] != piece.salt and mode in ("keep", "abort_resume")):  # else: a rerun
+                _merge_piece(t, [s for s in spans if s[0] < n], piece.ids[:n], piece.logprobs[:n], mode)
             out.append(t)
         return msgspec.msgpack.encode(out)
+
+    def _piece_epochs(self, piece: _Piece) -> list[tuple[int, int]] | None:
+        """(first token, epoch) spans of what vLLM has produced of a running piece so far: from
+        vLLM's output processor (which is ahead of our stream), else known only if no update
+        began since the piece was submitted."""
+        try:
+            op = self._llm.output_processor
+            internal = op.external_req_ids.get(piece.id)
+            state = op.request_states.get(internal[0]) if internal else None
+            if state is not None:
+                return [(start, int(version)) for version, start in state.weight_version_starts]
+        except (AttributeError, TypeError, ValueError):  # not the vLLM this was written against
+            pass
+        return [(0, piece.salt)] if piece.commits == self._commits else None
 
     async def stage_weights(self, epoch: int, weights: Packed | str) -> int:
         """Phase 1 of an update: receive the weights (no engine change). Returns bytes received."""
