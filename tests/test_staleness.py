@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import anyio
 import msgspec
 import pytest
@@ -178,3 +180,19 @@ async def test_in_order_hands_out_in_feed_order(make_cfg):
             gate.set()
             order = [g.prompt_id async for g in engine.groups()]
     assert order == [f"q{i}" for i in range(6)]
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("staleness.max_lag=-1", "staleness.max_lag: expected `int` >= 0"),
+        ("staleness.stale=keep", "staleness.stale: invalid enum value 'keep'"),
+        ("staleness.batch_groups=300", "staleness.batch_groups: 300 can never fill, queue.max_groups is 256"),
+        ("queue.order=random", "queue.order: invalid enum value 'random'"),
+    ],
+)
+def test_bad_staleness_config_names_the_key(override, message):
+    from rollout.errors import InvalidConfigError
+
+    with pytest.raises(InvalidConfigError, match=re.escape(message)):
+        load_config(None, [override])
