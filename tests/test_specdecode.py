@@ -124,3 +124,18 @@ async def test_meter_leaves_dead_engines_out():
     pool.engines[1].dead = True
     report = await meter.read()
     assert [e.engine_id for e in report.engines] == [0] and report.total.acceptance_rate == pytest.approx(0.25)
+
+
+def test_bench_rows_show_summed_and_per_engine_figures():
+    import msgspec
+
+    from rollout.bench import spec_decode_rows
+
+    ours = msgspec.to_builtins(window(BEFORE, AFTER))
+    empty = msgspec.to_builtins(window(AFTER, AFTER))  # zero drafts: dashes, not a crash
+    text = "\n".join(spec_decode_rows({"method": "ngram"}, ours, empty))
+    assert "ngram, 3 draft tokens per step" in text
+    assert "2.200" in text and "40.0%" in text and "0.520 0.400 0.280" in text  # summed
+    assert "e0 length/rate/pos" in text and "2.500 / 50.0% / 0.650 0.500 0.350  (20 drafts)" in text
+    assert "e1 length/rate/pos" in text and "1.000 / 0.0%" in text
+    assert "raw vLLM -" in text

