@@ -19,7 +19,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from policies.vllm_policy import VLLMPolicy, engine_args, engine_env, engine_env_extra
+from policies.vllm_policy import VLLMPolicy, engine_args, engine_env
 from rollout.config import Config
 from rollout.errors import EngineDeadError, RetryableError, RolloutError
 from rollout.log import get_logger
@@ -153,7 +153,7 @@ class RayEnginePool:
             num_gpus=e.gpus_per_engine,
             max_concurrency=e.max_inflight_per_engine + 16,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i),
-            runtime_env={"env_vars": {**engine_env(i, e.cpus_per_engine, e.gpus_per_engine), **engine_env_extra(self.cfg)}},
+            runtime_env={"env_vars": engine_env(i, e.cpus_per_engine, e.gpus_per_engine)},
         ).remote(self.cfg, self.model_path, i)
 
     async def restart(self, i: int) -> RayEngine:

