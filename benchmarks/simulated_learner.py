@@ -71,6 +71,7 @@ async def learner_loop(cfg: Config, groups: int, warmup: int, steps: int, step_t
             rows.append({"wait_s": t1 - t0, "train_s": t2 - t1, "push_s": t3 - t2, "samples": len(ok),
                          "tokens": sum(len(t.token_ids) for t in ok)})  # fmt: skip
         stalls = [s for u in engine.weight_updates[warmup:] for s in u.stall_s.values()]
+        reruns = sum(s.reruns for s in await engine.stats())
         lags = {k: v - lag_before.get(k, 0) for k, v in engine.staleness.lag_tokens.items() if v - lag_before.get(k, 0)}
     measured = rows[warmup:]
     wall = sum(r["wait_s"] + r["train_s"] + r["push_s"] for r in measured)
@@ -89,6 +90,8 @@ async def learner_loop(cfg: Config, groups: int, warmup: int, steps: int, step_t
         "warmup_wait_s": [r["wait_s"] for r in rows[:warmup]],
         "stall_s_median": statistics.median(stalls) if stalls else float("nan"),
         "lag_tokens": dict(sorted(lags.items())),
+        "reruns": reruns,  # requests restarted because an update overtook their prompt (whole run)
+        "rows": measured,
     }
 
 
