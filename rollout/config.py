@@ -103,6 +103,7 @@ class LoggingConfig(Struct, frozen=True, forbid_unknown_fields=True):
 class BenchConfig(Struct, frozen=True, forbid_unknown_fields=True):
     baseline: bool = True  # also drive raw vLLM with the same prompts and report the ratio
     warmup_prompts: NonNegInt = 64  # at full concurrency, so no new batch shape compiles mid-run
+    repeats: PositiveInt = 3  # rounds of (this engine, raw vLLM); the ratio is the median over rounds
     report: str = "bench_report.json"
 
 
