@@ -8,9 +8,9 @@ over the same engines, no scheduler, no per-request Ray call) and time that. Tha
 median of the per-round ratios (this engine / raw vLLM) of generated tokens per second is the
 figure that matters on a shared machine; absolute numbers are noise. Other rows are round 1's.
 
-With `speculative:` on, both runs also report speculative decoding figures over exactly that
-run (`rollout.specdecode`): per engine and summed over engines, in the table and under
-"spec_decode" in the JSON report.
+With `speculative:` on, the first scheduler run and the first raw-vLLM run also report
+speculative decoding figures over exactly that run (`rollout.specdecode`): per engine and
+summed over engines, in the table and under "spec_decode" in the JSON report.
 """
 
 from __future__ import annotations

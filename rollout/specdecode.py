@@ -67,6 +67,7 @@ class SpecDecodeReport(Struct):
     total: SpecDecodeMetrics = field(default_factory=SpecDecodeMetrics)
     num_speculative_tokens: int = 0
     seconds: float = 0.0  # window length (reading to reading)
+    restarted: list[int] = field(default_factory=list)  # engines whose counts started again from zero
 
 
 def delta(after: SpecCounters, before: SpecCounters) -> SpecCounters:
@@ -112,16 +113,25 @@ def window(before: Sequence[SpecCounters], after: Sequence[SpecCounters], second
     """The report between two readings of the same engines, per engine and summed.
 
     An engine in `after` but not in `before` counts from zero; one missing from `after` (dead)
-    is left out of the window.
+    is left out of the window; one whose counts went back was restarted in between: its window
+    counts from the restart, and it is listed in `restarted`.
     """
     start = {c.engine_id: c for c in before}
-    deltas = [delta(c, start.get(c.engine_id, SpecCounters(engine_id=c.engine_id))) for c in after]
+    deltas, restarted = [], []
+    for c in after:
+        zero = SpecCounters(engine_id=c.engine_id)
+        try:
+            deltas.append(delta(c, start.get(c.engine_id, zero)))
+        except ValueError:
+            deltas.append(delta(c, zero))
+            restarted.append(c.engine_id)
     total = aggregate(deltas)
     return SpecDecodeReport(
         engines=[derive(d, d.engine_id) for d in deltas],
         total=derive(total),
         num_speculative_tokens=total.num_speculative_tokens,
         seconds=seconds,
+        restarted=restarted,
     )
 
 
@@ -137,7 +147,7 @@ class SpecDecodeMeter:
     `read()` gives the figures since the previous reading (or `open`) and starts the next
     window; `step()` does the same and logs them as one structlog event ("spec decode", info).
     Any object with `.pool.engines` (each with `spec_counters()`) works in place of the engine.
-    Engines that are dead are left out of the window.
+    Engines that are dead are left out of the window; a restarted one counts from its restart.
     """
 
     def __init__(self, engine: Any):
@@ -181,6 +191,7 @@ class SpecDecodeMeter:
             acceptance_rate=_round(t.acceptance_rate),
             per_position_rate=[round(x, 4) for x in t.per_position_rate] if t.per_position_rate else None,
             per_engine={m.engine_id: (m.drafts, _round(m.mean_acceptance_length), _round(m.acceptance_rate)) for m in report.engines},
+            restarted=report.restarted or None,
         )
         return report
 

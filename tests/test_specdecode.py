@@ -81,6 +81,15 @@ def test_counters_going_back_or_other_engine_are_errors():
         delta(AFTER[1], BEFORE[0])
 
 
+def test_a_restarted_engine_counts_from_its_restart():
+    # engine 0's counters went back (a restarted engine starts from zero): its window is what it has now
+    restarted = SpecCounters(engine_id=0, num_speculative_tokens=3, drafts=4, draft_tokens=12, accepted_tokens=3, accepted_per_pos=[2, 1, 0])
+    report = window(AFTER, [restarted, AFTER[1]])
+    assert report.restarted == [0]
+    assert (report.engines[0].drafts, report.engines[0].accepted_tokens) == (4, 3)
+    assert report.engines[1].drafts == 0 and report.total.drafts == 4
+
+
 def test_an_engine_missing_from_the_later_reading_is_left_out():
     report = window(AFTER, AFTER[1:])
     assert [e.engine_id for e in report.engines] == [1] and report.total.drafts == 0
