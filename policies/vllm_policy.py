@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hashlib
 import os
 import shutil
@@ -168,6 +169,7 @@ def sampling_params(s: Sampling, request_seed: int | None, done: int = 0) -> Any
         stop=list(s.stop) or None,
         seed=request_seed,
         logprobs=0,
+        flat_logprobs=True,  # a few lists per request instead of a dict and a Logprob per token
         detokenize=bool(s.stop),  # stop strings are matched on text; otherwise skip the work
         output_kind=RequestOutputKind.DELTA,
     )
@@ -254,6 +256,11 @@ class VLLMPolicy:
                 )
         await self._llm.update_weight_version(str(self.epoch))
         self._slots = asyncio.Semaphore(self._max_running())
+        # As vLLM's own server does after startup: the long-lived heap (torch, vLLM, the model
+        # config) leaves the collector's view, so a full collection no longer walks it. Measured
+        # in this front-end: a third of its CPU went to collections scanning that heap.
+        gc.collect()
+        gc.freeze()
         return self.engine_id
 
     def _max_running(self) -> int:
@@ -349,12 +356,13 @@ class VLLMPolicy:
             try:
                 async for out in self._llm.generate(prompt, sp, request_id=piece_id):
                     c = out.outputs[0]
-                    if c.token_ids:
+                    if new := c.token_ids:
                         if not traj.first_token_at:
                             traj.first_token_at = time.time()
-                        ids.extend(c.token_ids)
-                        lps.extend(lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids))
-                        piece.tokens += len(c.token_ids)
+                        ids += new
+                        flat = c.logprobs  # FlatLogprobs: a position's sampled token comes first
+                        lps += [flat.logprobs[i] for i in flat.start_indices]
+                        piece.tokens += len(new)
                     if out.finished:
                         reason = c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "stop"
                         spans = c.weight_versions or []
