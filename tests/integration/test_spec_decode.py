@@ -73,7 +73,7 @@ def test_engine_args_check_options_against_vllm():
 def test_cpu_expand_fix_matches_vllm_semantics():
     import torch
 
-    from policies.vllm_policy import expand_batch_to_tokens
+    from policies.speculative import expand_batch_to_tokens
 
     # request i's value over its rows (ends at cu[i]); a request with no rows takes none; 0 -> 1
     got = expand_batch_to_tokens(torch.tensor([0.5, 0.0, 0.8, 2.0]), torch.tensor([2, 3, 3, 5], dtype=torch.int32), 5, 0, 1)
