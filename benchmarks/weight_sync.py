@@ -64,7 +64,7 @@ async def bench_mode(cfg: Config, mode: str, rounds: int, interval: float) -> di
         weights = {}
         for f in sorted(Path(engine.model_path).glob("*.safetensors")):
             weights.update(load_file(str(f)))
-        warm = msgspec.structs.replace(cfg.prompts, count=cfg.bench.warmup_prompts or 8)
+        warm = msgspec.structs.replace(cfg.prompts, count=cfg.bench.warmup_prompts or 64)
         await one_round(engine, warm, weights, interval=None)
         await engine.update_weights(weights)  # the first update pays one-off costs
         plain, updated = [], []

@@ -19,7 +19,6 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -31,7 +30,7 @@ from rollout.config import Config
 from rollout.errors import EngineDeadError, InvalidConfigError, InvalidPromptError
 from rollout.log import get_logger
 from rollout.specdecode import SpecCounters
-from rollout.types import EngineStats, Request, Sampling, Trajectory, append_run, kv_runs
+from rollout.types import EngineStats, GroupResult, Request, Sampling, Trajectory, append_run, kv_runs
 
 log = get_logger(__name__)
 
@@ -40,16 +39,17 @@ _OUR_ENGINE_KEYS = {"kv_cache_gib"}
 
 
 def engine_env(engine_index: int, cpus_per_engine: int, gpus_per_engine: float) -> dict[str, str]:
-    """Environment for engine `engine_index`: on CPU, pin its OpenMP threads to its own cores.
+    """Environment for engine `engine_index`: on CPU, the cores it runs on.
 
-    vLLM's automatic binding would put every engine on the same cores of NUMA node 0.
+    vLLM's automatic binding would put every engine's OpenMP threads on the same cores of NUMA
+    node 0; `ROLLOUT_ENGINE_CORES` also confines the engine's other processes (see `start`).
     """
     env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "TOKENIZERS_PARALLELISM": "false"}
     if gpus_per_engine == 0:
         ncpu = os.cpu_count() or 1
         first = (engine_index * cpus_per_engine) % ncpu
-        cores = sorted({(first + i) % ncpu for i in range(cpus_per_engine)})
-        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
+        cores = ",".join(map(str, sorted({(first + i) % ncpu for i in range(cpus_per_engine)})))
+        env["VLLM_CPU_OMP_THREADS_BIND"] = env["ROLLOUT_ENGINE_CORES"] = cores
     return env
 
 
@@ -76,7 +76,12 @@ def engine_args(cfg: Config, model_path: str) -> Any:
         seed=cfg.model.seed,
         disable_log_stats=True,
         enable_prefix_caching=True,
+        # Every request the scheduler keeps on an engine runs: a hidden queue inside vLLM (its
+        # engine default is 128) would keep the router from seeing real load.
+        max_num_seqs=cfg.engines.max_inflight_per_engine,
     )
+    if cfg.engines.max_inflight_per_engine > 2048:  # vLLM's default token budget per step; it must cover max_num_seqs
+        args["max_num_batched_tokens"] = cfg.engines.max_inflight_per_engine
     if cfg.speculative.enabled and not cfg.engines.gpus_per_engine:
         args["worker_extension_cls"] = CPU_SPEC_FIX  # a user's own extension wins (and is warned about)
     args.update(extra)
@@ -88,16 +93,23 @@ def engine_args(cfg: Config, model_path: str) -> Any:
         raise InvalidConfigError(f"engines.vllm: {e}") from e
 
 
-def sampling_params(s: Sampling, request_seed: int | None, done: int = 0) -> Any:
-    """vLLM SamplingParams for `s`; `done` tokens already generated (a continuation) count against the limits."""
+def sampling_params(s: Sampling, request_seed: int | None, done: int = 0, stream: bool = True) -> Any:
+    """vLLM SamplingParams for `s`; `done` tokens already generated (a continuation) count against the limits.
+
+    `stream`: vLLM hands over the first token(s) as soon as they exist (time to first token, and
+    whether a request started before a weight update) and then everything else once at the end:
+    tokens accumulate in vLLM's output processor, which `progress` reads, instead of being copied
+    out each step. Without it: one output at the end (vLLM's own non-streaming mode).
+    """
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
+    max_tokens = s.max_tokens - done
     return SamplingParams(
         n=1,
         temperature=s.temperature,
         top_p=s.top_p,
         top_k=s.top_k,
-        max_tokens=s.max_tokens - done,
+        max_tokens=max_tokens,
         min_tokens=max(0, s.min_tokens - done),
         stop_token_ids=list(s.stop_token_ids),
         stop=list(s.stop) or None,
@@ -105,7 +117,8 @@ def sampling_params(s: Sampling, request_seed: int | None, done: int = 0) -> Any
         logprobs=0,
         flat_logprobs=True,  # a few lists per request instead of a dict and a Logprob per token
         detokenize=bool(s.stop),  # stop strings are matched on text; otherwise skip the work
-        output_kind=RequestOutputKind.DELTA,
+        output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+        stream_interval=max(1, max_tokens) if stream else None,  # first output, then the last
     )
 
 
@@ -167,12 +180,20 @@ class VLLMPolicy:
         self._tokens = 0
         self._reruns = 0
         self._spec = SpecCounting(engine_id)
+        self._groups: dict[str, asyncio.Task] = {}  # key -> the task running that submitted group
+        self._results: list[GroupResult] = []  # finished groups `collect` has not handed over yet
+        self._result_ready = asyncio.Event()
 
     async def start(self) -> int:
         """Start the engine; returns the engine id once it can serve."""
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = engine_args(self.cfg, self.model_path)
+        if cores := os.environ.get("ROLLOUT_ENGINE_CORES"):
+            # The whole engine on its own cores: this front-end, and the engine core and worker
+            # processes vLLM spawns next (they inherit the mask). Left to the OS, the six busy
+            # processes of two engines on two cores ran ~20% slower and far less evenly.
+            os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
         # A stat logger of our own, only when speculating: it turns on vLLM's per-step stats
         # (disable_log_stats keeps vLLM's own console logger off) and keeps this engine's
         # counts, which Prometheus would mix with any other engine in the process.
@@ -269,7 +290,7 @@ class VLLMPolicy:
 
     async def _run_piece(self, req: Request, traj: Trajectory, attempt: int) -> bool:
         """Submit prompt + tokens so far; merge what comes back. Returns True once the sample is done."""
-        from vllm.inputs import TokensPrompt
+        from vllm.inputs.engine import tokens_input
 
         assert self._slots is not None
         done = len(traj.token_ids)
@@ -281,7 +302,9 @@ class VLLMPolicy:
             piece_id = f"{req.request_id}@{attempt}"
             piece = _Piece(piece_id, salt, self._commits)
             sp = sampling_params(req.sampling, _request_seed(req, attempt), done=done)
-            prompt = TokensPrompt(prompt_token_ids=traj.prompt_token_ids + traj.token_ids, cache_salt=f"epoch-{salt}")
+            # Already token ids: handed over as rendered engine input, which vLLM takes on the
+            # spot (a raw prompt goes through its renderer's thread pool and back).
+            prompt = tokens_input(traj.prompt_token_ids + traj.token_ids, cache_salt=f"epoch-{salt}")
             ids, lps = piece.ids, piece.logprobs
             spans: list[Any] = []
             reason = "stop"
@@ -317,27 +340,54 @@ class VLLMPolicy:
         traj.finish_reason = reason
         return not (reason == "abort" and piece.resubmit)
 
-    async def generate_group(self, requests: list[Request]) -> AsyncIterator[Trajectory]:
-        """Run a group's requests together; yield each trajectory as it finishes.
-
-        Closing or cancelling the stream aborts the unfinished requests.
-        """
-        async for traj in as_finished(self.generate(r) for r in requests):
-            yield traj
-
     async def finish_group(self, requests: list[Request]) -> list[Trajectory]:
-        """`generate_group` collected: the whole group in one reply, in finishing order."""
+        """Run a group's requests together; all its trajectories, in finishing order.
+
+        Cancelling it aborts the unfinished requests.
+        """
         try:
-            return [t async for t in self.generate_group(requests)]
+            return [t async for t in as_finished(self.generate(r) for r in requests)]
         finally:
             for r in requests:
                 self._samples.pop(r.request_id, None)
 
+    # The Ray shell's calls, batched both ways (see `actors.pool.RayEngine`): groups arrive in
+    # bulk through `submit` and leave in bulk through `collect`.
+    async def submit(self, batch: bytes) -> None:
+        """Start groups: msgpack `[(key, requests)]`. Each comes back once from `collect`, unless cancelled."""
+        for key, requests in msgspec.msgpack.decode(batch, type=list[tuple[str, list[Request]]]):
+            self._groups[key] = asyncio.ensure_future(self._run_group(key, requests))
+
+    async def _run_group(self, key: str, requests: list[Request]) -> None:
+        try:
+            result = GroupResult(key=key, trajectories=await self.finish_group(requests))
+        except EngineDeadError as e:
+            result = GroupResult(key=key, error=str(e), dead=True)
+        except Exception as e:  # not a bad request (that is an error trajectory): the group fails
+            result = GroupResult(key=key, error=f"engine {self.engine_id}: {type(e).__name__}: {e}")
+        finally:
+            self._groups.pop(key, None)
+        self._results.append(result)
+        self._result_ready.set()
+
+    async def collect(self) -> bytes:
+        """Every group finished since the last call, msgpack `[GroupResult]`; waits for one at least."""
+        while not self._results:
+            self._result_ready.clear()
+            await self._result_ready.wait()
+        results, self._results = self._results, []
+        return msgspec.msgpack.encode(results)
+
+    async def cancel(self, keys: list[str]) -> None:
+        """Stop these groups (their requests are aborted); they never come back from `collect`."""
+        for key in keys:
+            if (task := self._groups.pop(key, None)) is not None:
+                task.cancel()
+
     def progress(self) -> bytes:
         """Every sample of the running groups as far as it is exact, msgpack-encoded Trajectories:
-        finished ones whole (`finished_at` set), running ones with the tokens of their current
-        piece only while no update began since it was submitted (their epoch is then its salt;
-        vLLM tells a piece's epochs only when it ends). What a crash of this engine keeps."""
+        finished ones whole (`finished_at` set), running ones with what vLLM has produced of their
+        current piece so far (see `_so_far`). What a crash of this engine keeps."""
         out = []
         mode = self.cfg.weight_sync.mode
         for traj, piece in list(self._samples.values()):
@@ -345,26 +395,34 @@ class VLLMPolicy:
                 traj, token_ids=list(traj.token_ids), logprobs=list(traj.logprobs),
                 policy_epochs=list(traj.policy_epochs), kv_recomputes=list(traj.kv_recomputes),
             )  # fmt: skip
-            n = len(piece.logprobs) if piece is not None and not traj.finished_at else 0  # logprobs come after ids
-            spans = self._piece_epochs(piece) if n else None
-            if spans and not (spans[0][1] != piece.salt and mode in ("keep", "abort_resume")):  # else: a rerun
-                _merge_piece(t, [s for s in spans if s[0] < n], piece.ids[:n], piece.logprobs[:n], mode)
+            so_far = self._so_far(piece) if piece is not None and not traj.finished_at else None
+            if so_far is not None:
+                ids, lps, spans = so_far
+                n = min(len(ids), len(lps))
+                if n and spans and not (spans[0][1] != piece.salt and mode in ("keep", "abort_resume")):  # else: a rerun
+                    _merge_piece(t, [s for s in spans if s[0] < n], ids[:n], lps[:n], mode)
             out.append(t)
         return msgspec.msgpack.encode(out)
 
-    def _piece_epochs(self, piece: _Piece) -> list[tuple[int, int]] | None:
-        """(first token, epoch) spans of what vLLM has produced of a running piece so far: from
-        vLLM's output processor (which is ahead of our stream), else known only if no update
-        began since the piece was submitted."""
+    def _so_far(self, piece: _Piece) -> tuple[list[int], list[float], list[tuple[int, int]]] | None:
+        """Token ids, logprobs and (first token, epoch) spans of what vLLM has produced of a running
+        piece: from vLLM's output processor while it holds the piece (the stream carries only its
+        first and last outputs); else what the stream delivered, whose epoch is known only if no
+        update began since the piece was submitted."""
         try:
             op = self._llm.output_processor
             internal = op.external_req_ids.get(piece.id)
             state = op.request_states.get(internal[0]) if internal else None
             if state is not None:
-                return [(start, int(version)) for version, start in state.weight_version_starts]
+                flat = state.logprobs_processor.logprobs  # FlatLogprobs, a position's sampled token first
+                return (
+                    list(state.detokenizer.output_token_ids),
+                    [flat.logprobs[i] for i in flat.start_indices],
+                    [(start, int(version)) for version, start in state.weight_version_starts],
+                )
         except (AttributeError, TypeError, ValueError):  # not the vLLM this was written against
             pass
-        return [(0, piece.salt)] if piece.commits == self._commits else None
+        return (piece.ids, piece.logprobs, [(0, piece.salt)]) if piece.commits == self._commits else None
 
     async def stage_weights(self, epoch: int, weights: Packed | str) -> int:
         """Phase 1 of an update: receive the weights (no engine change). Returns bytes received."""
@@ -450,21 +508,23 @@ class VLLMPolicy:
         return SpecCounters(c.engine_id, c.num_speculative_tokens, c.drafts, c.draft_tokens, c.accepted_tokens, list(c.accepted_per_pos))
 
     async def run_raw(self, requests: list[Request]) -> dict[str, Any]:
-        """Baseline: submit every request to AsyncLLM at once, no scheduler; for `rollout bench`."""
-        from vllm.inputs import TokensPrompt
+        """Baseline for `rollout bench`: every request into AsyncLLM at once, in vLLM's own
+        non-streaming mode (what `LLM.generate` and non-streamed API requests use), keeping each
+        one's token ids and logprobs; no scheduler, no epochs, no progress."""
+        from vllm.inputs.engine import tokens_input
 
-        async def one(req: Request) -> int:
-            sp = sampling_params(req.sampling, _request_seed(req))
-            n = 0
-            async for out in self._llm.generate(TokensPrompt(prompt_token_ids=req.token_ids), sp, request_id="raw-" + req.request_id):
-                n += len(out.outputs[0].token_ids)
-            return n
+        async def one(req: Request) -> tuple[list[int], list[float]]:
+            sp = sampling_params(req.sampling, _request_seed(req), stream=False)
+            async for out in self._llm.generate(tokens_input(list(req.token_ids or [])), sp, request_id="raw-" + req.request_id):
+                c = out.outputs[0]
+            return c.token_ids, [c.logprobs.logprobs[i] for i in c.logprobs.start_indices]
 
         start = time.time()
-        counts = await asyncio.gather(*(one(r) for r in requests))
-        return {"tokens": sum(counts), "trajectories": len(requests), "start": start, "end": time.time()}
+        samples = await asyncio.gather(*(one(r) for r in requests))
+        return {"tokens": sum(len(ids) for ids, _ in samples), "trajectories": len(requests), "start": start, "end": time.time()}
 
     async def shutdown(self) -> None:
+        await self.cancel(list(self._groups))
         if self._llm is not None:
             from policies.shm import snapshot, sweep
 

@@ -1,12 +1,15 @@
 """`rollout bench`: throughput and latency of this engine against raw vLLM, in one run.
 
-How it measures: start the engines once; warm them up; run the configured prompts through the
-scheduler (timed from the first feed to the last group); reset the prefix caches; then drive the
-same prompts and sampling straight into each engine's AsyncLLM at once (groups dealt round-robin
-over the same engines, no scheduler, no per-request Ray call) and time that. That is round 1 of
-`bench.repeats`; later rounds run the same prompts again, alternating which side goes first. The
-median of the per-round ratios (this engine / raw vLLM) of generated tokens per second is the
-figure that matters on a shared machine; absolute numbers are noise. Other rows are round 1's.
+How it measures: start the engines once; warm them up (every engine filled to
+`max_inflight_per_engine` once, unless `bench.warmup_prompts` says otherwise); then
+`bench.repeats` rounds, each of which runs the configured prompts through the scheduler and,
+on the same engines with prefix caches reset, the same prompts and sampling straight into each
+engine's AsyncLLM (groups dealt round-robin over the engines, all submitted at once, in vLLM's
+own non-streaming mode: no scheduler, no Ray call per group, no epochs, no progress reports).
+Rounds alternate which side goes first, since whichever runs second in a round runs a little
+slower on this machine; keep `repeats` even. The median of the per-round ratios (this engine /
+raw vLLM) of generated tokens per second is the figure that matters on a shared machine;
+absolute numbers are noise. Latency, time to first token and engine shares are round 1's.
 
 With `speculative:` on, the first scheduler run and the first raw-vLLM run also report
 speculative decoding figures over exactly that run (`rollout.specdecode`): per engine and
@@ -22,6 +25,7 @@ from typing import Any
 
 import msgspec
 
+from rollout.backend import EnginePool
 from rollout.config import Config, dump_config
 from rollout.engine import RolloutEngine
 from rollout.prompts import configured_prompts, effective_sampling
@@ -55,73 +59,71 @@ def summarize(trajectories: list[Trajectory], elapsed: float, engine_count: int)
     }
 
 
-async def run_bench(cfg: Config, config_name: str = "", progress: bool = True) -> dict[str, Any]:
-    """Run the benchmark described in the module docstring; returns the JSON report."""
+async def run_bench(cfg: Config, config_name: str = "", progress: bool = True, pool: EnginePool | None = None) -> dict[str, Any]:
+    """Run the benchmark described in the module docstring; returns the JSON report.
+
+    `pool` replaces the Ray/vLLM engines (tests pass a fake)."""
     trajectories: list[Trajectory] = []
-    bar = _progress_bar(cfg, progress)
+    rounds = cfg.bench.repeats if cfg.bench.baseline else 1
+    bar = None
 
     def on_trajectory(t: Trajectory) -> None:
         trajectories.append(t)
-        bar.update(1)
+        if bar is not None:
+            bar.update(1)
 
-    async with RolloutEngine(cfg, on_trajectory=on_trajectory) as engine:
+    async with RolloutEngine(cfg, pool=pool, on_trajectory=on_trajectory) as engine:
         prompts = configured_prompts(cfg.prompts, engine.limits.vocab_size)
-        if cfg.bench.warmup_prompts:
-            warm = msgspec.structs.replace(cfg.prompts, source="synthetic", count=cfg.bench.warmup_prompts, seed=cfg.prompts.seed + 1)
-            engine.feed(configured_prompts(warm, engine.limits.vocab_size))
-            async for _ in engine.groups():
-                pass
-            trajectories.clear()
-            bar.reset()
-        await _reset_prefix_caches(engine)
+        await _warm_up(engine, cfg)
+        bar = _progress_bar(cfg, progress, rounds)
         meter = SpecDecodeMeter(engine) if cfg.speculative.enabled else None
-        if meter:
-            await meter.read()  # the window starts here: warm-up drafts are not counted
-        start = time.time()
-        engine.feed(prompts)
-        groups: list[Group] = [g async for g in engine.groups()]
-        ours = summarize(trajectories, time.time() - start, cfg.engines.count)
+        report: dict[str, Any] = {"config": config_name}
+        same: list[Prompt] = []  # the prompts whose groups did not fail, for raw vLLM
+        table = []
+        sides = ["engine", "raw_vllm"] if cfg.bench.baseline else ["engine"]
+        for r in range(rounds):
+            row: dict[str, Any] = {"order": "engine first" if r % 2 == 0 else "raw vLLM first"}
+            for side in sides if r % 2 == 0 else sides[::-1]:
+                await _reset_prefix_caches(engine)
+                if meter and r == 0:
+                    await meter.read()  # the window starts here: warm-up drafts are not counted
+                if side == "engine":
+                    trajectories.clear()
+                    start = time.time()
+                    engine.feed(prompts)
+                    groups: list[Group] = [g async for g in engine.groups()]
+                    result = summarize(trajectories, time.time() - start, cfg.engines.count)
+                    result["failed_groups"] = sum(1 for g in groups if g.error)
+                    same = same or [g.prompt for g in groups if not g.error]
+                else:
+                    result = await _raw_baseline(engine, cfg, same)
+                if meter and r == 0:
+                    result["spec_decode"] = msgspec.to_builtins(await meter.read())
+                report.setdefault(side, result)  # the first run of each side has the details
+                row[side] = result["tokens_per_s"]
+            if cfg.bench.baseline:
+                row["ratio"] = row["engine"] / max(row["raw_vllm"], 1e-9)
+                table.append(row)
         bar.close()
-        ours["failed_groups"] = sum(1 for g in groups if g.error)
-        if meter:
-            ours["spec_decode"] = msgspec.to_builtins(await meter.read())
-        report: dict[str, Any] = {"config": config_name, "engine": ours}
-        if cfg.bench.baseline:
-            same = [g.prompt for g in groups if not g.error]
-            await _reset_prefix_caches(engine)
-            if meter:
-                await meter.read()
-            report["raw_vllm"] = await _raw_baseline(engine, cfg, same)
-            if meter:
-                report["raw_vllm"]["spec_decode"] = msgspec.to_builtins(await meter.read())
-            rounds = [{"order": "engine first", "engine": ours["tokens_per_s"], "raw_vllm": report["raw_vllm"]["tokens_per_s"]}]
-            for r in range(1, cfg.bench.repeats):  # more rounds, alternating which side goes first
-                sides = ["raw_vllm", "engine"] if r % 2 else ["engine", "raw_vllm"]
-                result = {"order": f"{sides[0].replace('_', ' ')} first"}
-                for side in sides:
-                    await _reset_prefix_caches(engine)
-                    if side == "raw_vllm":
-                        result[side] = (await _raw_baseline(engine, cfg, same))["tokens_per_s"]
-                    else:
-                        result[side] = await _scheduled_tokens_per_s(engine, same)
-                rounds.append(result)
-            for r in rounds:
-                r["ratio"] = r["engine"] / max(r["raw_vllm"], 1e-9)
-            report["rounds"] = rounds
-            report["ratio_tokens_per_s"] = statistics.median(r["ratio"] for r in rounds)
+        if table:
+            report["rounds"] = table
+            report["ratio_tokens_per_s"] = statistics.median(r["ratio"] for r in table)
         report["engine_stats"] = [msgspec.to_builtins(s) for s in await engine.stats()]
     report["resolved_config"] = msgspec.to_builtins(cfg)
     report["resolved_config_yaml"] = dump_config(cfg)
     return report
 
 
-async def _scheduled_tokens_per_s(engine: RolloutEngine, prompts: list[Prompt]) -> float:
-    start = time.time()
-    engine.feed(prompts)
-    tokens = 0
-    async for g in engine.groups():
-        tokens += sum(len(t.token_ids) for t in g.trajectories if t.ok)
-    return tokens / (time.time() - start)
+async def _warm_up(engine: RolloutEngine, cfg: Config) -> None:
+    """Every engine at full concurrency once, so that no new batch shape compiles mid-run."""
+    count = cfg.bench.warmup_prompts
+    if count is None:
+        count = -(-cfg.engines.count * cfg.engines.max_inflight_per_engine // cfg.sampling.n)
+    if count:
+        warm = msgspec.structs.replace(cfg.prompts, source="synthetic", count=count, seed=cfg.prompts.seed + 1)
+        engine.feed(configured_prompts(warm, engine.limits.vocab_size))
+        async for _ in engine.groups():
+            pass
 
 
 async def _reset_prefix_caches(engine: RolloutEngine) -> None:
@@ -131,7 +133,7 @@ async def _reset_prefix_caches(engine: RolloutEngine) -> None:
 
 
 async def _raw_baseline(engine: RolloutEngine, cfg: Config, prompts: list[Prompt]) -> dict[str, Any]:
-    """The same prompts and sampling, dealt round-robin by group, straight into each AsyncLLM."""
+    """The same prompts and sampling, dealt round-robin by group, straight into each AsyncLLM at once."""
     import anyio
 
     assert engine.pool is not None
@@ -184,13 +186,13 @@ def format_table(report: dict[str, Any]) -> str:
     row("wall time (s)", ours["elapsed_s"], raw["elapsed_s"] if raw else None, "{:.2f}")
     for key, label in (("latency_s", "latency"), ("ttft_s", "time to first token")):
         p = ours[key]
-        lines.append(f"{label + ' p50/p90/p99 (s)':<28}{p['p50']:.2f} / {p['p90']:.2f} / {p['p99']:.2f}")
+        lines.append(f"{label + ' p50/p90/p99 (s)':<36}{p['p50']:.2f} / {p['p90']:.2f} / {p['p99']:.2f}")
     lines.append(f"{'per-engine token share':<28}" + "  ".join(f"e{i} {s:.1%}" for i, s in enumerate(ours["engine_share"])))
     if "rounds" in report:
-        lines.append(
-            f"{'tokens/s ratio, median':<28}{report['ratio_tokens_per_s']:.3f} of {len(report['rounds'])} rounds ("
-            + ", ".join(f"{r['ratio']:.3f}" for r in report["rounds"]) + "; order alternates)"
-        )
+        ratios = [r["ratio"] for r in report["rounds"]]
+        lines.append(f"{'tokens/s ratio, median':<28}{report['ratio_tokens_per_s']:.3f} of {len(ratios)} rounds, order alternating "
+                     f"(min {min(ratios):.3f}, max {max(ratios):.3f})")  # fmt: skip
+        lines.append(f"{'  per round':<28}" + " ".join(f"{x:.3f}" for x in ratios))
     if ours["failed"] or ours.get("failed_groups"):
         lines.append(f"{'failed':<28}{ours['failed']} trajectories, {ours.get('failed_groups', 0)} groups")
     if "spec_decode" in ours:
@@ -230,8 +232,9 @@ def _positions(m: dict[str, Any]) -> str:
     return " ".join(f"{r:.3f}" for r in rates) if rates else "-"
 
 
-def _progress_bar(cfg: Config, enabled: bool) -> Any:
+def _progress_bar(cfg: Config, enabled: bool, runs: int) -> Any:
+    """Trajectories of this engine's timed runs."""
     from tqdm import tqdm
 
-    total = cfg.prompts.count * cfg.sampling.n if cfg.prompts.source == "synthetic" else None
+    total = runs * cfg.prompts.count * cfg.sampling.n if cfg.prompts.source == "synthetic" else None
     return tqdm(total=total, unit="traj", file=sys.stderr, disable=not enabled, dynamic_ncols=True, leave=False)

@@ -102,8 +102,8 @@ class LoggingConfig(Struct, frozen=True, forbid_unknown_fields=True):
 
 class BenchConfig(Struct, frozen=True, forbid_unknown_fields=True):
     baseline: bool = True  # also drive raw vLLM with the same prompts and report the ratio
-    warmup_prompts: NonNegInt = 64  # at full concurrency, so no new batch shape compiles mid-run
-    repeats: PositiveInt = 3  # rounds of (this engine, raw vLLM); the ratio is the median over rounds
+    warmup_prompts: NonNegInt | None = None  # None: enough to fill every engine once (no batch shape compiles mid-run)
+    repeats: PositiveInt = 6  # rounds of (this engine, raw vLLM), order alternating; the ratio is their median
     report: str = "bench_report.json"
 
 

@@ -1,9 +1,9 @@
 """Wire types: everything that crosses a process or API boundary, as msgspec Structs.
 
 Owns: `Prompt` (what a user feeds), `Sampling` (per-request sampling values), `Request` (one
-sample sent to one engine), `Trajectory` (one finished sample, one Ray reply), `Group` (the
-`sampling.n` samples of one prompt), `EngineStats`. Every field has a default so old readers
-keep decoding new data.
+sample sent to one engine), `Trajectory` (one finished sample), `Group` (the `sampling.n` samples
+of one prompt), `GroupResult` (an engine's answer for one group), `EngineStats`. Every field has
+a default so old readers keep decoding new data.
 
 Epoch runs (exact meaning in the README, "Per-token epochs"): `policy_epochs` is a list of `(first generated index,
 epoch)` runs, the weights whose logits sampled each generated token; `kv_epochs` is a list of
@@ -129,6 +129,16 @@ class Group(Struct):
     @property
     def ok(self) -> bool:
         return self.error is None and all(t.ok for t in self.trajectories)
+
+
+class GroupResult(Struct):
+    """An engine's answer for one group it was handed (`key`): its trajectories, or why it has none
+    (`dead`: the engine died, so the samples may continue elsewhere)."""
+
+    key: str = ""
+    trajectories: list[Trajectory] = msgspec.field(default_factory=list)
+    error: str | None = None
+    dead: bool = False
 
 
 class EngineStats(Struct):

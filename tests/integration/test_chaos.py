@@ -1,8 +1,9 @@
 """Engines die mid-rollout, weights change meanwhile, and nothing is lost or doubled.
 
-Chaos: 3 real engines, 300 prompts x n=4, an update with distinct random weights every 2 s
-(`keep`), and right after it an engine killed while another one serves (its Ray actor, or vLLM's engine-core process),
-at least 3 times. Every prompt comes out exactly once with its whole group, epochs only grow
+Chaos: 3 real engines, at least 300 prompts x n=4 (read lazily, more until 3 kills and 3
+restarts have happened, however fast the engines run), an update with distinct random weights
+every 2 s (`keep`), and right after it an engine killed while another one serves (its Ray actor,
+or vLLM's engine-core process). Every prompt comes out exactly once with its whole group, epochs only grow
 along a trajectory, and the float32 oracle reproduces every logprob of every sample that moved
 to another engine. Kill-all: with no restarts left, the fatal error comes within the health timeout.
 """
@@ -49,17 +50,22 @@ async def test_engines_die_mid_rollout_and_nothing_is_lost():
         "engines.restart_backoff_s=0.5", "engines.max_restarts=4", "weight_sync.mode=keep", "queue.max_groups=400",
     )  # fmt: skip
     rng = random.Random(0)
-    prompts = [
-        Prompt(token_ids=[rng.randrange(4, 260) for _ in range(rng.randrange(8, 64))], id=f"q{i}",
-               sampling={"max_tokens": 160, "min_tokens": 128, "n": 4})
-        for i in range(300)
-    ]  # fmt: skip
+    prompts: list[Prompt] = []
+    kills: list[tuple[int, str]] = []
     async with RolloutEngine(cfg) as engine:
+
+        async def source():  # the engines restart in ~30 s: keep feeding until the chaos is done
+            while len(prompts) < 300 or (len(prompts) < 3000 and (len(kills) < 3 or sum(engine._restarts.values()) < 3)):
+                prompts.append(Prompt(
+                    token_ids=[rng.randrange(4, 260) for _ in range(rng.randrange(8, 64))], id=f"q{len(prompts)}",
+                    sampling={"max_tokens": 160, "min_tokens": 128, "n": 4},
+                ))  # fmt: skip
+                yield prompts[-1]
+
         base = load_file(f"{engine.model_path}/model.safetensors")
         weights = {0: base}
-        engine.feed(prompts)
+        engine.feed(source())
         groups = []
-        kills: list[tuple[int, str]] = []
 
         async def consume() -> None:
             async for group in engine.groups():
@@ -115,8 +121,9 @@ async def test_with_every_engine_dead_the_fatal_error_comes_within_the_timeout()
     cfg = integration_config("engines.count=1", "engines.max_restarts=0", "engines.health_interval_s=0.5",
                              "engines.health_timeout_s=15")  # fmt: skip
     async with RolloutEngine(cfg) as engine:
-        engine.feed([Prompt(token_ids=[5 + i] * 8, sampling={"max_tokens": 200, "min_tokens": 200}) for i in range(8)])
-        await asyncio.sleep(1.0)
+        engine.feed([Prompt(token_ids=[5 + i] * 8, sampling={"max_tokens": 400, "min_tokens": 400}) for i in range(32)])
+        while not any(t.token_ids for t in engine._scheduler.progress.values()):  # mid-rollout: tokens reported
+            await asyncio.sleep(0.05)
         killed_at = time.monotonic()
         await kill(engine._scheduler.engines[0], "engine core")
         with pytest.raises(EngineDeadError, match="every engine is dead"):

@@ -113,7 +113,7 @@ def test_cli_bench_prints_ratio_against_raw_vllm(tmp_path):
     assert "generated tokens/s" in result.stdout and "raw vLLM" in result.stdout
     data = json.loads(report.read_text())
     assert data["engine"]["trajectories"] == 24 and data["raw_vllm"]["trajectories"] == 24
-    assert data["ratio_tokens_per_s"] > 0 and [r["order"] for r in data["rounds"]] == ["engine first", "raw vllm first"]
+    assert data["ratio_tokens_per_s"] > 0 and [r["order"] for r in data["rounds"]] == ["engine first", "raw vLLM first"]
     assert data["ratio_tokens_per_s"] == sum(r["ratio"] for r in data["rounds"]) / 2  # median of two
     assert "tokens/s ratio, median" in result.stdout
 
