@@ -5,8 +5,9 @@ vLLM's engine core and workers talk through POSIX shared memory (`psm_*` ring bu
 A process that is killed before its clean-up (the engine core takes longer than vLLM's shutdown
 grace period on a loaded machine; a signal mid-step) leaves them behind, and a `psm_` buffer is
 160 MiB of RAM. `snapshot()` records what this process and its descendants hold while they run;
-`sweep()` after shutdown removes the ones nobody maps any more. Only names this tree used are
-ever touched, so other programs' segments are safe.
+`sweep()` after shutdown removes the ones nobody maps any more. An engine records its names at
+start; when its whole actor is killed, its replacement (or the pool at shutdown) sweeps them.
+Only names such a tree used are ever touched, so other programs' segments are safe.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def mapped(pids: set[int] | None = None) -> set[str]:
 class Snapshot:
     def __init__(self, names: set[str], pids: set[int]):
         self.names, self.pids = names, pids
+
+    def merge(self, other: Snapshot) -> Snapshot:
+        return Snapshot(self.names | other.names, self.pids | other.pids)
 
 
 def snapshot(pid: int | None = None) -> Snapshot:

@@ -23,6 +23,7 @@ from typing import Any
 
 import msgspec
 
+from policies.shm import Snapshot, snapshot, sweep
 from policies.speculative import CPU_SPEC_FIX, SpecCounting, speculative_config
 from policies.weights import Packed
 from rollout.backend import as_finished
@@ -183,9 +184,11 @@ class VLLMPolicy:
         self._groups: dict[str, asyncio.Task] = {}  # key -> the task running that submitted group
         self._results: list[GroupResult] = []  # finished groups `collect` has not handed over yet
         self._result_ready = asyncio.Event()
+        self._held = Snapshot(set(), set())  # /dev/shm names of this engine's processes at start
 
-    async def start(self) -> int:
-        """Start the engine; returns the engine id once it can serve."""
+    async def start(self) -> list[str]:
+        """Start the engine; once it can serve, returns the /dev/shm names its processes hold, so
+        that whoever replaces it after a crash can remove what it left (`sweep_left`)."""
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = engine_args(self.cfg, self.model_path)
@@ -216,7 +219,8 @@ class VLLMPolicy:
         # in this front-end: a third of its CPU went to collections scanning that heap.
         gc.collect()
         gc.freeze()
-        return self.engine_id
+        self._held = snapshot()  # this actor, its engine core and workers, while all are alive
+        return sorted(self._held.names)
 
     def _max_running(self) -> int:
         """Requests that may hold KV at once: never more than the KV cache holds at full length.
@@ -526,13 +530,17 @@ class VLLMPolicy:
     async def shutdown(self) -> None:
         await self.cancel(list(self._groups))
         if self._llm is not None:
-            from policies.shm import snapshot, sweep
-
-            held = snapshot()  # this actor, its engine core and workers
+            held = snapshot().merge(self._held)  # now and at start: an engine core killed meanwhile counts
             self._llm.shutdown()
             self._llm = None
             if removed := sweep(held):
                 log.info("removed shared memory a killed engine process left", segments=removed)
+
+    async def sweep_left(self, names: list[str]) -> list[str]:
+        """Remove these /dev/shm names (an engine that died here held them) if no process maps them."""
+        if removed := sweep(Snapshot(set(names), set())):
+            log.info("removed shared memory a dead engine left", engine=self.engine_id, segments=len(removed))
+        return removed
 
 
 def _fast_tmp() -> str | None:

@@ -27,7 +27,7 @@ from rollout import Prompt, RolloutEngine
 from rollout.errors import EngineDeadError
 from rollout.types import Trajectory, kv_runs
 
-from .conftest import integration_config
+from .conftest import integration_config, leaked_shm, shm_segments
 from .test_weights import random_weights
 
 
@@ -52,6 +52,7 @@ async def test_engines_die_mid_rollout_and_nothing_is_lost():
     rng = random.Random(0)
     prompts: list[Prompt] = []
     kills: list[tuple[int, str]] = []
+    before_shm = shm_segments()
     async with RolloutEngine(cfg) as engine:
 
         async def source():  # the engines restart in ~30 s: keep feeding until the chaos is done
@@ -98,6 +99,9 @@ async def test_engines_die_mid_rollout_and_nothing_is_lost():
 
     assert len(kills) >= 3, kills
     assert sum(restarts.values()) >= 3, restarts
+    # vLLM's ring buffers (160 MiB each) of killed engines are removed; a killed process's
+    # 32-byte multiprocessing semaphores (sem.mp-*) may stay (README, "When things break").
+    assert not {n for n in leaked_shm(before_shm) if n.startswith("psm_")}, "killed engines left shared memory behind"
     ids = [g.prompt_id for g in groups]
     assert sorted(ids) == sorted(p.id for p in prompts), "every prompt exactly once"
     trajectories: list[Trajectory] = []
@@ -120,6 +124,7 @@ async def test_engines_die_mid_rollout_and_nothing_is_lost():
 async def test_with_every_engine_dead_the_fatal_error_comes_within_the_timeout():
     cfg = integration_config("engines.count=1", "engines.max_restarts=0", "engines.health_interval_s=0.5",
                              "engines.health_timeout_s=15")  # fmt: skip
+    before_shm = shm_segments()
     async with RolloutEngine(cfg) as engine:
         engine.feed([Prompt(token_ids=[5 + i] * 8, sampling={"max_tokens": 400, "min_tokens": 400}) for i in range(32)])
         while not any(t.token_ids for t in engine._scheduler.progress.values()):  # mid-rollout: tokens reported
@@ -130,3 +135,4 @@ async def test_with_every_engine_dead_the_fatal_error_comes_within_the_timeout()
             async for _ in engine.groups():
                 pass
         assert time.monotonic() - killed_at < cfg.engines.health_timeout_s
+    assert not {n for n in leaked_shm(before_shm) if n.startswith("psm_")}, "the dead engine left shared memory behind"
