@@ -25,7 +25,9 @@ class TrajectoryQueue:
         self._held: dict[int, Group] = {}  # in_order: finished, waiting for an earlier group
         self._next_seq = 0  # of the next reservation
         self._next_out = 0  # in_order: the reservation to hand out next
-        self._slots = anyio.Semaphore(max_groups)
+        # fast_acquire: a free slot is taken without a trip round the event loop, so admission
+        # starts a burst of groups in one turn (and the engines get them in one call each).
+        self._slots = anyio.Semaphore(max_groups, fast_acquire=True)
         self._reserved = 0  # slots taken by groups still running
         self._producers = 0  # sources still being read
         self._error: BaseException | None = None
