@@ -20,7 +20,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from policies.shm import Snapshot, sweep
+from policies.shm import Snapshot, sweep_when_gone
 from policies.vllm_policy import VLLMPolicy, engine_args, engine_env
 from rollout.config import Config
 from rollout.errors import EngineDeadError, RetryableError, RolloutError
@@ -195,7 +195,7 @@ class RayEnginePool:
         self._pg = pg
         self._started_ray = started_ray
         self.model_path = ""
-        self._shm: dict[int, list[str]] = {}  # engine -> /dev/shm names its processes held at start
+        self._shm: dict[int, tuple[list[str], list[int]]] = {}  # engine -> (/dev/shm names, pids) at start
 
     @classmethod
     async def start(cls, cfg: Config, model_path: str) -> RayEnginePool:
@@ -247,7 +247,7 @@ class RayEnginePool:
             held = await asyncio.wait_for(actor.start.remote(), timeout=self.cfg.engines.start_timeout_s)
             # What the killed engine's processes left in /dev/shm (160 MiB per ring buffer); the
             # new engine runs where the old one did (same placement bundle).
-            await actor.sweep_left.remote(self._shm.get(i, []))
+            await actor.sweep_left.remote(*self._shm.get(i, ([], [])))
         except (asyncio.TimeoutError, GetTimeoutError) as err:
             raise EngineDeadError(f"engine {i} did not restart within engines.start_timeout_s") from err
         except (RayActorError, RayTaskError) as err:
@@ -269,9 +269,9 @@ class RayEnginePool:
             for a in self.actors:
                 ray.kill(a, no_restart=True)
             self.actors.clear()
-        # An engine killed without a replacement left its /dev/shm names behind; on this machine
-        # (a local cluster), remove the ones no process maps. Elsewhere the names do not exist here.
-        sweep(Snapshot({n for names in self._shm.values() for n in names}, set()))
+        if self._started_ray:  # an engine killed without a replacement left its /dev/shm names here
+            left = Snapshot({n for names, _ in self._shm.values() for n in names}, {p for _, pids in self._shm.values() for p in pids})
+            await sweep_when_gone(left, timeout=10.0)
         if self._pg is not None:
             remove_placement_group(self._pg)
             self._pg = None

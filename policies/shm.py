@@ -12,7 +12,9 @@ Only names such a tree used are ever touched, so other programs' segments are sa
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 from pathlib import Path
 
 SHM = Path("/dev/shm")
@@ -71,7 +73,7 @@ def sweep(snap: Snapshot) -> list[str]:
     in_use = mapped()
     removed = []
     candidates = [n for n in snap.names if n not in in_use]
-    candidates += [p.name for pid in snap.pids if not _alive(pid) for p in SHM.glob(f"__KMP_REGISTERED_LIB_{pid}_*")]
+    candidates += [p.name for pid in snap.pids if not alive(pid) for p in SHM.glob(f"__KMP_REGISTERED_LIB_{pid}_*")]
     for name in candidates:
         try:
             (SHM / name).unlink()
@@ -81,7 +83,16 @@ def sweep(snap: Snapshot) -> list[str]:
     return removed
 
 
-def _alive(pid: int) -> bool:
+async def sweep_when_gone(snap: Snapshot, timeout: float = 30.0) -> list[str]:
+    """`sweep` once the snapshot's processes have exited (a killed tree takes a moment to go;
+    until then it still maps its segments), waiting at most `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while any(alive(pid) for pid in snap.pids) and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)  # the OS process table: nothing to wait on
+    return sweep(snap)
+
+
+def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

