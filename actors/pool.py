@@ -55,8 +55,8 @@ class RayEngine:
     Groups travel in batches both ways: the groups started in one turn of the event loop go out
     in one `submit` call, and one `collect` call at a time brings back every group finished since
     the previous one. A Ray call costs ~0.4 ms of CPU at each end whatever it carries, and groups
-    start and finish in bursts, so a run makes a few calls where one per group would make
-    hundreds (measured on the tiny bench: that was the gap between this engine and raw vLLM).
+    start and finish in bursts: on the tiny bench a submit carries ~10 groups, and the driver's
+    CPU fell by ~40% against one call per group.
     """
 
     def __init__(self, actor: Any, engine_id: int):
@@ -104,7 +104,7 @@ class RayEngine:
         async def run() -> None:
             try:
                 await call
-            except RolloutError as e:
+            except Exception as e:
                 self._fail(e, keys)
 
         task = asyncio.ensure_future(run())
@@ -123,12 +123,15 @@ class RayEngine:
                         result.set_result(r.trajectories)
                     else:
                         result.set_exception(EngineDeadError(r.error) if r.dead else RetryableError(r.error))
-        except RolloutError as e:
+        except Exception as e:
             self._fail(e, list(self._waiting))
         finally:
             self._collector = None
 
-    def _fail(self, error: RolloutError, keys: list[str]) -> None:
+    def _fail(self, error: Exception, keys: list[str]) -> None:
+        """Fail the groups `keys` with `error` (a RolloutError, else a RetryableError naming it)."""
+        if not isinstance(error, RolloutError):
+            error = RetryableError(f"engine {self.engine_id}: {type(error).__name__}: {error}")
         for key in keys:
             if (result := self._waiting.pop(key, None)) is not None and not result.done():
                 result.set_exception(type(error)(str(error)))

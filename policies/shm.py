@@ -7,6 +7,7 @@ grace period on a loaded machine; a signal mid-step) leaves them behind, and a `
 160 MiB of RAM. `snapshot()` records what this process and its descendants hold while they run;
 `sweep()` after shutdown removes the ones nobody maps any more. An engine records its names at
 start; when its whole actor is killed, its replacement (or the pool at shutdown) sweeps them.
+Weights staged for an update (`staging_dir`) carry the engine process's pid and go the same way.
 Only names such a tree used are ever touched, so other programs' segments are safe.
 """
 
@@ -14,11 +15,25 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
 SHM = Path("/dev/shm")
 PREFIXES = ("psm_", "sem.mp-")
+
+
+def staging_dir(engine_id: int) -> str:
+    """A new directory for weights staged by this process: in /dev/shm when there is one
+    (written and read once), else the default tmp dir; named by pid, so a sweep after this
+    process is killed finds it."""
+    fast = str(SHM) if SHM.is_dir() and os.access(SHM, os.W_OK) else None
+    return tempfile.mkdtemp(prefix=f"rollout-weights-{engine_id}-{os.getpid()}-", dir=fast)
+
+
+def _staged_by(pid: int) -> list[Path]:
+    return [p for d in {SHM, Path(tempfile.gettempdir())} for p in d.glob(f"rollout-weights-*-{pid}-*")]
 
 
 def descendants(pid: int) -> set[int]:
@@ -69,15 +84,21 @@ def snapshot(pid: int | None = None) -> Snapshot:
 
 
 def sweep(snap: Snapshot) -> list[str]:
-    """Unlink the snapshot's segments no live process maps, and the OpenMP files of its dead pids."""
+    """Unlink the snapshot's segments no live process maps; and the OpenMP files and staged
+    weights of its dead pids."""
     in_use = mapped()
     removed = []
-    candidates = [n for n in snap.names if n not in in_use]
-    candidates += [p.name for pid in snap.pids if not alive(pid) for p in SHM.glob(f"__KMP_REGISTERED_LIB_{pid}_*")]
-    for name in candidates:
+    candidates = [SHM / n for n in snap.names if n not in in_use]
+    for pid in snap.pids:
+        if not alive(pid):
+            candidates += [*SHM.glob(f"__KMP_REGISTERED_LIB_{pid}_*"), *_staged_by(pid)]
+    for path in candidates:
         try:
-            (SHM / name).unlink()
-            removed.append(name)
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+            removed.append(path.name)
         except FileNotFoundError:
             continue
     return removed
@@ -93,10 +114,9 @@ async def sweep_when_gone(snap: Snapshot, timeout: float = 30.0) -> list[str]:
 
 
 def alive(pid: int) -> bool:
+    """A process that still runs (a zombie has let go of its memory: not alive)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
         return False
-    except PermissionError:
-        return True
-    return True
+    return state not in ("Z", "X")

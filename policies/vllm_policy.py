@@ -17,13 +17,12 @@ import gc
 import hashlib
 import os
 import shutil
-import tempfile
 import time
 from typing import Any
 
 import msgspec
 
-from policies.shm import Snapshot, snapshot, sweep, sweep_when_gone
+from policies.shm import Snapshot, snapshot, staging_dir, sweep, sweep_when_gone
 from policies.cpu_worker import CPU_WORKER
 from policies.speculative import SpecCounting, speculative_config
 from policies.weights import Packed
@@ -442,7 +441,7 @@ class VLLMPolicy:
             return 0
         from policies.weights import save_dir, unpack
 
-        d = tempfile.mkdtemp(prefix=f"rollout-weights-{self.engine_id}-", dir=_fast_tmp())
+        d = staging_dir(self.engine_id)
         self._staged[epoch] = (d, True)
         await asyncio.to_thread(lambda: save_dir(unpack(weights), d))  # the copies stay off the event loop
         return weights.nbytes
@@ -536,6 +535,8 @@ class VLLMPolicy:
 
     async def shutdown(self) -> None:
         await self.cancel(list(self._groups))
+        for epoch in list(self._staged):
+            await self.drop_weights(epoch)
         if self._llm is not None:
             held = snapshot().merge(self._held)  # now and at start: an engine core killed meanwhile counts
             self._llm.shutdown()
@@ -549,11 +550,6 @@ class VLLMPolicy:
         if removed := await sweep_when_gone(Snapshot(set(names), set(pids))):
             log.info("removed shared memory a dead engine left", engine=self.engine_id, segments=len(removed))
         return removed
-
-
-def _fast_tmp() -> str | None:
-    """/dev/shm when there is one (weights are written and read once), else the default tmp dir."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
 
 def _request_seed(req: Request, attempt: int = 1) -> int | None:

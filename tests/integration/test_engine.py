@@ -9,6 +9,7 @@ import anyio
 import pytest
 
 from rollout import InvalidPromptError, Prompt, RolloutEngine
+from rollout.types import Request, Sampling
 from rollout.prompts import synthetic_prompts
 from rollout.config import PromptsConfig
 
@@ -65,6 +66,33 @@ async def test_seeded_samples_survive_chunked_prefill_and_repeat(engine):
     first = await run()
     assert len(first) == 96 and len({tuple(ids) for ids in first.values()}) > 90  # each sample its own seed
     assert await run() == first  # same seeds, same samples, however the prompts were chunked
+
+
+async def test_a_cancelled_group_is_aborted_in_its_engine(engine):
+    # The scheduler cancels a group on shutdown or past engines.request_timeout_s: the engine
+    # must drop it, not finish it, and go on serving.
+    ray_engine = engine.pool.engines[0]
+    finished = (await ray_engine.stats()).requests_finished
+    long = Sampling(n=2, max_tokens=480, min_tokens=480)
+    requests = [Request(f"cancel-{k}", "cancel", k, long, token_ids=[5] * 8) for k in range(2)]
+
+    async def run() -> None:
+        async for _ in ray_engine.generate_group(requests):
+            pytest.fail("a cancelled group came back")
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        with anyio.fail_after(30):
+            while (await ray_engine.stats()).running < 2:
+                await anyio.sleep(0.01)
+        tg.cancel_scope.cancel()
+    with anyio.fail_after(30):
+        while (stats := await ray_engine.stats()).running:
+            await anyio.sleep(0.05)
+    assert stats.requests_finished == finished, "the cancelled samples ran to the end"
+    engine.feed([Prompt(token_ids=[6, 7, 8], id="after-cancel")])
+    (group,) = await collect(engine)
+    assert group.ok
 
 
 async def _greedy(engine, **sampling):

@@ -41,13 +41,24 @@ def prompts(count: int, seed: int) -> list[Prompt]:
 
 
 async def stream_with_updates(mode: str) -> tuple[list[Trajectory], dict[int, dict], RolloutEngine]:
-    # 16 running per engine: 128 requests come in waves, so even `drain` has requests to start
-    # after each update.
+    # 16 running per engine, 32 groups of 4: requests come in waves. Updates go out as the run
+    # progresses (not on a clock, which a faster engine outruns) and the last 8 groups wait for
+    # the last update, so even `drain` has requests to start under every epoch.
     cfg = integration_config(f"weight_sync.mode={mode}", "engines.count=2", "engines.max_inflight_per_engine=16")
     async with RolloutEngine(cfg) as engine:
         base = load_file(f"{engine.model_path}/model.safetensors")
         weights = {0: base}
-        engine.feed(prompts(32, seed=len(mode)))
+        batch = prompts(32, seed=len(mode))
+        updated = asyncio.Event()
+
+        async def source():
+            for p in batch[:24]:
+                yield p
+            await updated.wait()
+            for p in batch[24:]:
+                yield p
+
+        engine.feed(source())
         trajectories: list[Trajectory] = []
 
         async def consume() -> None:
@@ -56,10 +67,13 @@ async def stream_with_updates(mode: str) -> tuple[list[Trajectory], dict[int, di
                 trajectories.extend(group.trajectories)
 
         consumer = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.6)  # update 1 while the first wave streams
         for k in range(1, UPDATES + 1):
-            await asyncio.sleep(0.6)
+            while len(trajectories) < 4 * 8 * (k - 1) and not consumer.done():  # updates 2, 3 after 8, 16 groups
+                await asyncio.sleep(0.02)
             weights[k] = random_weights(base, seed=1000 * k)
             assert await engine.update_weights(weights[k]) == k
+        updated.set()
         await consumer
         return trajectories, weights, engine
 
