@@ -199,6 +199,7 @@ class RayEnginePool:
         self._started_ray = started_ray
         self.model_path = ""
         self._shm: dict[int, tuple[list[str], list[int]]] = {}  # engine -> (/dev/shm names, pids) at start
+        self._starting: dict[int, Any] = {}  # engine -> its `start` call, until it answers
 
     @classmethod
     async def start(cls, cfg: Config, model_path: str) -> RayEnginePool:
@@ -216,9 +217,13 @@ class RayEnginePool:
             actors.extend(pool._spawn(i) for i in range(e.count))
             pool.engines = [RayEngine(a, i) for i, a in enumerate(actors)]
             log.info("engines starting", count=e.count, model=model_path)
-            held = await asyncio.wait_for(asyncio.gather(*(a.start.remote() for a in actors)), timeout=e.start_timeout_s)
+            pool._starting = {i: a.start.remote() for i, a in enumerate(actors)}
+            held = await asyncio.wait_for(asyncio.gather(*pool._starting.values()), timeout=e.start_timeout_s)
+            pool._starting.clear()
             pool._shm = dict(enumerate(held))
         except BaseException as err:
+            if isinstance(err, (asyncio.TimeoutError, GetTimeoutError, RayActorError, RayTaskError)):
+                pool._starting.clear()  # hung or failed: nothing to wait for
             await pool.shutdown()
             if isinstance(err, (asyncio.TimeoutError, GetTimeoutError)):
                 raise EngineDeadError(f"engines did not start within engines.start_timeout_s={e.start_timeout_s}") from err
@@ -246,14 +251,18 @@ class RayEnginePool:
         self.engines[i].close()
         actor = self.actors[i] = self._spawn(i)
         self.engines[i] = RayEngine(actor, i)
+        start = self._starting[i] = actor.start.remote()  # kept if this is cancelled: shutdown waits for it
         try:
-            held = await asyncio.wait_for(actor.start.remote(), timeout=self.cfg.engines.start_timeout_s)
+            held = await asyncio.wait_for(start, timeout=self.cfg.engines.start_timeout_s)
+            del self._starting[i]
             # What the killed engine's processes left in /dev/shm (160 MiB per ring buffer); the
             # new engine runs where the old one did (same placement bundle).
             await actor.sweep_left.remote(*self._shm.get(i, ([], [])))
         except (asyncio.TimeoutError, GetTimeoutError) as err:
+            self._starting.pop(i, None)
             raise EngineDeadError(f"engine {i} did not restart within engines.start_timeout_s") from err
         except (RayActorError, RayTaskError) as err:
+            self._starting.pop(i, None)
             raise EngineDeadError(f"engine {i} failed to restart: {err}") from err
         self._shm[i] = held
         return self.engines[i]
@@ -266,6 +275,10 @@ class RayEnginePool:
         """Stop every engine (vLLM shutdown first, so its processes and shm go), then the actors."""
         for engine in self.engines:
             engine.close()
+        if self._starting:  # a half-started engine has spawned processes but not yet said what they hold
+            starts = [asyncio.ensure_future(_swallow(r)) for r in self._starting.values()]
+            await asyncio.wait(starts, timeout=self.cfg.engines.start_timeout_s)
+            self._starting.clear()
         if self.actors:
             refs = [a.shutdown.remote() for a in self.actors]
             await asyncio.wait([asyncio.ensure_future(_swallow(r)) for r in refs], timeout=60)
