@@ -55,15 +55,23 @@ def descendants(pid: int) -> set[int]:
 
 
 def mapped(pids: set[int] | None = None) -> set[str]:
-    """Names under /dev/shm mapped by `pids` (every process when None)."""
+    """Names under /dev/shm mapped by `pids` (every process when None). Matched by inode: a
+    semaphore stays mapped under the temporary name it was created as, long since renamed."""
     if pids is None:
         pids = {int(e) for e in os.listdir("/proc") if e.isdigit()}
-    out = set()
+    inodes = set()
     for pid in pids:
         try:
             with open(f"/proc/{pid}/maps") as f:
-                out.update(line.rsplit("/dev/shm/", 1)[1].split()[0] for line in f if "/dev/shm/" in line)
+                inodes.update(int(line.split()[4]) for line in f if "/dev/shm/" in line)
         except OSError:  # exited, or not readable
+            continue
+    out = set()
+    for entry in os.scandir(SHM):
+        try:
+            if entry.inode() in inodes:
+                out.add(entry.name)
+        except OSError:
             continue
     return out
 

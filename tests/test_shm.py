@@ -81,6 +81,23 @@ async def test_a_segment_another_process_maps_stays(segment):
     held.close()
 
 
+def test_a_semaphore_is_found_under_its_name():
+    # glibc creates a named semaphore under a temporary name and renames it: the process maps
+    # "sem.XXXXXX (deleted)", the file is "sem.mp-...". The snapshot must name the file.
+    code = (
+        "import multiprocessing as mp, time; lock = mp.get_context('spawn').Lock(); "
+        "print(lock._semlock.name, flush=True); time.sleep(600)"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        name = "sem." + child.stdout.readline().strip().lstrip("/")
+        assert (SHM / name).exists()
+        assert name in snapshot(child.pid).names
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_staged_weights_of_a_live_process_stay():
     d = Path(staging_dir(3))
     try:

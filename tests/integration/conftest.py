@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from policies.shm import mapped
 from rollout import RolloutEngine, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,22 +82,9 @@ def shm_segments() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith(("psm_", "sem.mp-"))}
 
 
-def mapped_shm() -> set[str]:
-    """/dev/shm segments some live process maps: in use, not leaked (whoever made them)."""
-    out = set()
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/maps") as f:
-                    out.update(line.rsplit("/dev/shm/", 1)[1].split()[0] for line in f if "/dev/shm/" in line)
-            except OSError:  # gone, or not ours to read
-                continue
-    return out
-
-
 def leaked_shm(before: set[str]) -> set[str]:
     """Segments made since `before` that no live process maps any more."""
-    return (shm_segments() - before) - mapped_shm()
+    return (shm_segments() - before) - mapped()
 
 
 def run_python(code: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
