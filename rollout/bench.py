@@ -9,7 +9,8 @@ own non-streaming mode: no scheduler, no Ray call per group, no epochs, no progr
 Rounds alternate which side goes first, since whichever runs second in a round runs a little
 slower on this machine; keep `repeats` even. The median of the per-round ratios (this engine /
 raw vLLM) of generated tokens per second is the figure that matters on a shared machine;
-absolute numbers are noise. Latency, time to first token and engine shares are round 1's.
+absolute numbers are noise. Its interval (`median_interval`, assuming nothing about the noise)
+says how far that median can be trusted. Latency, time to first token and engine shares are round 1's.
 
 With `speculative:` on, the first scheduler run and the first raw-vLLM run also report
 speculative decoding figures over exactly that run (`rollout.specdecode`): per engine and
@@ -18,6 +19,7 @@ summed over engines, in the table and under "spec_decode" in the JSON report.
 
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 import time
@@ -40,6 +42,23 @@ def percentiles(values: list[float], qs: tuple[int, ...] = (50, 90, 99)) -> dict
         return {f"p{q}": values[0] for q in qs}
     cuts = statistics.quantiles(values, n=100, method="inclusive")
     return {f"p{q}": cuts[q - 1] for q in qs}
+
+
+def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float, float]:
+    """A distribution-free interval for the median of `values`: (low, high, its coverage).
+
+    The k-th smallest and k-th largest values, with k the largest rank at which the chance that
+    fewer than k values fall below the true median is at most (1 - level) / 2 (sign test).
+    Coverage is at least `level` where `values` allow; with few values it is (min, max).
+    """
+    xs, n = sorted(values), len(values)
+    tail = (1 - level) / 2
+    k, below = 1, 0.5**n  # below: P(fewer than k+1 of n values < median), for k = 1 below = P(none)
+    while k < (n + 1) // 2 and below + math.comb(n, k) * 0.5**n <= tail:
+        below += math.comb(n, k) * 0.5**n
+        k += 1
+    coverage = 1 - 2 * sum(math.comb(n, i) for i in range(k)) * 0.5**n
+    return xs[k - 1], xs[n - k], coverage
 
 
 def summarize(trajectories: list[Trajectory], elapsed: float, engine_count: int) -> dict[str, Any]:
@@ -107,7 +126,10 @@ async def run_bench(cfg: Config, config_name: str = "", progress: bool = True, p
         bar.close()
         if table:
             report["rounds"] = table
-            report["ratio_tokens_per_s"] = statistics.median(r["ratio"] for r in table)
+            ratios = [r["ratio"] for r in table]
+            report["ratio_tokens_per_s"] = statistics.median(ratios)
+            low, high, coverage = median_interval(ratios)
+            report["ratio_interval"] = {"low": low, "high": high, "coverage": coverage}
         report["engine_stats"] = [msgspec.to_builtins(s) for s in await engine.stats()]
     report["resolved_config"] = msgspec.to_builtins(cfg)
     report["resolved_config_yaml"] = dump_config(cfg)
@@ -190,8 +212,9 @@ def format_table(report: dict[str, Any]) -> str:
     lines.append(f"{'per-engine token share':<28}" + "  ".join(f"e{i} {s:.1%}" for i, s in enumerate(ours["engine_share"])))
     if "rounds" in report:
         ratios = [r["ratio"] for r in report["rounds"]]
-        lines.append(f"{'tokens/s ratio, median':<28}{report['ratio_tokens_per_s']:.3f} of {len(ratios)} rounds, order alternating "
-                     f"(min {min(ratios):.3f}, max {max(ratios):.3f})")  # fmt: skip
+        ci = report["ratio_interval"]
+        lines.append(f"{'tokens/s ratio, median':<28}{report['ratio_tokens_per_s']:.3f} of {len(ratios)} rounds, order alternating; "
+                     f"{ci['coverage']:.0%} interval {ci['low']:.3f}-{ci['high']:.3f}")  # fmt: skip
         lines.append(f"{'  per round':<28}" + " ".join(f"{x:.3f}" for x in ratios))
     if ours["failed"] or ours.get("failed_groups"):
         lines.append(f"{'failed':<28}{ours['failed']} trajectories, {ours.get('failed_groups', 0)} groups")

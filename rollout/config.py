@@ -31,7 +31,10 @@ class EnginesConfig(Struct, frozen=True, forbid_unknown_fields=True):
     count: PositiveInt = 2
     cpus_per_engine: PositiveInt = 1  # CPU engines also get this many OpenMP threads, pinned
     gpus_per_engine: Annotated[float, Meta(ge=0)] = 0
-    max_inflight_per_engine: PositiveInt = 256  # requests the scheduler keeps on one engine
+    max_inflight_per_engine: PositiveInt = 256  # requests one engine runs at once (vLLM's max_num_seqs)
+    # ...and requests the scheduler hands it beyond those, waiting in vLLM's own queue: the step
+    # after a request ends already runs its successor, instead of one round trip later.
+    queued_per_engine: NonNegInt = 16
     start_timeout_s: PositiveFloat = 600.0
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     # Health: every interval each engine reports its requests' progress (what a crash would keep);
@@ -103,7 +106,7 @@ class LoggingConfig(Struct, frozen=True, forbid_unknown_fields=True):
 class BenchConfig(Struct, frozen=True, forbid_unknown_fields=True):
     baseline: bool = True  # also drive raw vLLM with the same prompts and report the ratio
     warmup_prompts: NonNegInt | None = None  # None: enough to fill every engine once (no batch shape compiles mid-run)
-    repeats: PositiveInt = 6  # rounds of (this engine, raw vLLM), order alternating; the ratio is their median
+    repeats: PositiveInt = 12  # rounds of (this engine, raw vLLM), order alternating; the ratio is their median
     report: str = "bench_report.json"
 
 

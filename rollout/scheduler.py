@@ -118,7 +118,7 @@ class Scheduler:
         tg.start_soon(self._run_group, engine, prompt, sampling, seq, cost, queued_at)
 
     async def _acquire_engine(self, n: int, cost: int) -> int:
-        capacity = self.cfg.engines.max_inflight_per_engine
+        capacity = self.cfg.engines.max_inflight_per_engine + self.cfg.engines.queued_per_engine
         while (i := route(self.loads, n, capacity)) is None:
             if not any(load.healthy or load.restarting for load in self.loads):
                 raise EngineDeadError("every engine is dead")

@@ -6,7 +6,7 @@ import statistics
 from itertools import groupby
 from pathlib import Path
 
-from rollout.bench import format_table, run_bench
+from rollout.bench import format_table, median_interval, run_bench
 from rollout.config import load_config
 
 from .fakes import FakePool
@@ -36,7 +36,17 @@ async def test_rounds_alternate_which_side_goes_first_and_the_ratio_is_their_med
         assert sum(not r.request_id.startswith("r") for r in engine.requests) == 4 * 3 * 2  # rounds x prompts x n
         assert engine.prefix_cache_resets == 8  # before every timed run
     assert report["engine"]["trajectories"] == report["raw_vllm"]["trajectories"] == 12
+    ratios = sorted(r["ratio"] for r in report["rounds"])
+    assert report["ratio_interval"] == {"low": ratios[0], "high": ratios[-1], "coverage": 0.875}  # 4 rounds: min, max
     assert "tokens/s ratio, median" in format_table(report)
+
+
+def test_median_interval_is_the_sign_test_interval():
+    # 12 values: P(Binomial(12, 1/2) <= 2) = 79/4096 <= 2.5% < P(<= 3): the 3rd smallest to the 3rd largest.
+    low, high, coverage = median_interval([float(x) for x in (5, 1, 12, 3, 9, 7, 2, 11, 4, 10, 8, 6)])
+    assert (low, high) == (3.0, 10.0) and coverage == 1 - 2 * 79 / 4096
+    assert median_interval([0.9, 1.1, 1.0, 0.95, 1.05, 0.97]) == (0.9, 1.1, 1 - 2 / 64)  # 6 values: min to max
+    assert median_interval([1.0]) == (1.0, 1.0, 0.0)  # one round says nothing about the spread
 
 
 async def test_warm_up_fills_every_engine_once_by_default():

@@ -43,6 +43,7 @@ def make_cfg(model_dir):
                 "sampling.max_tokens=6",
                 "engines.count=2",
                 "engines.max_inflight_per_engine=4",
+                "engines.queued_per_engine=0",
                 "model.max_model_len=64",
                 "logging.level=error",
                 *overrides,
@@ -143,6 +144,23 @@ async def test_load_is_spread_and_capped_per_engine(make_cfg):
     assert total_requests(pool) == 12
     assert all(e.max_inflight <= 4 for e in pool.engines)
     assert all(e.cancelled == 0 for e in pool.engines)
+
+
+async def test_queued_requests_add_room_per_engine(make_cfg):
+    pool = FakePool(2)
+    gate = anyio.Event()
+    for e in pool.engines:
+        e.gate = gate
+    async with rollout(make_cfg("engines.queued_per_engine=2"), pool) as engine:  # 4 + 2 per engine
+        engine.feed(prompts(8))
+        for e in pool.engines:
+            await e.wait_until(lambda e: e.inflight == 6)
+        await wait_all_tasks_blocked()
+        assert [len(e.prompt_ids) for e in pool.engines] == [3, 3]  # the other 2 prompts wait for room
+        gate.set()
+        groups = await all_groups(engine)
+    assert len(groups) == 8 and all(g.ok for g in groups)
+    assert all(e.max_inflight == 6 for e in pool.engines)
 
 
 async def test_group_members_share_an_engine_under_load(make_cfg):

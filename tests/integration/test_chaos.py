@@ -21,13 +21,14 @@ import pytest
 import ray
 from safetensors.torch import load_file
 
+from actors.pool import connect
 from policies.oracle import Oracle, compare
 from policies.shm import descendants
 from rollout import Prompt, RolloutEngine
 from rollout.errors import EngineDeadError
 from rollout.types import Trajectory, kv_runs
 
-from .conftest import integration_config, leaked_shm, shm_segments
+from .conftest import engine_processes, integration_config, leaked_shm, shm_segments
 from .test_weights import random_weights
 
 
@@ -120,18 +121,29 @@ async def test_engines_die_mid_rollout_and_nothing_is_lost():
     assert report.ok, msgspec.json.encode(report).decode()[:2000]
 
 
-async def test_with_every_engine_dead_the_fatal_error_comes_within_the_timeout():
+@pytest.mark.parametrize("how", ["engine core", "actor"])
+async def test_with_every_engine_dead_the_fatal_error_comes_within_the_timeout(how):
     cfg = integration_config("engines.count=1", "engines.max_restarts=0", "engines.health_interval_s=0.5",
                              "engines.health_timeout_s=15")  # fmt: skip
-    before_shm = shm_segments()
-    async with RolloutEngine(cfg) as engine:
-        engine.feed([Prompt(token_ids=[5 + i] * 8, sampling={"max_tokens": 400, "min_tokens": 400}) for i in range(32)])
-        while not any(t.token_ids for t in engine._scheduler.progress.values()):  # mid-rollout: tokens reported
-            await asyncio.sleep(0.05)
-        killed_at = time.monotonic()
-        await kill(engine._scheduler.engines[0], "engine core")
-        with pytest.raises(EngineDeadError, match="every engine is dead"):
-            async for _ in engine.groups():
-                pass
-        assert time.monotonic() - killed_at < cfg.engines.health_timeout_s
-    assert not leaked_shm(before_shm), "the dead engine left shared memory behind"
+    # Ray already up (as when the learner started it): the pool must still remove what the dead engine left.
+    started_ray = connect(cfg)
+    before_shm, before_pids = shm_segments(), engine_processes()
+    try:
+        async with RolloutEngine(cfg) as engine:
+            engine.feed([Prompt(token_ids=[5 + i] * 8, sampling={"max_tokens": 400, "min_tokens": 400}) for i in range(32)])
+            while not any(t.token_ids for t in engine._scheduler.progress.values()):  # mid-rollout: tokens reported
+                await asyncio.sleep(0.05)
+            killed_at = time.monotonic()
+            await kill(engine._scheduler.engines[0], how)
+            with pytest.raises(EngineDeadError, match="every engine is dead"):
+                async for _ in engine.groups():
+                    pass
+            assert time.monotonic() - killed_at < cfg.engines.health_timeout_s
+        deadline = time.monotonic() + 30  # a killed actor's engine core notices its parent is gone
+        while engine_processes() - before_pids and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        assert not engine_processes() - before_pids, "engine processes outlived the shutdown"
+        assert not leaked_shm(before_shm), "the dead engine left shared memory behind"
+    finally:
+        if started_ray:
+            ray.shutdown()
