@@ -288,7 +288,8 @@ class RayEnginePool:
                 ray.kill(a, no_restart=True)
             self.actors.clear()
         # An engine killed without a replacement left its /dev/shm names; those on this machine go here.
-        here = [(names, pids) for names, pids, host in self._shm.values() if host == socket.gethostname()]
+        this_host = socket.gethostname()
+        here = [(names, pids) for names, pids, host in self._shm.values() if host == this_host]
         if here:
             await sweep_when_gone(Snapshot({n for names, _ in here for n in names}, {p for _, pids in here for p in pids}), timeout=10.0)
         if self._pg is not None:

@@ -52,13 +52,14 @@ def median_interval(values: list[float], level: float = 0.95) -> tuple[float, fl
     Coverage is at least `level` where `values` allow; with few values it is (min, max).
     """
     xs, n = sorted(values), len(values)
-    tail = (1 - level) / 2
-    k, below = 1, 0.5**n  # below: P(fewer than k+1 of n values < median), for k = 1 below = P(none)
-    while k < (n + 1) // 2 and below + math.comb(n, k) * 0.5**n <= tail:
-        below += math.comb(n, k) * 0.5**n
+
+    def below(k: int) -> float:  # P(fewer than k of n values fall below the median)
+        return sum(math.comb(n, i) for i in range(k)) / 2**n
+
+    k = 1
+    while k < (n + 1) // 2 and below(k + 1) <= (1 - level) / 2:
         k += 1
-    coverage = 1 - 2 * sum(math.comb(n, i) for i in range(k)) * 0.5**n
-    return xs[k - 1], xs[n - k], coverage
+    return xs[k - 1], xs[n - k], 1 - 2 * below(k)
 
 
 def summarize(trajectories: list[Trajectory], elapsed: float, engine_count: int) -> dict[str, Any]:
