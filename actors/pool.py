@@ -27,7 +27,7 @@ from rollout.config import Config
 from rollout.errors import EngineDeadError, RetryableError, RolloutError
 from rollout.log import get_logger
 from rollout.specdecode import SpecCounters
-from rollout.types import EngineStats, GroupResult, Request, Trajectory
+from rollout.types import EngineStats, GroupResult, ProgressReport, Request, Trajectory
 
 log = get_logger(__name__)
 
@@ -147,8 +147,8 @@ class RayEngine:
     async def stats(self) -> EngineStats:
         return await self._call(self.actor.stats.remote())
 
-    async def progress(self) -> list[Trajectory]:
-        return msgspec.msgpack.decode(await self._call(self.actor.progress.remote()), type=list[Trajectory])
+    async def progress(self) -> ProgressReport:
+        return ProgressReport(await self._call(self.actor.progress.remote()))
 
     async def kill(self) -> None:
         ray.kill(self.actor, no_restart=True)  # the collect in flight fails: every group out fails with EngineDeadError

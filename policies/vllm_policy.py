@@ -124,6 +124,17 @@ def sampling_params(s: Sampling, request_seed: int | None, done: int = 0, stream
     )
 
 
+def sampled_logprobs(flat: Any) -> list[float]:
+    """The sampled token's logprob at each position of vLLM's FlatLogprobs (a copy).
+
+    Requested with `logprobs=0`, a position holds just the sampled token, so the flat list is
+    already one per position (copied at C speed); otherwise each position's first entry.
+    """
+    if len(flat.logprobs) == len(flat.start_indices):
+        return list(flat.logprobs)
+    return [flat.logprobs[i] for i in flat.start_indices]
+
+
 def _merge_piece(traj: Trajectory, spans: list[tuple[int, int]], ids: list[int], lps: list[float], mode: str) -> None:
     """Append a piece's tokens to `traj`; `spans` are its (first token within the piece, epoch)."""
     done = len(traj.token_ids)
@@ -213,6 +224,11 @@ class VLLMPolicy:
         # in this front-end: a third of its CPU went to collections scanning that heap.
         gc.collect()
         gc.freeze()
+        # Also as vLLM's engine core does after startup: environment variables are read once, not
+        # on every SamplingParams and request (each read went through os.environ).
+        from vllm import envs
+
+        envs.enable_envs_cache()
         self._held = snapshot()  # this actor, its engine core and workers, while all are alive
         return sorted(self._held.names), sorted(self._held.pids), socket.gethostname()
 
@@ -331,8 +347,7 @@ class VLLMPolicy:
                         if not traj.first_token_at:
                             traj.first_token_at = time.time()
                         ids += new
-                        flat = c.logprobs  # FlatLogprobs: a position's sampled token comes first
-                        lps += [flat.logprobs[i] for i in flat.start_indices]
+                        lps += sampled_logprobs(c.logprobs)
                         piece.tokens += len(new)
                     if out.finished:
                         reason = c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "stop"
@@ -428,10 +443,9 @@ class VLLMPolicy:
             internal = op.external_req_ids.get(piece.id)
             state = op.request_states.get(internal[0]) if internal else None
             if state is not None:
-                flat = state.logprobs_processor.logprobs  # FlatLogprobs, a position's sampled token first
                 return (
                     list(state.detokenizer.output_token_ids),
-                    [flat.logprobs[i] for i in flat.start_indices],
+                    sampled_logprobs(state.logprobs_processor.logprobs),
                     [(start, int(version)) for version, start in state.weight_version_starts],
                 )
         except (AttributeError, TypeError, ValueError):  # not the vLLM this was written against
@@ -531,7 +545,7 @@ class VLLMPolicy:
             sp = sampling_params(req.sampling, _request_seed(req), stream=False)
             async for out in self._llm.generate(tokens_input(list(req.token_ids or [])), sp, request_id="raw-" + req.request_id):
                 c = out.outputs[0]
-            return c.token_ids, [c.logprobs.logprobs[i] for i in c.logprobs.start_indices]
+            return c.token_ids, sampled_logprobs(c.logprobs)
 
         start = time.time()
         samples = await asyncio.gather(*(one(r) for r in requests))

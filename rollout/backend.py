@@ -7,7 +7,7 @@ set of them. `start_pool` builds the real one (Ray actors running vLLM) on deman
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from rollout.specdecode import SpecCounters
@@ -32,9 +32,10 @@ class Engine(Protocol):
 
     async def stats(self) -> EngineStats: ...
 
-    async def progress(self) -> list[Trajectory]:
-        """Every request of the running groups as far as known: finished ones whole
-        (`finished_at` set), running ones with the tokens whose epochs are already exact."""
+    async def progress(self) -> Mapping[str, Trajectory]:
+        """Every request of the running groups as far as known, by request id: finished ones
+        whole (`finished_at` set), running ones with the tokens whose epochs are already exact.
+        May decode lazily (`rollout.types.ProgressReport`): it is read only if the engine fails."""
         ...
 
     async def kill(self) -> None:

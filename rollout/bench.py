@@ -29,7 +29,7 @@ import msgspec
 
 from rollout.backend import EnginePool
 from rollout.config import Config, dump_config
-from rollout.engine import RolloutEngine
+from rollout.engine import RolloutEngine, freeze_heap
 from rollout.prompts import configured_prompts, effective_sampling
 from rollout.specdecode import SpecDecodeMeter
 from rollout.types import Group, Prompt, Request, Trajectory
@@ -79,10 +79,14 @@ def summarize(trajectories: list[Trajectory], elapsed: float, engine_count: int)
     }
 
 
-async def run_bench(cfg: Config, config_name: str = "", progress: bool = True, pool: EnginePool | None = None) -> dict[str, Any]:
+async def run_bench(
+    cfg: Config, config_name: str = "", progress: bool = True, pool: EnginePool | None = None, freeze_gc: bool = False
+) -> dict[str, Any]:
     """Run the benchmark described in the module docstring; returns the JSON report.
 
-    `pool` replaces the Ray/vLLM engines (tests pass a fake)."""
+    `pool` replaces the Ray/vLLM engines (tests pass a fake); `freeze_gc`: this process is the
+    `rollout bench` driver, its heap leaves the collector's view once the engines are warm
+    (`rollout.engine.freeze_heap`)."""
     trajectories: list[Trajectory] = []
     rounds = cfg.bench.repeats if cfg.bench.baseline else 1
     bar = None
@@ -95,6 +99,8 @@ async def run_bench(cfg: Config, config_name: str = "", progress: bool = True, p
     async with RolloutEngine(cfg, pool=pool, on_trajectory=on_trajectory) as engine:
         prompts = configured_prompts(cfg.prompts, engine.limits.vocab_size)
         await _warm_up(engine, cfg)
+        if freeze_gc:
+            freeze_heap()
         bar = _progress_bar(cfg, progress, rounds)
         meter = SpecDecodeMeter(engine) if cfg.speculative.enabled else None
         report: dict[str, Any] = {"config": config_name}

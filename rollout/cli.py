@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 def _bench(cfg: Config, args: argparse.Namespace) -> int:
     from rollout.bench import format_table, run_bench
 
-    report = anyio.run(lambda: run_bench(cfg, args.config, progress=not args.no_progress))
+    report = anyio.run(lambda: run_bench(cfg, args.config, progress=not args.no_progress, freeze_gc=True))
     path = Path(args.report or cfg.bench.report)
     path.write_text(json.dumps(report, indent=2))
     print(format_table(report))
@@ -68,7 +68,7 @@ def _bench(cfg: Config, args: argparse.Namespace) -> int:
 def _run(cfg: Config, args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from rollout.engine import RolloutEngine
+    from rollout.engine import RolloutEngine, freeze_heap
     from rollout.prompts import configured_prompts
 
     async def go() -> tuple[int, int]:
@@ -77,6 +77,7 @@ def _run(cfg: Config, args: argparse.Namespace) -> int:
         written = failed = 0
         encoder = msgspec.json.Encoder()
         async with RolloutEngine(cfg, on_trajectory=lambda t: bar.update(1)) as engine:
+            freeze_heap()
             engine.feed(configured_prompts(cfg.prompts, engine.limits.vocab_size))
             with open(args.out, "wb") as out:
                 async for group in engine.groups():

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 import anyio
 import msgspec
@@ -61,8 +61,7 @@ class Scheduler:
         self.reward = reward
         self.durable = durable
         self.on_engine_dead = on_engine_dead  # starts a restart; False when it will not
-        self.progress: dict[str, Trajectory] = {}  # request id -> what its engine last reported
-        self._live: set[str] = set()  # request ids of the groups running now
+        self.reports: list[Mapping[str, Trajectory]] = [{} for _ in self.engines]  # each engine's latest progress report
         self.loads = [EngineLoad() for _ in self.engines]
         self._sources: deque[AsyncIterator] = deque()
         self._new_source = anyio.Event()
@@ -143,16 +142,14 @@ class Scheduler:
             for k in range(sampling.n)
         }
         done: dict[int, Trajectory] = {}
-        ids = [r.request_id for r in pending.values()]
-        self._live.update(ids)
         retries, timeout = 0, self.cfg.engines.request_timeout_s
         while True:
             failure, moved = await self._attempt(i, pending, cost, queued_at, done, timeout)
             if not pending or not moved or retries == self.cfg.engines.max_retries:
                 break
             retries += 1
-            for k, req in list(pending.items()):  # continue from the last progress report
-                partial = self.progress.get(req.request_id)
+            for k, req in list(pending.items()):  # continue from the failed engine's last progress report
+                partial = self.reports[i].get(req.request_id)
                 if partial is not None and partial.finished_at:
                     self._finish(partial, queued_at, done)
                     del pending[k]
@@ -170,9 +167,6 @@ class Scheduler:
         for k, req in pending.items():
             reason = failure or "engine returned no result"
             self._finish(_failed(req, i, f"{reason} (moved {retries} times)" if retries else reason), queued_at, done)
-        for req_id in ids:
-            self._live.discard(req_id)
-            self.progress.pop(req_id, None)
         trajectories = [done[k] for k in range(sampling.n)]
         if self.reward is not None:
             async with anyio.create_task_group() as tg:
@@ -229,7 +223,7 @@ class Scheduler:
             reason = str(e)
         else:
             if engine is self.engines[i]:
-                self.progress.update((t.request_id, t) for t in reports if t.request_id in self._live)
+                self.reports[i] = reports
             return
         if engine is self.engines[i]:
             self.mark_dead(i, reason)
@@ -238,6 +232,7 @@ class Scheduler:
     def revive(self, i: int, engine: Engine) -> None:
         """A restarted engine `i`, at the current epoch: back into rotation."""
         self.engines[i] = engine
+        self.reports[i] = {}  # the old engine's: the samples it held have moved on
         self.loads[i].healthy, self.loads[i].restarting = True, False
         log.info("engine back in rotation", engine=i)
         self._wake_admission()

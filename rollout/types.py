@@ -2,7 +2,8 @@
 
 Owns: `Prompt` (what a user feeds), `Sampling` (per-request sampling values), `Request` (one
 sample sent to one engine), `Trajectory` (one finished sample), `Group` (the `sampling.n` samples
-of one prompt), `GroupResult` (an engine's answer for one group), `EngineStats`. Every field has
+of one prompt), `GroupResult` (an engine's answer for one group), `ProgressReport` (an engine's
+samples so far), `EngineStats`. Every field has
 a default so old readers keep decoding new data.
 
 Epoch runs (exact meaning in the README, "Per-token epochs"): `policy_epochs` is a list of `(first generated index,
@@ -16,6 +17,7 @@ starts. `expand_runs` turns runs into one value per token.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -139,6 +141,32 @@ class GroupResult(Struct):
     trajectories: list[Trajectory] = msgspec.field(default_factory=list)
     error: str | None = None
     dead: bool = False
+
+
+class ProgressReport(Mapping[str, "Trajectory"]):
+    """An engine's progress report, request id -> `Trajectory` so far, decoded on first read.
+
+    Engines report every few seconds and a report is read only if its engine fails, so the
+    msgpack bytes (`list[Trajectory]`) are kept as they came.
+    """
+
+    def __init__(self, data: bytes):
+        self._data = data
+        self._by_id: dict[str, Trajectory] | None = None
+
+    def _decoded(self) -> dict[str, Trajectory]:
+        if self._by_id is None:
+            self._by_id = {t.request_id: t for t in msgspec.msgpack.decode(self._data, type=list[Trajectory])}
+        return self._by_id
+
+    def __getitem__(self, request_id: str) -> Trajectory:
+        return self._decoded()[request_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._decoded())
+
+    def __len__(self) -> int:
+        return len(self._decoded())
 
 
 class EngineStats(Struct):

@@ -122,19 +122,19 @@ class FakeEngine:
             requests_failed=self.failed,
         )
 
-    async def progress(self) -> list[Trajectory]:
+    async def progress(self) -> dict[str, Trajectory]:
         if self.hang_progress:
             await anyio.sleep_forever()
         if self.dead:
             raise EngineDeadError(f"fake engine {self.engine_id} is dead")
-        out = []
+        out = {}
         for r in self.held.values():
             t = self._trajectory(r)
             keep = min(len(t.token_ids), max(self.reported_tokens, len(r.resume.token_ids) if r.resume else 0))
             t.token_ids, t.logprobs, t.finish_reason, t.finished_at = t.token_ids[:keep], t.logprobs[:keep], "stop", 0.0
             t.policy_epochs = [(s, e) for s, e in t.policy_epochs if s < keep]
             t.kv_recomputes = [(j, e) for j, e in t.kv_recomputes if j < keep]
-            out.append(t)
+            out[t.request_id] = t
         return out
 
     async def kill(self) -> None:

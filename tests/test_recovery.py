@@ -53,7 +53,7 @@ async def test_samples_continue_on_another_engine_from_the_last_report(make_cfg)
         async with RolloutEngine(make_cfg("engines.max_restarts=0"), pool=pool) as engine:
             engine.feed([PROMPT])
             await doomed.wait_until(lambda e: e.inflight == 2)
-            while len(engine._scheduler.progress) < 2:  # both samples reported at least once
+            while sum(len(r) for r in engine._scheduler.reports) < 2:  # both samples reported at least once
                 await anyio.sleep(0.01)
             await doomed.kill()
             group = await engine.next_group()

@@ -131,7 +131,7 @@ async def test_with_every_engine_dead_the_fatal_error_comes_within_the_timeout(h
     try:
         async with RolloutEngine(cfg) as engine:
             engine.feed([Prompt(token_ids=[5 + i] * 8, sampling={"max_tokens": 400, "min_tokens": 400}) for i in range(32)])
-            while not any(t.token_ids for t in engine._scheduler.progress.values()):  # mid-rollout: tokens reported
+            while not any(t.token_ids for t in engine._scheduler.reports[0].values()):  # mid-rollout: tokens reported
                 await asyncio.sleep(0.05)
             killed_at = time.monotonic()
             await kill(engine._scheduler.engines[0], how)
