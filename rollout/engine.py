@@ -306,7 +306,7 @@ def freeze_heap() -> None:
     heap then holds torch, transformers, Ray and vLLM's config classes, and a full collection
     walking it stalled the scheduler for 0.2-0.3 s every few seconds on the tiny bench. Objects
     alive now that later form unreachable cycles are never freed, so call it once, after start-up
-    (the `rollout` command does).
+    (the `rollout` command does), and `gc.unfreeze()` before the process exits.
     """
     gc.collect()
     gc.freeze()
