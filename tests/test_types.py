@@ -6,7 +6,7 @@ import msgspec
 import pytest
 import torch
 
-from rollout.types import Batch, Group, Prompt, Sampling, Trajectory, append_run, expand_runs
+from rollout.types import Batch, Group, ProgressReport, Prompt, Sampling, Trajectory, append_run, expand_runs
 
 
 def make_trajectory(prompt, tokens, epochs=None, **kw) -> Trajectory:
@@ -205,3 +205,13 @@ def test_exporters_follow_the_documented_worked_example():
     assert gym["generation_log_probs"][0] == [-1.0] * 6 and gym["num_evictions"] == [0, 1]
     assert gym["policy_epoch"] == [[(4, 3), (7, 4)]] * 2 and gym["kv_cache_epoch"] == [[(0, 3), (6, 4)], [(0, 4)]]
     assert to_nemo_gym(keep)["num_evictions"] == [0]
+
+
+def test_a_progress_report_reads_as_a_mapping_of_its_trajectories():
+    running = make_trajectory([5, 6], [7, 8], request_id="r1-0", epochs=[(0, 0), (1, 1)])
+    done = make_trajectory([5, 6], [9], request_id="r1-1", finished_at=3.0)
+    report = ProgressReport(msgspec.msgpack.encode([running, done]))
+    assert len(report) == 2 and sorted(report) == ["r1-0", "r1-1"]
+    assert report["r1-0"] == running and report.get("r1-1") == done
+    assert report.get("r9-0") is None
+    assert len(ProgressReport(msgspec.msgpack.encode([]))) == 0
