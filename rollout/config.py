@@ -112,7 +112,7 @@ class BenchConfig(Struct, frozen=True, forbid_unknown_fields=True):
 
 # --- Speculative decoding -------------------------------------------------------------------
 # vLLM 0.32's `SpeculativeMethod` (vllm/config/speculative.py), so a typo fails when the config
-# loads; `policies.vllm_policy.engine_args` re-checks against the vLLM actually installed.
+# loads; `policies.vllm_args.engine_args` re-checks against the vLLM actually installed.
 SPECULATIVE_METHODS = frozenset(
     {"ngram", "ngram_gpu", "suffix", "draft_model", "eagle", "eagle3", "medusa", "mlp_speculator",
      "mtp", "dflash", "dspark", "extract_hidden_states", "custom_class"}

@@ -60,7 +60,7 @@ def test_methods_match_the_installed_vllm():
 
 
 def test_engine_args_check_options_against_vllm():
-    from policies.vllm_policy import engine_args
+    from policies.vllm_args import engine_args
 
     args = engine_args(integration_config(*SPEC), "/m")
     assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
