@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.drivers import start_python
 
 DRIVER = """
 import sys, anyio, msgspec
@@ -48,8 +45,7 @@ sync_main() if sys.argv[2] == "sync" else anyio.run(main)
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 128 + 15), (signal.SIGINT, -signal.SIGINT)])
 def test_signal_shuts_the_engines_down(tmp_path, sig, code, api):
     (tmp_path / "config.json").write_text('{"vocab_size": 260}')
-    proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path), api], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = start_python(DRIVER, str(tmp_path), api)
     try:
         assert proc.stdout.readline().strip() == "running"
         os.kill(proc.pid, sig)

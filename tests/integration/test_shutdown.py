@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import anyio
@@ -15,8 +14,9 @@ import pytest
 
 from rollout import RolloutEngine
 from rollout.durable import LOG_NAME, read_log
+from tests.drivers import start_python
 
-from .conftest import ROOT, engine_processes, integration_config, leaked_shm, shm_segments
+from .conftest import engine_processes, integration_config, leaked_shm, shm_segments
 
 DRIVER = """
 import json, sys, anyio
@@ -40,8 +40,7 @@ anyio.run(main)
 
 
 def start_driver(*overrides: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", DRIVER, *overrides], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    return start_python(DRIVER, *overrides)
 
 
 def descendants(pid: int) -> set[int]:
