@@ -53,15 +53,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("rollout: interrupted", file=sys.stderr)
         return 130
+    finally:
+        gc.unfreeze()  # bench and run freeze their heap once started; frozen objects at exit are reported as leaks
 
 
 def _bench(cfg: Config, args: argparse.Namespace) -> int:
     from rollout.bench import format_table, run_bench
 
-    try:
-        report = anyio.run(lambda: run_bench(cfg, args.config, progress=not args.no_progress, freeze_gc=True))
-    finally:
-        gc.unfreeze()  # collectable again at exit (frozen extension objects are reported as leaks)
+    report = anyio.run(lambda: run_bench(cfg, args.config, progress=not args.no_progress, freeze_gc=True))
     path = Path(args.report or cfg.bench.report)
     path.write_text(json.dumps(report, indent=2))
     print(format_table(report))
@@ -94,10 +93,7 @@ def _run(cfg: Config, args: argparse.Namespace) -> int:
         bar.close()
         return written, failed
 
-    try:
-        written, failed = anyio.run(go)
-    finally:
-        gc.unfreeze()
+    written, failed = anyio.run(go)
     print(f"wrote {written} trajectories to {args.out}" + (f" ({failed} prompts failed)" if failed else ""))
     return 0
 
