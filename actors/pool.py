@@ -1,7 +1,7 @@
 """Engine actors on Ray: start N vLLM engines in a placement group, call them, shut them down.
 
-Owns: the Ray cluster connection (local on demand, or `ray.address`), one actor per engine with
-its resources and pinned cores, readiness with a timeout, translation of Ray errors into
+Owns: one actor per engine with its resources and pinned cores (the cluster itself:
+`actors.cluster`), readiness with a timeout, translation of Ray errors into
 `rollout.errors`, and a shutdown that leaves no process or /dev/shm segment behind.
 The actor itself is `ray.remote(VLLMPolicy)`: a shell with no logic of its own.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import socket
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,34 +20,17 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from actors.cluster import connect, missing_resources
 from policies.shm import Snapshot, sweep_when_gone
-from policies.vllm_args import engine_args, engine_env
+from policies.vllm_args import checked_engine_args, engine_env
 from policies.vllm_policy import VLLMPolicy
 from rollout.config import Config
-from rollout.errors import EngineDeadError, RetryableError, RolloutError
+from rollout.errors import EngineDeadError, InvalidConfigError, InvalidPromptError, RetryableError, RolloutError
 from rollout.log import get_logger
 from rollout.specdecode import SpecCounters
 from rollout.types import EngineStats, GroupResult, ProgressReport, Request, Trajectory
 
 log = get_logger(__name__)
-
-
-def connect(cfg: Config) -> bool:
-    """Join `ray.address` or start a local cluster. Returns True if this call started Ray."""
-    if ray.is_initialized():
-        return False
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=cfg.logging.level == "debug")
-    if cfg.ray.address is None:
-        kwargs["address"] = "local"  # a new cluster, even if another one runs on this machine
-        need = cfg.engines.count * cfg.engines.cpus_per_engine
-        kwargs["num_cpus"] = cfg.ray.num_cpus or max(os.cpu_count() or 1, need)
-        if cfg.engines.gpus_per_engine == 0:
-            kwargs["num_gpus"] = 0
-    else:
-        kwargs["address"] = cfg.ray.address
-    ray.init(**kwargs)
-    return True
 
 
 class RayEngine:
@@ -89,9 +71,34 @@ class RayEngine:
             yield traj
 
     def _submit(self) -> None:
+        """Send the groups started this turn in one call. Runs as a loop callback, where an exception
+        would reach no one: whatever fails here fails the groups it concerns, with the reason."""
         batch, self._outbox = self._outbox, []
-        if batch:
-            self._fire(self._call(self.actor.submit.remote(msgspec.msgpack.encode(batch))), [key for key, _ in batch])
+        if not batch:
+            return
+        keys = [key for key, _ in batch]
+        try:
+            try:
+                payload = msgspec.msgpack.encode(batch)
+            except Exception:  # some group cannot travel: fail those, send the rest
+                batch = [(key, requests) for key, requests in batch if self._encodable(key, requests)]
+                keys = [key for key, _ in batch]
+                if not batch:
+                    return
+                payload = msgspec.msgpack.encode(batch)
+            self._fire(self._call(self.actor.submit.remote(payload)), keys)
+        except Exception as e:  # Ray refused the call itself (an actor handle gone, the object store full)
+            self._fail(e, keys)
+
+    def _encodable(self, key: str, requests: list[Request]) -> bool:
+        """Whether the group `key` encodes for the wire; if not it fails now, naming the request and why."""
+        for req in requests:
+            try:
+                msgspec.msgpack.encode(req)
+            except Exception as e:
+                self._fail(InvalidPromptError(f"request {req.request_id} (prompt {req.prompt_id!r}) cannot be sent to engine {self.engine_id}: {type(e).__name__}: {e}"), [key])
+                return False
+        return True
 
     def _cancel(self, key: str) -> None:
         self._waiting.pop(key, None)
@@ -125,7 +132,8 @@ class RayEngine:
                         result.set_result(r.trajectories)
                     else:
                         result.set_exception(EngineDeadError(r.error) if r.dead else RetryableError(r.error))
-        except Exception as e:
+        except Exception as e:  # the engine's to answer for: every group out on it fails, loudly
+            log.error("engine results lost", engine=self.engine_id, groups=len(self._waiting), error=f"{type(e).__name__}: {e}")
             self._fail(e, list(self._waiting))
         finally:
             self._collector = None
@@ -136,7 +144,7 @@ class RayEngine:
             error = RetryableError(f"engine {self.engine_id}: {type(error).__name__}: {error}")
         for key in keys:
             if (result := self._waiting.pop(key, None)) is not None and not result.done():
-                result.set_exception(type(error)(str(error)))
+                result.set_exception(_copy(error))
 
     def close(self) -> None:
         """Stop this handle's calls in flight (the engine is being replaced or shut down)."""
@@ -166,8 +174,8 @@ class RayEngine:
     async def commit_weights(self, epoch: int) -> dict[str, float]:
         return await self._call(self.actor.commit_weights.remote(epoch))
 
-    async def run_raw(self, requests: list[Request]) -> dict:
-        return await self._call(self.actor.run_raw.remote(requests))
+    async def run_raw(self, requests: list[Request], outputs: bool = False) -> dict:
+        return await self._call(self.actor.run_raw.remote(requests, outputs))
 
     async def spec_counters(self) -> SpecCounters:
         return await self._call(self.actor.spec_counters.remote())
@@ -176,7 +184,8 @@ class RayEngine:
         try:
             return await ref
         except asyncio.CancelledError:
-            ray.cancel(ref)
+            if isinstance(ref, ray.ObjectRef):  # anything else (a local stand-in in tests) has nothing to cancel in Ray
+                ray.cancel(ref)
             raise
         except (RayTaskError, RayActorError) as e:
             raise self._translate(e) from e
@@ -206,8 +215,12 @@ class RayEnginePool:
     @classmethod
     async def start(cls, cfg: Config, model_path: str) -> RayEnginePool:
         """Start every engine concurrently; raises EngineDeadError if one fails or times out."""
-        engine_args(cfg, model_path)  # bad engine args fail here, before any actor starts
+        checked_engine_args(cfg, model_path)  # bad engine args, and what vLLM's model config refuses, fail here
         started_ray = connect(cfg)
+        if missing := missing_resources(cfg, ray.cluster_resources()):  # else the placement group waits for the whole start timeout
+            if started_ray:
+                ray.shutdown()
+            raise InvalidConfigError(missing)
         e = cfg.engines
         bundle = {"CPU": e.cpus_per_engine, **({"GPU": e.gpus_per_engine} if e.gpus_per_engine else {})}
         pg = placement_group([bundle] * e.count, strategy=e.placement_strategy)
@@ -230,7 +243,8 @@ class RayEnginePool:
             if isinstance(err, (asyncio.TimeoutError, GetTimeoutError)):
                 raise EngineDeadError(f"engines did not start within engines.start_timeout_s={e.start_timeout_s}") from err
             if isinstance(err, (RayActorError, RayTaskError)):
-                raise EngineDeadError(f"an engine failed to start: {err}") from err
+                cause = getattr(err, "cause", None)  # the engine's own EngineDeadError names the cause in one line
+                raise EngineDeadError(str(cause) if isinstance(cause, RolloutError) else f"an engine failed to start: {err}") from err
             raise
         log.info("engines ready", count=e.count)
         return pool
@@ -244,7 +258,7 @@ class RayEnginePool:
             num_gpus=e.gpus_per_engine,
             max_concurrency=e.max_inflight_per_engine + 16,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i),
-            runtime_env={"env_vars": engine_env(i, e.cpus_per_engine, e.gpus_per_engine)},
+            runtime_env={"env_vars": engine_env(i, e.cpus_per_engine, e.gpus_per_engine, self.cfg.logging.level)},
         ).remote(self.cfg, self.model_path, i)
 
     async def restart(self, i: int) -> RayEngine:
@@ -266,7 +280,8 @@ class RayEnginePool:
             raise EngineDeadError(f"engine {i} did not restart within engines.start_timeout_s") from err
         except (RayActorError, RayTaskError) as err:
             self._starting.pop(i, None)
-            raise EngineDeadError(f"engine {i} failed to restart: {err}") from err
+            cause = getattr(err, "cause", None)
+            raise EngineDeadError(str(cause) if isinstance(cause, RolloutError) else f"engine {i} failed to restart: {err}") from err
         self._shm[i] = held
         return self.engines[i]
 
@@ -280,11 +295,11 @@ class RayEnginePool:
             engine.close()
         if self._starting:  # a half-started engine has spawned processes but not yet said what they hold
             starts = [asyncio.ensure_future(_swallow(r)) for r in self._starting.values()]
-            await asyncio.wait(starts, timeout=self.cfg.engines.start_timeout_s)
+            await _settle(starts, self.cfg.engines.start_timeout_s)
             self._starting.clear()
         if self.actors:
             refs = [a.shutdown.remote() for a in self.actors]
-            await asyncio.wait([asyncio.ensure_future(_swallow(r)) for r in refs], timeout=60)
+            await _settle([asyncio.ensure_future(_swallow(r)) for r in refs], 60)
             for a in self.actors:
                 ray.kill(a, no_restart=True)
             self.actors.clear()
@@ -299,6 +314,22 @@ class RayEnginePool:
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
         log.info("engines shut down")
+
+
+def _copy(error: RolloutError) -> RolloutError:
+    """A fresh exception per waiting group (one object raised in many tasks would pile up their
+    tracebacks); the same one where its type cannot be rebuilt from a message."""
+    try:
+        return type(error)(str(error))
+    except Exception:
+        return error
+
+
+async def _settle(tasks: list[asyncio.Future], timeout: float) -> None:
+    """Wait for `tasks` at most `timeout` s, then cancel what is left (no task outlives shutdown)."""
+    _, pending = await asyncio.wait(tasks, timeout=timeout)
+    for task in pending:
+        task.cancel()
 
 
 async def _swallow(ref: Any) -> None:

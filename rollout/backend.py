@@ -58,10 +58,11 @@ class Engine(Protocol):
         """
         ...
 
-    async def run_raw(self, requests: list[Request]) -> dict:
+    async def run_raw(self, requests: list[Request], outputs: bool = False) -> dict:
         """Benchmark baseline: every request straight into the engine at once, no scheduler.
 
-        Returns {"tokens", "trajectories", "start", "end"} (unix times).
+        Returns {"tokens", "trajectories", "start", "end"} (unix times), and with `outputs`
+        "outputs": each request's (token ids, logprobs, finish reason), in order.
         """
         ...
 
@@ -98,6 +99,13 @@ async def as_finished(coros: Iterable[Awaitable[T]]) -> AsyncIterator[T]:
             results.put_nowait((await coro, None))
         except Exception as e:
             results.put_nowait((None, e))
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # ours (the stream closed): nobody waits for it
+                raise
+            # Cancelled from within (a library's own abort or timeout): the stream waits for a
+            # result that would never come, so it gets an error instead.
+            results.put_nowait((None, RuntimeError("a request was cancelled inside the engine")))
 
     tasks = [asyncio.ensure_future(run(c)) for c in coros]
     try:

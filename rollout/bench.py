@@ -2,37 +2,46 @@
 
 How it measures: start the engines once; warm them up (every engine filled to
 `max_inflight_per_engine` once, unless `bench.warmup_prompts` says otherwise); then
-`bench.repeats` rounds, each of which runs the configured prompts through the scheduler and,
+`bench.rounds` rounds, each of which runs the configured prompts through the scheduler and,
 on the same engines with prefix caches reset, the same prompts and sampling straight into each
 engine's AsyncLLM (groups dealt round-robin over the engines, all submitted at once, in vLLM's
 own non-streaming mode: no scheduler, no Ray call per group, no epochs, no progress reports).
+Every round runs the same prompts (a JSONL source is read once, before the first).
 Rounds alternate which side goes first, since whichever runs second in a round runs a little
-slower on this machine; keep `repeats` even. The median of the per-round ratios (this engine /
+slower on this machine; keep `rounds` even. The median of the per-round ratios (this engine /
 raw vLLM) of generated tokens per second is the figure that matters on a shared machine;
 absolute numbers are noise. Its interval (`median_interval`, assuming nothing about the noise)
-says how far that median can be trusted. Latency, time to first token and engine shares are round 1's.
+says how far that median can be trusted; more rounds narrow it. Rates are medians over rounds;
+latency, time to first token and engine shares are over every trajectory of every round.
 
-With `speculative:` on, the first scheduler run and the first raw-vLLM run also report
-speculative decoding figures over exactly that run (`rollout.specdecode`): per engine and
-summed over engines, in the table and under "spec_decode" in the JSON report.
+With `speculative:` on, the scheduler runs and the raw-vLLM runs also report speculative
+decoding figures, each side's counts summed over its runs (`rollout.specdecode`): per engine
+and summed over engines, in the table and under "spec_decode" in the JSON report.
+The table is `rollout.bench_table`'s; `--plot` is `rollout.plots`'.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-import sys
 import time
 from typing import Any
 
+import anyio
 import msgspec
 
 from rollout.backend import EnginePool
+from rollout.bench_table import format_table
 from rollout.config import Config, dump_config
-from rollout.engine import RolloutEngine, freeze_heap
-from rollout.prompts import configured_prompts, effective_sampling
-from rollout.specdecode import SpecDecodeMeter
+from rollout.engine import RolloutEngine
+from rollout.process import freeze_heap
+from rollout.errors import InvalidPromptError
+from rollout.progress import Progress
+from rollout.prompts import BadPrompt, configured_prompts, effective_sampling
+from rollout.specdecode import SpecCounters, SpecDecodeMeter, SpecDecodeReport, window
 from rollout.types import Group, Prompt, Request, Trajectory
+
+__all__ = ["format_table", "median_interval", "percentiles", "pooled", "run_bench", "summarize"]
 
 
 def percentiles(values: list[float], qs: tuple[int, ...] = (50, 90, 99)) -> dict[str, float]:
@@ -63,6 +72,7 @@ def median_interval(values: list[float], level: float = 0.95) -> tuple[float, fl
 
 
 def summarize(trajectories: list[Trajectory], elapsed: float, engine_count: int) -> dict[str, Any]:
+    """One scheduler run: totals and rates, and each trajectory's latency and time to first token."""
     ok = [t for t in trajectories if t.ok]
     tokens = sum(len(t.token_ids) for t in ok)
     per_engine = [sum(len(t.token_ids) for t in ok if t.engine_id == i) for i in range(engine_count)]
@@ -73,82 +83,165 @@ def summarize(trajectories: list[Trajectory], elapsed: float, engine_count: int)
         "generated_tokens": tokens,
         "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
         "trajectories_per_s": len(ok) / elapsed if elapsed > 0 else 0.0,
-        "latency_s": percentiles([t.finished_at - t.queued_at for t in ok]),
-        "ttft_s": percentiles([t.first_token_at - t.queued_at for t in ok if t.first_token_at]),
-        "engine_share": [n / tokens if tokens else 0.0 for n in per_engine],
+        "latencies_s": [t.finished_at - t.queued_at for t in ok],
+        "ttfts_s": [t.first_token_at - t.queued_at for t in ok if t.first_token_at],
+        "engine_tokens": per_engine,
     }
 
 
 async def run_bench(
-    cfg: Config, config_name: str = "", progress: bool = True, pool: EnginePool | None = None, freeze_gc: bool = False
+    cfg: Config,
+    config_name: str = "",
+    progress: bool | Progress = True,
+    pool: EnginePool | None = None,
+    freeze_gc: bool = False,
 ) -> dict[str, Any]:
     """Run the benchmark described in the module docstring; returns the JSON report.
 
-    `pool` replaces the Ray/vLLM engines (tests pass a fake); `freeze_gc`: this process is the
-    `rollout bench` driver, its heap leaves the collector's view once the engines are warm
-    (`rollout.engine.freeze_heap`)."""
+    `progress`: show it on stderr (a `Progress` to say where and how); `pool` replaces the
+    Ray/vLLM engines (tests pass a fake); `freeze_gc`: this process is the `rollout bench`
+    driver, its heap leaves the collector's view once the engines are warm
+    (`rollout.process.freeze_heap`)."""
     trajectories: list[Trajectory] = []
-    rounds = cfg.bench.repeats if cfg.bench.baseline else 1
-    bar = None
+    rounds = cfg.bench.rounds if cfg.bench.baseline else 1
+    bar = progress if isinstance(progress, Progress) else Progress("bench", enabled=progress)
 
     def on_trajectory(t: Trajectory) -> None:
         trajectories.append(t)
-        if bar is not None:
-            bar.update(1)
+        bar.update(1)
 
+    if cfg.env is not None:  # episodes: against naive agent loops on raw vLLM (rollout.bench_multiturn)
+        from rollout import bench_multiturn
+
+        async with RolloutEngine(cfg, pool=pool) as engine:
+            if freeze_gc:
+                freeze_heap()
+            report = await bench_multiturn.run(engine, cfg, rounds)
+        return {"config": config_name, "multiturn": report, "resolved_config": msgspec.to_builtins(cfg)}
     async with RolloutEngine(cfg, pool=pool, on_trajectory=on_trajectory) as engine:
-        prompts = configured_prompts(cfg.prompts, engine.limits.vocab_size)
-        await _warm_up(engine, cfg)
+        prompts = await _read_prompts(cfg, engine.limits.vocab_size)  # read once: every round runs these
+        await _warm_up(engine, cfg, bar)
         if freeze_gc:
             freeze_heap()
-        bar = _progress_bar(cfg, progress, rounds)
         meter = SpecDecodeMeter(engine) if cfg.speculative.enabled else None
-        report: dict[str, Any] = {"config": config_name}
+        sides = ["engine", "raw_vllm"] if cfg.bench.baseline else ["engine"]
+        runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
+        spec: dict[str, dict[int, SpecCounters]] = {side: {} for side in sides}
         same: list[Prompt] = []  # the prompts whose groups did not fail, for raw vLLM
         table = []
-        sides = ["engine", "raw_vllm"] if cfg.bench.baseline else ["engine"]
-        for r in range(rounds):
-            row: dict[str, Any] = {"order": "engine first" if r % 2 == 0 else "raw vLLM first"}
-            for side in sides if r % 2 == 0 else sides[::-1]:
-                await _reset_prefix_caches(engine)
-                if meter and r == 0:
-                    await meter.read()  # the window starts here: warm-up drafts are not counted
-                if side == "engine":
-                    trajectories.clear()
-                    start = time.time()
-                    engine.feed(prompts)
-                    groups: list[Group] = [g async for g in engine.groups()]
-                    result = summarize(trajectories, time.time() - start, cfg.engines.count)
-                    result["failed_groups"] = sum(1 for g in groups if g.error)
-                    same = same or [g.prompt for g in groups if not g.error]
-                else:
-                    result = await _raw_baseline(engine, cfg, same)
-                if meter and r == 0:
-                    result["spec_decode"] = msgspec.to_builtins(await meter.read())
-                report.setdefault(side, result)  # the first run of each side has the details
-                row[side] = result["tokens_per_s"]
-            if cfg.bench.baseline:
-                row["ratio"] = row["engine"] / max(row["raw_vllm"], 1e-9)
-                table.append(row)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_tick, bar)
+            for r in range(rounds):
+                row: dict[str, Any] = {"round": r + 1, "order": "engine first" if r % 2 == 0 else "raw vLLM first"}
+                for side in sides if r % 2 == 0 else sides[::-1]:
+                    await _reset_prefix_caches(engine)
+                    if meter:
+                        await meter.read()  # the window starts here: warm-up and the other side are not counted
+                    if side == "engine":
+                        bar.start(f"round {r + 1}/{rounds}, engine side", _trajectory_count(cfg, prompts))
+                        trajectories.clear()
+                        start = time.time()
+                        engine.feed(iter(prompts))  # an iterator: a bad JSONL line fails its group, the rest run
+                        groups: list[Group] = [g async for g in engine.groups()]
+                        result = summarize(trajectories, time.time() - start, cfg.engines.count)
+                        result["failed_groups"] = sum(1 for g in groups if g.error)
+                        same = same or [g.prompt for g in groups if not g.error]
+                    else:
+                        bar.start(f"round {r + 1}/{rounds}, raw vLLM side")
+                        result = await _raw_baseline(engine, cfg, same)
+                    if meter:
+                        _add_spec(spec[side], await meter.read())
+                    runs[side].append(result)
+                    row[side] = result["tokens_per_s"]
+                if cfg.bench.baseline:
+                    row["ratio"] = row["engine"] / max(row["raw_vllm"], 1e-9)
+                    table.append(row)
+            tg.cancel_scope.cancel()
         bar.close()
+        report: dict[str, Any] = {"config": config_name, "prompts": len(prompts), "rounds_used": rounds}
+        for side in sides:
+            report[side] = pooled(runs[side])
+            if meter:
+                report[side]["spec_decode"] = msgspec.to_builtins(window([], list(spec[side].values())))
         if table:
             report["rounds"] = table
             ratios = [r["ratio"] for r in table]
             report["ratio_tokens_per_s"] = statistics.median(ratios)
             low, high, coverage = median_interval(ratios)
-            report["ratio_interval"] = {"low": low, "high": high, "coverage": coverage}
+            report["ratio_interval"] = {"low": low, "high": high, "coverage": coverage, "width": high - low}
         report["engine_stats"] = [msgspec.to_builtins(s) for s in await engine.stats()]
     report["resolved_config"] = msgspec.to_builtins(cfg)
     report["resolved_config_yaml"] = dump_config(cfg)
     return report
 
 
-async def _warm_up(engine: RolloutEngine, cfg: Config) -> None:
+def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One side's figures over every round: medians of the per-run rates, and latency, time to
+    first token and engine shares over every trajectory of every run (not round 1's alone)."""
+    out: dict[str, Any] = {
+        "runs": len(runs),
+        "trajectories": runs[0]["trajectories"],  # per run: every run has the same prompts
+        "failed": sum(r.get("failed", 0) for r in runs),
+        "failed_groups": sum(r.get("failed_groups", 0) for r in runs),
+        "generated_tokens": statistics.median(r["generated_tokens"] for r in runs),
+        "elapsed_s": statistics.median(r["elapsed_s"] for r in runs),
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+        "trajectories_per_s": statistics.median(r["trajectories_per_s"] for r in runs),
+        "per_run": [{k: r[k] for k in ("elapsed_s", "generated_tokens", "tokens_per_s", "trajectories_per_s")} for r in runs],
+    }
+    if "latencies_s" in runs[0]:
+        latencies = [x for r in runs for x in r["latencies_s"]]
+        ttfts = [x for r in runs for x in r["ttfts_s"]]
+        tokens = [sum(n) for n in zip(*(r["engine_tokens"] for r in runs))]
+        out["latency_s"], out["ttft_s"] = percentiles(latencies), percentiles(ttfts)
+        out["engine_share"] = [n / sum(tokens) if sum(tokens) else 0.0 for n in tokens]
+        # the distributions themselves, for plots (`rollout bench --plot`), to the millisecond
+        out["samples"] = {"latency_s": [round(x, 3) for x in latencies], "ttft_s": [round(x, 3) for x in ttfts]}
+    return out
+
+
+async def _read_prompts(cfg: Config, vocab_size: int) -> list[Prompt | BadPrompt]:
+    """The configured prompts as a list: a JSONL source is read to the end once, here."""
+    source = configured_prompts(cfg.prompts, vocab_size)
+    if isinstance(source, list):
+        return list(source)
+    return [p async for p in source]
+
+
+def _trajectory_count(cfg: Config, prompts: list[Prompt | BadPrompt]) -> int:
+    """Trajectories one scheduler run of `prompts` gives (a prompt that will fail gives none)."""
+    total = 0
+    for p in prompts:
+        if isinstance(p, Prompt):
+            try:
+                total += effective_sampling(cfg.sampling, p).n
+            except InvalidPromptError:
+                pass
+    return total
+
+
+def _add_spec(acc: dict[int, SpecCounters], report: SpecDecodeReport) -> None:
+    """Add one run's per-engine speculative decoding counts to `acc` (pooled over rounds)."""
+    for m in report.engines:
+        assert m.engine_id is not None
+        c = acc.setdefault(m.engine_id, SpecCounters(engine_id=m.engine_id, num_speculative_tokens=report.num_speculative_tokens))
+        c.add(m.drafts, m.draft_tokens, m.accepted_tokens, m.accepted_per_pos)
+
+
+async def _tick(bar: Progress) -> None:
+    """Progress goes on while nothing is counted (the raw vLLM side reports nothing until it ends)."""
+    while True:
+        await anyio.sleep(1.0)
+        bar.poll()
+
+
+async def _warm_up(engine: RolloutEngine, cfg: Config, bar: Progress) -> None:
     """Every engine at full concurrency once, so that no new batch shape compiles mid-run."""
     count = cfg.bench.warmup_prompts
     if count is None:
         count = -(-cfg.engines.count * cfg.engines.max_inflight_per_engine // cfg.sampling.n)
     if count:
+        bar.start("warm-up", count * cfg.sampling.n)
         warm = msgspec.structs.replace(cfg.prompts, source="synthetic", count=count, seed=cfg.prompts.seed + 1)
         engine.feed(configured_prompts(warm, engine.limits.vocab_size))
         async for _ in engine.groups():
@@ -193,78 +286,3 @@ async def _raw_baseline(engine: RolloutEngine, cfg: Config, prompts: list[Prompt
         "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
         "trajectories_per_s": sum(r["trajectories"] for r in done) / elapsed if elapsed > 0 else 0.0,
     }
-
-
-def format_table(report: dict[str, Any]) -> str:
-    ours, raw = report["engine"], report.get("raw_vllm")
-    cfg = report["resolved_config"]
-    lines = [
-        f"rollout bench {report['config']}: {cfg['engines']['count']} engine(s), "
-        f"{ours['trajectories'] // max(cfg['sampling']['n'], 1)} prompts x n={cfg['sampling']['n']}, "
-        f"max_tokens={cfg['sampling']['max_tokens']}, model={cfg['model']['path']}",
-        f"{'metric':<28}{'this engine':>14}{'raw vLLM':>14}{'ratio':>9}",
-    ]
-
-    def row(name: str, a: float, b: float | None, fmt: str = "{:.1f}") -> None:
-        ratio = f"{a / b:.3f}" if b else "-"
-        lines.append(f"{name:<28}{fmt.format(a):>14}{(fmt.format(b) if b is not None else '-'):>14}{ratio:>9}")
-
-    row("generated tokens/s", ours["tokens_per_s"], raw["tokens_per_s"] if raw else None)
-    row("trajectories/s", ours["trajectories_per_s"], raw["trajectories_per_s"] if raw else None, "{:.2f}")
-    row("generated tokens", ours["generated_tokens"], raw["generated_tokens"] if raw else None, "{:.0f}")
-    row("wall time (s)", ours["elapsed_s"], raw["elapsed_s"] if raw else None, "{:.2f}")
-    for key, label in (("latency_s", "latency"), ("ttft_s", "time to first token")):
-        p = ours[key]
-        lines.append(f"{label + ' p50/p90/p99 (s)':<36}{p['p50']:.2f} / {p['p90']:.2f} / {p['p99']:.2f}")
-    lines.append(f"{'per-engine token share':<28}" + "  ".join(f"e{i} {s:.1%}" for i, s in enumerate(ours["engine_share"])))
-    if "rounds" in report:
-        ratios = [r["ratio"] for r in report["rounds"]]
-        ci = report["ratio_interval"]
-        lines.append(f"{'tokens/s ratio, median':<28}{report['ratio_tokens_per_s']:.3f} of {len(ratios)} rounds, order alternating; "
-                     f"{ci['coverage']:.0%} interval {ci['low']:.3f}-{ci['high']:.3f}")  # fmt: skip
-        lines.append(f"{'  per round':<28}" + " ".join(f"{x:.3f}" for x in ratios))
-    if ours["failed"] or ours.get("failed_groups"):
-        lines.append(f"{'failed':<28}{ours['failed']} trajectories, {ours.get('failed_groups', 0)} groups")
-    if "spec_decode" in ours:
-        lines.extend(spec_decode_rows(cfg["speculative"], ours["spec_decode"], raw.get("spec_decode") if raw else None))
-    return "\n".join(lines)
-
-
-def spec_decode_rows(spec_cfg: dict[str, Any], ours: dict[str, Any], raw: dict[str, Any] | None) -> list[str]:
-    """Table rows of speculative decoding figures (`SpecDecodeReport`s as builtins): summed over
-    engines (this engine, and raw vLLM when given), then each engine of this engine's run."""
-    lines = [f"speculative decoding: {spec_cfg['method']}, {ours['num_speculative_tokens']} draft tokens per step"]
-
-    def cell(x: float | None, fmt: str) -> str:
-        return fmt.format(x) if x is not None else "-"
-
-    for name, key, fmt in (
-        ("mean acceptance length", "mean_acceptance_length", "{:.3f}"),
-        ("acceptance rate", "acceptance_rate", "{:.1%}"),
-        ("drafts", "drafts", "{:d}"),
-        ("draft tokens", "draft_tokens", "{:d}"),
-        ("accepted tokens", "accepted_tokens", "{:d}"),
-    ):
-        other = f"{cell(raw['total'][key], fmt):>14}" if raw else ""
-        lines.append(f"{'  ' + name:<28}{cell(ours['total'][key], fmt):>14}{other}")
-    lines.append(f"{'  per-position rate':<28}{_positions(ours['total'])}" + (f"   (raw vLLM {_positions(raw['total'])})" if raw else ""))
-    for m in ours["engines"]:
-        label = f"  e{m['engine_id']} length/rate/pos"
-        lines.append(
-            f"{label:<28}{cell(m['mean_acceptance_length'], '{:.3f}')} / {cell(m['acceptance_rate'], '{:.1%}')} / "
-            f"{_positions(m)}  ({m['drafts']} drafts)"
-        )
-    return lines
-
-
-def _positions(m: dict[str, Any]) -> str:
-    rates = m["per_position_rate"]
-    return " ".join(f"{r:.3f}" for r in rates) if rates else "-"
-
-
-def _progress_bar(cfg: Config, enabled: bool, runs: int) -> Any:
-    """Trajectories of this engine's timed runs."""
-    from tqdm import tqdm
-
-    total = runs * cfg.prompts.count * cfg.sampling.n if cfg.prompts.source == "synthetic" else None
-    return tqdm(total=total, unit="traj", file=sys.stderr, disable=not enabled, dynamic_ncols=True, leave=False)

@@ -15,7 +15,7 @@ import msgspec.yaml
 from msgspec import Meta, Struct
 
 from rollout.errors import InvalidConfigError
-from rollout.types import NonNegInt, PositiveInt, Sampling
+from rollout.types import NonNegInt, PositiveInt, Sampling, not_utf8_in, printable
 
 PositiveFloat = Annotated[float, Meta(gt=0.0)]
 
@@ -24,7 +24,7 @@ class ModelConfig(Struct, frozen=True, forbid_unknown_fields=True):
     path: str = "tiny"  # "tiny": the embedded random-weight Llama; else a local HF model dir
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "bfloat16"
     max_model_len: PositiveInt = 2048
-    seed: int = 0  # seeds the tiny model's weights and vLLM's sampler
+    seed: Annotated[int, Meta(ge=0, le=2**32 - 1)] = 0  # seeds the tiny model's weights and vLLM's sampler (numpy: 32 bits)
 
 
 class EnginesConfig(Struct, frozen=True, forbid_unknown_fields=True):
@@ -45,8 +45,13 @@ class EnginesConfig(Struct, frozen=True, forbid_unknown_fields=True):
     restart_backoff_s: Annotated[float, Meta(ge=0)] = 1.0
     request_timeout_s: PositiveFloat | None = None  # a group with no result by then is retried elsewhere
     max_retries: NonNegInt = 3  # times a group's unfinished samples move to another engine, then fail
-    # Pass-through vLLM engine args (any AsyncEngineArgs field), plus `kv_cache_gib` for CPU.
-    vllm: dict[str, Any] = msgspec.field(default_factory=lambda: {"kv_cache_gib": 1})
+    # vLLM preempts a running request when its KV cache runs out. record: let it, and record each
+    # preemption (the request continues as a new one; `kv_recomputes` gets the recompute); avoid:
+    # cap running requests at what the cache holds at max_model_len, so it never has to.
+    preemption: Literal["record", "avoid"] = "record"
+    # Pass-through vLLM engine args (any AsyncEngineArgs field), plus `kv_cache_gib` (the KV cache
+    # size; default on CPU engines: 1 GiB; on GPU engines vLLM sizes it by gpu_memory_utilization).
+    vllm: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 class PromptsConfig(Struct, frozen=True, forbid_unknown_fields=True):
@@ -88,9 +93,35 @@ class QueueConfig(Struct, frozen=True, forbid_unknown_fields=True):
     max_groups: PositiveInt = 256  # groups admitted but not yet taken by the learner
     # ready_first: groups are handed out as they finish; in_order: in the order they were fed
     order: Literal["ready_first", "in_order"] = "ready_first"
-    # When set: finished groups are logged here (fsync'd) before hand-out and acknowledged when
-    # taken; a new engine on the same directory hands out the unacknowledged ones first.
+    # When set: finished groups are logged here (fsync'd) before hand-out and acknowledged when the
+    # learner commits them; a new engine on the same directory hands out the uncommitted ones first
+    # and resumes at the latest epoch. One run per directory (it is locked).
     durable_dir: str | None = None
+    # auto: asking for the next group or batch commits the ones handed out before (so does a clean
+    # exit); explicit: only `engine.commit()` does (a learner that fetches ahead of its step).
+    durable_commit: Literal["auto", "explicit"] = "auto"
+    # The log is rewritten with only the uncommitted groups once committed records take this much.
+    durable_compact_bytes: PositiveInt = 64 << 20
+
+
+class EpisodeConfig(Struct, frozen=True, forbid_unknown_fields=True):
+    """Limits of a multi-turn episode (with `env` set)."""
+
+    max_turns: PositiveInt = 8  # model turns
+    max_tokens: PositiveInt | None = None  # the whole conversation's tokens; null: model.max_model_len
+    step_timeout_s: PositiveFloat | None = 60.0  # one `reset` or `step` of the environment
+
+
+class ServeConfig(Struct, frozen=True, forbid_unknown_fields=True):
+    """`rollout serve` / `engine.serve()`: the OpenAI-compatible HTTP server."""
+
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    port: NonNegInt = 8000  # 0: a free port
+    api_key: str | None = None  # when set, every request needs `Authorization: Bearer <key>`
+    model_name: str | None = None  # the model id clients send; default: model.path
+    max_concurrency: PositiveInt = 1024  # requests in flight; past it: 429
+    max_body_bytes: PositiveInt = 8 * 2**20
+    tool_parser: Literal["hermes", "json", "none"] = "hermes"  # how tool calls are read from the model's text
 
 
 class RayConfig(Struct, frozen=True, forbid_unknown_fields=True):
@@ -103,11 +134,30 @@ class LoggingConfig(Struct, frozen=True, forbid_unknown_fields=True):
     json: bool = False
 
 
+class MetricsConfig(Struct, frozen=True, forbid_unknown_fields=True):
+    # `engine.metrics()` needs nothing here; this is the Prometheus exporter (rollout.metrics).
+    port: Annotated[int, Meta(ge=0, le=65535)] | None = None  # serve /metrics on it; None: off; 0: any free port
+    host: str = "127.0.0.1"  # loopback only; "0.0.0.0" lets other machines scrape it
+    refresh_s: PositiveFloat = 5.0  # how often the exporter reads each engine's own counters (preemptions, spec decoding)
+
+
+_BENCH_ROUNDS = 4
+
+
 class BenchConfig(Struct, frozen=True, forbid_unknown_fields=True):
     baseline: bool = True  # also drive raw vLLM with the same prompts and report the ratio
     warmup_prompts: NonNegInt | None = None  # None: enough to fill every engine once (no batch shape compiles mid-run)
-    repeats: PositiveInt = 12  # rounds of (this engine, raw vLLM), order alternating; the ratio is their median
+    # Rounds of (this engine, raw vLLM), order alternating; the ratio is their median. 4 keeps a
+    # first `make bench` within minutes; 12 gives a 96% interval that excludes the 2 extreme rounds each side.
+    rounds: PositiveInt = _BENCH_ROUNDS
+    repeats: PositiveInt | None = None  # the old name of `rounds`, still read (configs written before)
     report: str = "bench_report.json"
+
+    def __post_init__(self) -> None:
+        if self.repeats is not None:
+            if self.rounds != _BENCH_ROUNDS and self.rounds != self.repeats:
+                raise ValueError(f"repeats: the old name of rounds; give one of them, not repeats {self.repeats} and rounds {self.rounds}")
+            msgspec.structs.force_setattr(self, "rounds", self.repeats)
 
 
 # --- Speculative decoding -------------------------------------------------------------------
@@ -196,9 +246,16 @@ class Config(Struct, frozen=True, forbid_unknown_fields=True):
     staleness: StalenessConfig = StalenessConfig()
     queue: QueueConfig = QueueConfig()
     reward: str | None = None  # "package.module:function", called once per trajectory
+    # Multi-turn episodes: "package.module:Class" (built with env_args, one per episode); each
+    # sample of a prompt is then an episode of model turns and environment steps.
+    env: str | None = None
+    env_args: dict[str, Any] = msgspec.field(default_factory=dict)
+    episode: EpisodeConfig = EpisodeConfig()
+    serve: ServeConfig = ServeConfig()
     ray: RayConfig = RayConfig()
     logging: LoggingConfig = LoggingConfig()
     bench: BenchConfig = BenchConfig()
+    metrics: MetricsConfig = MetricsConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
 
     def __post_init__(self) -> None:
@@ -234,6 +291,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
+    if (bad := not_utf8_in(raw, "")) is not None:  # msgspec would raise UnicodeEncodeError naming nothing
+        raise InvalidConfigError(bad.lstrip("."))
     try:
         return msgspec.convert(raw, Config)
     except msgspec.ValidationError as e:
@@ -266,7 +325,9 @@ def readable_validation_error(e: msgspec.ValidationError) -> str:
 def _apply_override(raw: dict[str, Any], item: str) -> None:
     key, sep, value = item.partition("=")
     if not sep or not key.strip():
-        raise InvalidConfigError(f"override {item!r}: expected key.path=value")
+        raise InvalidConfigError(f"override {printable(item)!r}: expected key.path=value")
+    if (bad := not_utf8_in(value, f"{printable(key)}: override value")) is not None:
+        raise InvalidConfigError(bad)
     try:
         parsed = msgspec.yaml.decode(value.encode()) if value.strip() else None
     except msgspec.DecodeError as e:

@@ -1,4 +1,4 @@
-"""The public API: `RolloutEngine` (async) and `SyncRolloutEngine` (for plain-script learners).
+"""The public API: `RolloutEngine` (async; `rollout.sync_engine.SyncRolloutEngine` blocks).
 
 Owns the lifecycle: resolve the model, start the engine pool, run the scheduler in one task group,
 hand out groups and batches, and shut everything down (also on errors and cancellation).
@@ -8,33 +8,37 @@ hand out groups and batches, and shut everything down (also on errors and cancel
         async for group in engine.groups(): ...   # ends once every fed prompt is handed out
         batch = await engine.batches(groups=8)    # or: async for batch in engine.batches(groups=8)
         epoch = await engine.update_weights(model.state_dict())   # or a directory of safetensors
+        await engine.commit(batch)                # with queue.durable_dir: never hand it out again
 """
 
 from __future__ import annotations
 
-import asyncio
-import gc
 import signal
-import threading
-import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Generator, Iterable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Generator, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
-import anyio.from_thread
 
 from rollout.backend import EnginePool, start_pool
+from rollout.chat import chat_renderer
 from rollout.config import Config, load_config
-from rollout.durable import DurableLog
-from rollout.errors import EngineDeadError, InvalidPromptError, WeightSyncError
+from rollout.durable import Commits, DurableLog, DurableLogError
+from rollout.env import EnvFactory, load_env
+from rollout.errors import EngineClosedError, InvalidPromptError
 from rollout.log import configure, get_logger
+from rollout.metrics import EngineMetrics, MetricsWindow, PrometheusExporter
+from rollout.process import catch_sigterm, exit_on_sigterm, restore_sigterm
 from rollout.prompts import BadPrompt, ModelLimits, as_async, check_prompt, coerce, effective_sampling
-from rollout.queue import TrajectoryQueue
+from rollout.queue import Submission, TrajectoryQueue
 from rollout.rewards import RewardFn, load_reward
 from rollout.scheduler import Scheduler
-from rollout.staleness import StalenessFilter, StalenessStats
+from rollout.staleness import StalenessFilter, StalenessStats, hand_out, trainable
 from rollout.types import Batch, EngineStats, Group, Prompt, Trajectory, UpdateStats
+from rollout.updates import WeightUpdates
+
+if TYPE_CHECKING:
+    from rollout.plane import SyncWeightPlane, WeightPlane
 
 log = get_logger(__name__)
 
@@ -44,7 +48,10 @@ class RolloutEngine:
 
     `pool` replaces the Ray/vLLM engines (tests pass a fake); `on_trajectory` is called for
     every finished trajectory, as it finishes (progress bars, live metrics); `reward` (a function
-    `(prompt, trajectory) -> float`, sync or async) replaces the config's `reward` path.
+    `(prompt, trajectory) -> float`, sync or async) replaces the config's `reward` path; `env` (a
+    function returning a new environment, e.g. its class) replaces the config's `env` path.
+    `start_epoch`: the epoch the run starts at (the learner's restored weights); None: the
+    latest epoch recorded in `queue.durable_dir`, else 0. The first update is `start_epoch + 1`.
     """
 
     def __init__(
@@ -54,69 +61,130 @@ class RolloutEngine:
         pool: EnginePool | None = None,
         on_trajectory: Callable[[Trajectory], None] | None = None,
         reward: RewardFn | None = None,
+        env: EnvFactory | None = None,
+        start_epoch: int | None = None,
     ):
+        if start_epoch is not None and start_epoch < 0:
+            raise ValueError(f"start_epoch: expected >= 0, got {start_epoch}")
         self.cfg = cfg if isinstance(cfg, Config) else load_config(cfg)
         self._reward = reward
+        self._env = env
+        self._closed = False
+        self._servers: list[Any] = []  # `serve()`: stopped before the engines
         self.pool = pool
         self.model_path = ""
         self._on_trajectory = on_trajectory
         self._scheduler: Scheduler | None = None
         self._queue: TrajectoryQueue | None = None
         self._tg: Any = None
-        self.epoch = 0  # the weights every healthy engine serves; +1 per update_weights
-        self.weight_updates: list[UpdateStats] = []
-        self._update_lock = anyio.Lock()
-        self._manifest: Any = None
+        self._updates = WeightUpdates(self.cfg)  # epochs, weight updates, restarts
+        self._planes: list[Any] = []  # weight planes joined (`weight_plane`)
+        self.epoch = start_epoch or 0  # the weights every healthy engine serves; +1 per update_weights
+        self._resume_at = start_epoch  # None: at the durable log's latest epoch
+        self._start_epoch = self.epoch  # the epoch this run started at, once known
         self._staleness = StalenessFilter(self.cfg.staleness)
         self._durable: DurableLog | None = None
         self._recovered: list[Group] = []  # from the durable log of an earlier run: handed out first
+        self._commits: Commits | None = None  # with a durable log: handed out, not yet committed
         self._old_sigterm: Any = None
-        self._weights: Any = None  # the latest weights as shared with the engines (restarts load them)
-        self._restarts: dict[int, int] = {}
+        self._metrics: EngineMetrics | None = None
+        self.exporter: PrometheusExporter | None = None  # serving `metrics.port`, when set
 
     async def __aenter__(self) -> RolloutEngine:
         configure(self.cfg.logging.level, self.cfg.logging.json)
         self._catch_sigterm()
         reward = self._reward or load_reward(self.cfg.reward)  # a bad path fails before engines start
+        env = self._env or load_env(self.cfg.env, self.cfg.env_args)
         from policies.tiny import resolve_model_path
 
         path = await anyio.to_thread.run_sync(resolve_model_path, self.cfg.model.path, self.cfg.model.seed)
         self.model_path = str(path)
         limits = ModelLimits.from_model_dir(path, self.cfg.model.max_model_len, self.cfg.engines.max_inflight_per_engine)
-        if self.cfg.queue.durable_dir:
-            self._durable = DurableLog(self.cfg.queue.durable_dir)
-            self._recovered = await anyio.to_thread.run_sync(self._durable.open)
-        if self.pool is None:
-            self.pool = await start_pool(self.cfg, self.model_path)
-            if self._old_sigterm is not None:  # take it back: Ray's driver installs a handler that aborts
-                signal.signal(signal.SIGTERM, _exit_on_sigterm)
-        self._queue = TrajectoryQueue(self.cfg.queue.max_groups, in_order=self.cfg.queue.order == "in_order")
-        self._scheduler = Scheduler(
-            self.cfg, self.pool.engines, self._queue, limits, self._on_trajectory, reward, self._durable, self._restart_later
-        )
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
-        self._tg.start_soon(self._scheduler.run, self._tg)
-        self._tg.start_soon(self._scheduler.watch)
+        chat = await anyio.to_thread.run_sync(chat_renderer, path) if env is not None else None
+        q = self.cfg.queue
+        try:
+            if q.durable_dir:  # before the engines: a directory that cannot be used starts nothing
+                self._durable = DurableLog(q.durable_dir, q.durable_compact_bytes)
+                self._recovered = await anyio.to_thread.run_sync(self._durable.open, self._resume_at)
+                self._commits = Commits(self._durable, auto=q.durable_commit == "auto")
+                self.epoch = self._durable.epoch
+            self._start_epoch = self.epoch
+            if self.pool is None:
+                self.pool = await start_pool(self.cfg, self.model_path)
+                if self._old_sigterm is not None:  # take it back: Ray's driver installs a handler that aborts
+                    signal.signal(signal.SIGTERM, exit_on_sigterm)
+            self._queue = TrajectoryQueue(self.cfg.queue.max_groups, in_order=self.cfg.queue.order == "in_order")
+            self._metrics = EngineMetrics(self, self._queue)
+            on_trajectory = self._metrics.counting(self._on_trajectory)
+            self._scheduler = Scheduler(
+                self.cfg, self.pool.engines, self._queue, limits, on_trajectory, reward, self._durable,
+                self._updates.restart_later, env, chat,
+            )  # fmt: skip
+            self._scheduler.runner.on_load = self._metrics.busy.change
+            self._tg = anyio.create_task_group()
+            await self._tg.__aenter__()
+            self._updates.bind(self._scheduler, self.pool, self.model_path, self._tg, self._durable, self._start_epoch)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._shut_down(raise_errors=False)
+            raise
+        self._scheduler.start(self._tg)
+        try:
+            self.exporter = await self._metrics.serve(self._tg)
+        except BaseException:  # metrics.port taken: stop what started
+            await self.__aexit__(None)
+            raise
         return self
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        """Stop the servers and every in-flight request; on a clean exit commit what was handed out
+        (`queue.durable_commit: auto`). Whatever raised on the way, the durable log is closed and
+        the pool shut down."""
+        with anyio.CancelScope(shield=True):
+            for server in self._servers:
+                await server.stop()
+        self._closed = True
+        if self._scheduler is not None:
+            self._scheduler.fail(EngineClosedError("the engine was shut down"))
+        clean = False
         try:
             self._tg.cancel_scope.cancel()  # aborts every in-flight request
             await self._tg.__aexit__(None, None, None)
+            if exc_type is None and self._commits is not None and self._commits.auto:
+                await self._commits.commit()
+            clean = exc_type is None
         finally:
             with anyio.CancelScope(shield=True):
-                if self._durable is not None:
+                await self._shut_down(raise_errors=clean)
+
+    async def _shut_down(self, raise_errors: bool) -> None:
+        """Stop the metrics exporter, close the durable log, then shut the pool down even if that
+        raised. A close error is raised only when nothing else is (it must not hide the error the
+        run is unwinding with)."""
+        try:
+            for plane in self._planes:
+                await plane.close()
+            if self.exporter is not None:
+                await anyio.to_thread.run_sync(self.exporter.stop)
+            if self._durable is not None:
+                try:
                     self._durable.close()
+                except DurableLogError as e:
+                    if raise_errors:
+                        raise
+                    log.error("durable log did not close cleanly", error=str(e))
+        finally:
+            try:
                 if self.pool is not None:
                     await self.pool.shutdown()
-            self._restore_sigterm()
+            finally:
+                self._restore_sigterm()
 
     def _catch_sigterm(self) -> None:
-        self._old_sigterm = _catch_sigterm()
+        self._old_sigterm = catch_sigterm()
 
     def _restore_sigterm(self) -> None:
-        _restore_sigterm(self._old_sigterm)
+        restore_sigterm(self._old_sigterm)
         self._old_sigterm = None
 
     @property
@@ -132,50 +200,114 @@ class RolloutEngine:
         there comes out of `groups()` as a group with `error` set, and the rest go on.
         """
         scheduler = self._live_scheduler()
-        if isinstance(prompts, (Prompt, str)):
+        if isinstance(prompts, (Prompt, str, dict)):
             prompts = [prompts]
         if isinstance(prompts, (list, tuple)):
-            items = [coerce(p) for p in prompts]
-            problems = []
-            for i, item in enumerate(items):
-                try:
-                    if isinstance(item, BadPrompt):
-                        raise InvalidPromptError(item.reason)
-                    check_prompt(item, effective_sampling(self.cfg.sampling, item), scheduler.limits)
-                except InvalidPromptError as e:
-                    problems.append(f"[{i}] {e}")
-            if problems:
-                raise InvalidPromptError(f"{len(problems)} of {len(items)} prompts rejected: " + "; ".join(problems))
-            prompts = items
+            prompts = self._checked(prompts)
+        elif prompts is None or isinstance(prompts, (bytes, int, float)) or not isinstance(prompts, (Iterable, AsyncIterable)):
+            raise InvalidPromptError(f"feed: expected prompts (a list, an iterator, a prompt), got {type(prompts).__name__}")
         scheduler.add_source(as_async(prompts))
+
+    def submit(self, prompts: Prompt | str | dict | Iterable[Any], *, train: bool = True) -> Submission:
+        """Run prompts now and get their groups back on a channel of the caller's own: `async for
+        index, group in submission` as they finish, or `await submission.result()` in prompt order.
+        Checked now, like `feed(list)`: raises InvalidPromptError naming every bad prompt, admitting
+        none. `train`: the groups count in the staleness budget (`staleness.max_lag`) and are
+        checked at hand-out like the learner's; False for traffic that is only served."""
+        scheduler = self._live_scheduler()
+        if isinstance(prompts, (Prompt, str, dict)):
+            prompts = [prompts]
+        if prompts is None or isinstance(prompts, (bytes, int, float)) or not isinstance(prompts, Iterable):
+            raise InvalidPromptError(f"submit: expected prompts (a list, a prompt), got {type(prompts).__name__}")
+        items = self._checked(list(prompts))
+        take = (lambda g: hand_out(g, self.epoch, self._staleness, scheduler.admission, keep_dropped=True)) if train else None
+        submission = Submission(items, train, take)
+        scheduler.submit(submission)
+        return submission
+
+    async def serve(self, host: str | None = None, port: int | None = None, api_key: str | None = None) -> Any:
+        """Start the OpenAI-compatible HTTP server (`rollout.server.Server`, `serve:` config) on this
+        engine's loop, next to a learner using the engine; stopped when the engine exits. Its URL
+        is `server.url`. Raises OSError when it cannot listen."""
+        from rollout.server import Server
+
+        server = Server(self, self.cfg.serve, api_key)
+        await server.start(self._tg, host, port)
+        self._servers.append(server)
+        return server
+
+    async def hand_in(self, group: Group) -> None:
+        """Put a group finished elsewhere (an episode served over HTTP) into the learner's queue.
+        Raises RetryableError when the queue is full."""
+        await self._live_scheduler().hand_in(group)
+
+    def _checked(self, prompts: list[Any]) -> list[Prompt]:
+        """Every prompt coerced and checked against the model; raises InvalidPromptError naming each bad one."""
+        scheduler = self._live_scheduler()
+        items = [coerce(p) for p in prompts]
+        problems = []
+        for i, item in enumerate(items):
+            try:
+                if isinstance(item, BadPrompt):
+                    raise InvalidPromptError(item.reason)
+                check_prompt(item, effective_sampling(self.cfg.sampling, item), scheduler.limits)
+            except InvalidPromptError as e:
+                problems.append(f"[{i}] {e}")
+        if problems:
+            raise InvalidPromptError(f"{len(problems)} of {len(items)} prompts rejected: " + "; ".join(problems))
+        return items  # type: ignore[return-value]
 
     @property
     def staleness(self) -> StalenessStats:
         """Lags seen at hand-out and what `staleness.max_lag` dropped or masked (cumulative)."""
         return self._staleness.stats
 
-    async def next_group(self) -> Group | None:
-        """The next finished group, or None once every fed prompt has been handed out."""
+    async def next_group(self, *, keep_dropped: bool = False) -> Group | None:
+        """The next finished group, or None once every fed prompt has been handed out. `keep_dropped`:
+        a group dropped as too stale comes back with `error` set instead of being skipped."""
         scheduler = self._live_scheduler()
+        if self._commits is not None:
+            await self._commits.poll()
         if scheduler.admission.batch_groups is None:
             scheduler.admission.learner_batch(1)  # a learner taking single groups
-        return await self._next_group()
+        return await self._next_group(keep_dropped)
 
-    async def _next_group(self) -> Group | None:
+    def admit_step(self, groups: int) -> None:
+        """Let `groups` more groups start now, whatever `staleness.max_lag`: a step of a caller that takes
+        all of its groups before it can update weights (`RolloutGeneration`). Lag is checked at hand-out."""
+        self._live_scheduler().admission.grant(groups)
+
+    async def _next_group(self, keep_dropped: bool = False) -> Group | None:
         assert self._queue is not None
-        if self._recovered:  # logged by an earlier run, handed out as they were
-            group = self._recovered.pop(0)
-            await self._ack(group)
-            return group
-        while (group := await self._queue.get()) is not None:
-            await self._ack(group)
-            if (kept := self._staleness.apply(group, self.epoch)) is not None:  # None: every sample too stale
+        while self._recovered:  # logged by an earlier run: first, and checked like any other
+            if (kept := await self._hand_out(self._recovered.pop(0), recovered=True)) is not None:
                 return kept
+        while (group := await self._queue.get()) is not None:
+            if (out := await self._hand_out(group, keep_dropped=keep_dropped)) is not None:
+                return out  # else: every sample too stale, dropped
         return None
 
-    async def _ack(self, group: Group) -> None:
-        if self._durable is not None:
-            await anyio.to_thread.run_sync(self._durable.ack, group)
+    async def _hand_out(self, group: Group, *, recovered: bool = False, keep_dropped: bool = False) -> Group | None:
+        """`group` through the staleness check (None: dropped); with a durable log, taken until committed.
+        A recovered group was not admitted by this run, so this run's admission does not count it."""
+
+        def keep(g: Group) -> Group | None:
+            if recovered:
+                return self._staleness.apply(g, self.epoch)
+            return hand_out(g, self.epoch, self._staleness, self._live_scheduler().admission, keep_dropped)
+
+        return keep(group) if self._commits is None else await self._commits.hand_out(group, keep)
+
+    async def commit(self, handed: Batch | Group | Iterable[Group] | None = None) -> None:
+        """The learner is done with `handed` (default: everything handed out so far): with
+        `queue.durable_dir`, no later run hands those groups out again; without one, a no-op.
+        Groups already committed are skipped. With `queue.durable_commit: auto` (the default)
+        asking for the next group or batch commits everything handed out before, and so does a
+        clean exit; `explicit` leaves it to this call. Raises DurableLogError when the log cannot
+        record it: those groups stay uncommitted, and a new run hands them out again.
+        """
+        if self._commits is not None:
+            await self._commits.commit(handed)
 
     async def groups(self) -> AsyncIterator[Group]:
         """Finished groups as they complete; ends once every prompt fed so far is handed out."""
@@ -183,12 +315,17 @@ class RolloutEngine:
             yield group
 
     async def next_batch(self, groups: int) -> Batch | None:
-        """`groups` complete groups (fewer only at the end of the input); None when nothing is left."""
+        """`groups` complete groups with something to train on (fewer only at the end of the input),
+        and any group met on the way with nothing to train on (a rejected prompt, every sample
+        failed), for its errors; None when nothing is left."""
         self._check_batch_size(groups)
         self._live_scheduler().admission.learner_batch(groups)
-        batch = Batch()
-        while len(batch.groups) < groups and (group := await self._next_group()) is not None:
+        if self._commits is not None:
+            await self._commits.poll()
+        batch, to_train = Batch(), 0
+        while to_train < groups and (group := await self._next_group()) is not None:
             batch.groups.append(group)
+            to_train += trainable(group)
         return batch if batch.groups else None
 
     def batches(self, groups: int) -> _Batches:
@@ -204,89 +341,58 @@ class RolloutEngine:
         first (InvalidWeightsError, no engine touched). The weights move once (Ray's object
         store), every engine receives them, and only then does any engine load them
         (`weight_sync.mode` says what running requests do). An engine that fails to load, or
-        takes longer than `weight_sync.timeout_s`, leaves rotation and the call raises
-        WeightSyncError naming it; every other engine serves the new epoch.
+        takes longer than `weight_sync.timeout_s` (the load; a drain's wait is not counted),
+        leaves rotation and the call raises WeightSyncError naming it; every other engine serves
+        the new epoch. Epochs are never reused: once any engine may have loaded epoch N, the
+        loads run to their end even if the caller is cancelled, and the next update is N+1.
+        (`rollout.updates` runs it.)
         """
-        from policies.weights import pack, read_manifest
+        self._live_scheduler()
+        return await self._updates.update(weights)
 
-        scheduler = self._live_scheduler()
-        assert self.pool is not None
-        async with self._update_lock:
-            if self._manifest is None:
-                self._manifest = await anyio.to_thread.run_sync(read_manifest, self.model_path)
-            payload = await anyio.to_thread.run_sync(pack, weights, self._manifest)
-            live = [i for i, load in enumerate(scheduler.loads) if load.healthy]
-            if not live:
-                raise EngineDeadError("every engine is dead")
-            engines = [self.pool.engines[i] for i in live]
-            epoch, t0 = self.epoch + 1, time.perf_counter()
-            shared = self.pool.share(payload)
-            received = await asyncio.gather(*(e.stage_weights(epoch, shared) for e in engines), return_exceptions=True)
-            if bad := _failures(live, received):
-                await asyncio.gather(*(e.drop_weights(epoch) for e in engines), return_exceptions=True)
-                raise WeightSyncError(f"epoch {epoch}: weights did not reach {_describe(bad)}; no engine changed", list(bad))
-            timeout = self.cfg.weight_sync.timeout_s
-            results = await asyncio.gather(
-                *(asyncio.wait_for(e.commit_weights(epoch), timeout) for e in engines), return_exceptions=True
-            )
-            bad = _failures(live, results, f"no answer within weight_sync.timeout_s={timeout}")
-            for i in bad:
-                scheduler.mark_dead(i, bad[i])
-            stats = UpdateStats(
-                epoch=epoch,
-                mode=self.cfg.weight_sync.mode,
-                bytes=getattr(payload, "nbytes", 0),
-                bytes_received=sum(r for r in received if isinstance(r, int)),
-                seconds=time.perf_counter() - t0,
-                stall_s={i: r["stall_s"] for i, r in zip(live, results) if isinstance(r, dict)},
-                load_s={i: r["load_s"] for i, r in zip(live, results) if isinstance(r, dict)},
-                failed=sorted(bad),
-            )
-            self.weight_updates.append(stats)
-            if len(bad) < len(live):
-                self._weights = shared
-            if len(bad) == len(live):
-                raise WeightSyncError(f"epoch {epoch}: every engine failed to load it: {_describe(bad)}", list(bad))
-            self.epoch = epoch
-            scheduler.admission.set_epoch(epoch)
-            log.info("weights updated", epoch=epoch, seconds=round(stats.seconds, 3), mode=stats.mode, failed=stats.failed)
-            if bad:
-                raise WeightSyncError(f"epoch {epoch}: {_describe(bad)}; out of rotation, the others serve epoch {epoch}", list(bad))
-            return epoch
+    async def weight_plane(self, **options: Any) -> WeightPlane:
+        """Join the weight plane: the learner's tensors go straight to every engine's model workers,
+        in buckets, loaded as they arrive; this process carries metadata only. Returns the handle
+        the learner's loop uses each step: `epoch = await plane.send(model.state_dict())`.
+        `options`: `rollout.plane.WeightPlane`'s (backend, bucket_bytes, name_map, ...)."""
+        from rollout.plane import WeightPlane
 
-    def _restart_later(self, i: int) -> bool:
-        """The scheduler lost engine `i`: restart it in the background, unless it used up its restarts."""
-        n = self._restarts.get(i, 0)
-        if n >= self.cfg.engines.max_restarts or not hasattr(self.pool, "restart"):
-            return False
-        self._restarts[i] = n + 1
-        self._tg.start_soon(self._restart, i, n + 1)
-        return True
+        self._live_scheduler()
+        plane = await anyio.to_thread.run_sync(lambda: WeightPlane(self, **options))
+        self._planes.append(plane)  # closed with the engine
+        return plane
 
-    async def _restart(self, i: int, n: int) -> None:
-        """Restart engine `i` (the `n`-th time), load the current epoch's weights, readmit it."""
-        scheduler = self._live_scheduler()
-        assert self.pool is not None
-        await anyio.sleep(self.cfg.engines.restart_backoff_s * 2 ** (n - 1))
-        try:
-            log.warning("restarting engine", engine=i, restart=n, of=self.cfg.engines.max_restarts)
-            engine = await self.pool.restart(i)
-            async with self._update_lock:  # no update may slip between loading and readmission
-                if self.epoch:
-                    await engine.stage_weights(self.epoch, self._weights)
-                    with anyio.fail_after(self.cfg.weight_sync.timeout_s):
-                        await engine.commit_weights(self.epoch)
-                scheduler.revive(i, engine)
-        except Exception as e:
-            reason = f"restart {n} failed: {type(e).__name__}: {e}"
-            if not self._restart_later(i):
-                scheduler.give_up(i, reason)
-            else:
-                log.error("engine restart failed; trying again", engine=i, reason=reason)
+    @property
+    def epoch(self) -> int:
+        """The weights every healthy engine serves: the run's start epoch, +1 per update."""
+        return self._updates.epoch
+
+    @epoch.setter
+    def epoch(self, epoch: int) -> None:  # where the run starts (`start_epoch`, the durable log's)
+        self._updates.epoch = epoch
+
+    @property
+    def weight_updates(self) -> list[UpdateStats]:
+        """Figures of every update so far (`UpdateStats`), oldest first."""
+        return self._updates.history
 
     async def stats(self) -> list[EngineStats]:
         assert self.pool is not None
         return [await e.stats() for e in self.pool.engines]
+
+    async def metrics(self) -> dict[str, float]:
+        """Every figure since the previous call (the first: since start), flat and numeric, for a
+        tracker: `wandb.log(await engine.metrics(), step=step)`. Names and meanings: `rollout.metrics`."""
+        self._live_scheduler()
+        assert self._metrics is not None
+        return await self._metrics.window()
+
+    def metrics_window(self) -> MetricsWindow:
+        """A window of `metrics()`'s figures of its own: `await w.read()` (since it opened or was last
+        reset), `await w.reset()`; `metrics()` and other windows are not affected."""
+        self._live_scheduler()
+        assert self._metrics is not None
+        return self._metrics.opened()
 
     def _check_batch_size(self, groups: int) -> None:
         if groups < 1:
@@ -295,53 +401,11 @@ class RolloutEngine:
             raise ValueError(f"groups: {groups} can never fill, queue.max_groups is {self.cfg.queue.max_groups}")
 
     def _live_scheduler(self) -> Scheduler:
+        if self._closed:
+            raise EngineClosedError("the engine was shut down: its `async with` block has exited")
         if self._scheduler is None:
-            raise RuntimeError("use RolloutEngine inside `async with RolloutEngine(cfg) as engine:`")
+            raise EngineClosedError("the engine is not running: use it inside `async with RolloutEngine(cfg) as engine:`")
         return self._scheduler
-
-
-def freeze_heap() -> None:
-    """Take every object alive now out of the garbage collector's view, as vLLM's servers and its
-    benchmark client do once started. For a driver process after `RolloutEngine` has started: its
-    heap then holds torch, transformers, Ray and vLLM's config classes, and a full collection
-    walking it stalled the scheduler for 0.2-0.3 s every few seconds on the tiny bench. Objects
-    alive now that later form unreachable cycles are never freed, so call it once, after start-up
-    (the `rollout` command does), and `gc.unfreeze()` before the process exits.
-    """
-    gc.collect()
-    gc.freeze()
-
-
-def _catch_sigterm() -> Any:
-    """SIGTERM exits like Ctrl-C does, through `__aexit__`/`__exit__`, so the engines shut down
-    cleanly. Only where nobody else handles it (the default handler, in the main thread).
-    Returns the handler to restore, or None when nothing was installed."""
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        return signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    return None
-
-
-def _restore_sigterm(old: Any) -> None:
-    if old is not None:
-        signal.signal(signal.SIGTERM, old)
-
-
-def _exit_on_sigterm(signum: int, frame: Any) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the shutdown short
-    raise SystemExit(128 + signum)  # unwinds the event loop; asyncio.run cancels the tasks, __aexit__ runs
-
-
-def _failures(ids: list[int], results: list[Any], timeout_reason: str = "timed out") -> dict[int, str]:
-    """Engine id -> reason, for every result that is an exception."""
-    out = {}
-    for i, r in zip(ids, results):
-        if isinstance(r, BaseException):
-            out[i] = timeout_reason if isinstance(r, (asyncio.TimeoutError, TimeoutError)) else f"{type(r).__name__}: {r}"
-    return out
-
-
-def _describe(failures: dict[int, str]) -> str:
-    return "; ".join(f"engine {i}: {reason}" for i, reason in sorted(failures.items()))
 
 
 class _Batches:
@@ -357,62 +421,3 @@ class _Batches:
     async def _iterate(self) -> AsyncIterator[Batch]:
         while (batch := await self._engine.next_batch(self._groups)) is not None:
             yield batch
-
-
-class SyncRolloutEngine:
-    """Blocking facade: the async engine runs on an event loop in a thread this object owns.
-
-        with SyncRolloutEngine("configs/tiny.yaml") as engine:
-            engine.feed(prompts)
-            for group in engine.groups(): ...
-    """
-
-    def __init__(self, cfg: Config | str | Path, **kwargs: Any):
-        self._engine = RolloutEngine(cfg, **kwargs)
-        self._portal_cm = anyio.from_thread.start_blocking_portal()
-        self._portal = self._portal_cm.__enter__()
-        self._engine_cm = self._portal.wrap_async_context_manager(self._engine)
-
-    def __enter__(self) -> SyncRolloutEngine:
-        self._old_sigterm = _catch_sigterm()  # the engine's loop runs in a thread: catch it here
-        try:
-            self._engine_cm.__enter__()
-        except BaseException:
-            self._portal_cm.__exit__(None, None, None)
-            _restore_sigterm(self._old_sigterm)
-            raise
-        if self._old_sigterm is not None:  # take it back from Ray's driver, which aborts on it
-            signal.signal(signal.SIGTERM, _exit_on_sigterm)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        try:
-            self._engine_cm.__exit__(*exc)
-        finally:
-            # With an exception (a signal in the middle of a call), calls still running are cancelled.
-            self._portal_cm.__exit__(*exc)
-            _restore_sigterm(self._old_sigterm)
-
-    def feed(self, prompts: Any) -> None:
-        self._portal.call(self._engine.feed, prompts)
-
-    def groups(self) -> Iterator[Group]:
-        while (group := self._portal.call(self._engine.next_group)) is not None:
-            yield group
-
-    def batch(self, groups: int) -> Batch | None:
-        return self._portal.call(self._engine.next_batch, groups)
-
-    def update_weights(self, weights: Any) -> int:
-        return self._portal.call(self._engine.update_weights, weights)
-
-    @property
-    def epoch(self) -> int:
-        return self._engine.epoch
-
-    @property
-    def staleness(self) -> StalenessStats:
-        return self._engine.staleness
-
-    def stats(self) -> list[EngineStats]:
-        return self._portal.call(self._engine.stats)

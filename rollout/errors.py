@@ -2,6 +2,7 @@
 
 - `RetryableError`: try again later (engine busy, timed out).
 - `EngineDeadError`: an engine is gone; fatal for the requests it held unless they are moved.
+- `EngineClosedError`: the `RolloutEngine` is not running (outside or after its `async with`).
 - `InvalidPromptError`: this prompt (or its sampling values) is bad; fix the input, nothing else stops.
 - `InvalidConfigError`: the config is bad; nothing was started. The message names the key path.
 - `InvalidWeightsError`: weights that do not fit the model (names, shapes, dtypes); no engine touched.
@@ -21,6 +22,10 @@ class RetryableError(RolloutError):
 
 class EngineDeadError(RolloutError):
     pass
+
+
+class EngineClosedError(RolloutError, RuntimeError):
+    """The engine is not running (used outside its `async with`, or after it exited)."""
 
 
 class InvalidPromptError(RolloutError, ValueError):

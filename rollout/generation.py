@@ -13,36 +13,40 @@ Reaching the engine: a `RolloutEngine` lives on one event loop. Built from a con
 starts it on a loop in a thread of its own (as `SyncRolloutEngine` does); given a running engine
 (`engine=`), it uses that engine's loop and must be created on it. Blocking methods hop onto that
 loop; `agenerate` and `generate_async` run on it directly when awaited there, and otherwise step
-through a worker thread, so they work from any loop. Calls may overlap: the engine has one output
-queue, so whichever call is waiting reads the next group and hands it to the call that fed it
-(prompt ids `gen<facade>.<call>-row<i>`). While a call runs, this class must be the engine's only consumer.
+through a worker thread, so they work from any loop. Each call submits its rows on a channel of
+its own (`RolloutEngine.submit`), so calls may overlap, and a learner may consume the engine's
+own queue meanwhile.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
-import json
 import threading
-from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
 import anyio.from_thread
+import msgspec
 import anyio.lowlevel
 import anyio.to_thread
 
 from rollout.config import Config
 from rollout.engine import RolloutEngine
-from rollout.errors import InvalidPromptError, RolloutError
+from rollout.errors import RolloutError, WeightSyncError
+from rollout.log import get_logger
+from rollout.generation_tensors import output_tensors, pad_id_from_model_dir, prompts_from_batch, verify_right_padding
 from rollout.prompts import effective_sampling
+from rollout.queue import Submission
 from rollout.types import Group, Prompt, Trajectory
 
+__all__ = ["GenerationError", "RolloutGeneration", "output_tensors", "pad_id_from_model_dir", "prompts_from_batch", "verify_right_padding"]
+
 T = TypeVar("T")
+log = get_logger(__name__)
 _instances = itertools.count()  # prompt ids differ between facades sharing an engine one after another
-GREEDY = {"temperature": 0.0, "top_k": 1}
-PAIRS = (("input_ids", "input_lengths"), ("output_ids", "unpadded_sequence_lengths"))
 
 
 class GenerationError(RolloutError):
@@ -51,164 +55,6 @@ class GenerationError(RolloutError):
     def __init__(self, message: str, rows: dict[int, str]):
         super().__init__(message)
         self.rows = rows
-
-
-def verify_right_padding(
-    data: Mapping[str, Any], pad_value: int | None = 0, raise_error: bool = True
-) -> tuple[bool, str | None]:
-    """Check that every position past a row's length holds `pad_value`.
-
-    Checks `input_ids` against `input_lengths` when both are present, else `output_ids` against
-    `unpadded_sequence_lengths`. Returns `(True, None)` or `(False, message)`; with `raise_error`
-    (the default) raises ValueError with that message instead.
-    """
-    import torch
-
-    def fail(message: str) -> tuple[bool, str | None]:
-        if raise_error:
-            raise ValueError(message)
-        return False, message
-
-    if pad_value is None:
-        return fail("pad_value is None: pass the tokenizer's pad token id")
-    if not isinstance(data, Mapping):
-        return fail(f"expected a mapping of tensors (a dict or BatchedDataDict), got {type(data).__name__}")
-    pair = next((p for p in PAIRS if p[0] in data and p[1] in data), None)
-    if pair is None:
-        pairs = "input_ids with input_lengths, or output_ids with unpadded_sequence_lengths"
-        return fail(f"expected {pairs}; got keys {list(data.keys())}")
-    ids_key, len_key = pair
-    ids, lengths = torch.as_tensor(data[ids_key]), torch.as_tensor(data[len_key])
-    if ids.ndim != 2:
-        return fail(f"{ids_key}: expected a 2-D [batch, sequence] tensor, got shape {tuple(ids.shape)}")
-    batch, width = ids.shape
-    if lengths.ndim != 1 or lengths.shape[0] != batch:
-        shape = tuple(lengths.shape)
-        return fail(f"{len_key}: expected one length per row of {ids_key}, shape ({batch},), got shape {shape}")
-    if lengths.is_floating_point() or lengths.is_complex():
-        return fail(f"{len_key}: expected integer lengths, got {lengths.dtype}")
-    lengths = lengths.to(device=ids.device, dtype=torch.long)
-    if (lengths < 0).any():
-        i = int((lengths < 0).nonzero()[0])
-        return fail(f"{len_key}[{i}] = {int(lengths[i])} is negative")
-    if (lengths > width).any():
-        i = int((lengths > width).nonzero()[0])
-        return fail(f"{len_key}[{i}] = {int(lengths[i])} exceeds the sequence dimension of {ids_key} ({width})")
-    bad = (torch.arange(width, device=ids.device)[None, :] >= lengths[:, None]) & (ids != pad_value)
-    if bad.any():
-        i = int(bad.any(dim=1).nonzero()[0])
-        positions = bad[i].nonzero().flatten().tolist()
-        shown = ", ".join(map(str, positions[:8])) + (", ..." if len(positions) > 8 else "")
-        return fail(
-            f"{ids_key} is not right-padded with pad value {pad_value}: row {i} has length {int(lengths[i])} "
-            f"but holds other values at positions [{shown}]"
-        )
-    return True, None
-
-
-def prompts_from_batch(
-    data: Mapping[str, Any],
-    pad_value: int,
-    *,
-    greedy: bool = False,
-    sampling: Mapping[str, Any] | None = None,
-    base_stop: Sequence[str] = (),
-    id_prefix: str = "row",
-) -> tuple[list[Prompt], int]:
-    """One `n=1` Prompt per row (`token_ids = input_ids[i, :input_lengths[i]]`), and the input width S.
-
-    `sampling` overrides apply to every row; `greedy` adds temperature 0 / top_k 1. A row's
-    `stop_strings` (a list, a string, or None) are added to `base_stop` (the configured ones) for
-    that row only. Prompt ids are `{id_prefix}{i}`. Raises InvalidPromptError naming the problem:
-    missing keys, a batch that is not right-padded (verify_right_padding's message), an empty
-    row, non-integer ids, `stop_strings` not one per row.
-    """
-    import torch
-
-    if not isinstance(data, Mapping) or "input_ids" not in data or "input_lengths" not in data:
-        got = f"keys {list(data.keys())}" if isinstance(data, Mapping) else f"a {type(data).__name__}"
-        raise InvalidPromptError(f"data: generation needs a mapping with input_ids and input_lengths, got {got}")
-    checked = {"input_ids": data["input_ids"], "input_lengths": data["input_lengths"]}
-    ok, message = verify_right_padding(checked, pad_value, raise_error=False)
-    if not ok:
-        raise InvalidPromptError(message)
-    ids, lengths = torch.as_tensor(data["input_ids"]), torch.as_tensor(data["input_lengths"]).tolist()
-    if ids.is_floating_point() or ids.is_complex():
-        raise InvalidPromptError(f"input_ids: expected integer token ids, got {ids.dtype}")
-    if 0 in lengths:
-        raise InvalidPromptError(f"input_lengths[{lengths.index(0)}] is 0: every row needs at least one prompt token")
-    base = {**(sampling or {}), "n": 1, **(GREEDY if greedy else {})}
-    prompts = []
-    for i, (length, stop) in enumerate(zip(lengths, _row_stops(data.get("stop_strings"), len(lengths)))):
-        overrides = {**base, "stop": list(dict.fromkeys([*base_stop, *stop]))} if stop else base
-        prompts.append(Prompt(token_ids=ids[i, :length].tolist(), id=f"{id_prefix}{i}", sampling=overrides))
-    return prompts, ids.shape[1]
-
-
-def _row_stops(stop_strings: Any, batch: int) -> list[list[str]]:
-    if stop_strings is None:
-        return [[] for _ in range(batch)]
-    if isinstance(stop_strings, str) or len(stop_strings) != batch:
-        got = "a string" if isinstance(stop_strings, str) else f"{len(stop_strings)} entries"
-        raise InvalidPromptError(f"stop_strings: expected one entry per row ({batch}), got {got}")
-    out = [[] if s is None else [s] if isinstance(s, str) else list(s) for s in stop_strings]
-    for i, s in enumerate(out):
-        if not all(isinstance(x, str) and x for x in s):
-            raise InvalidPromptError(f"stop_strings[{i}]: expected None, a string or non-empty strings, got {s!r}")
-    return out
-
-
-def output_tensors(trajectories: Sequence[Trajectory], input_width: int, pad_value: int) -> dict[str, Any]:
-    """NeMo RL's generation output, one row per trajectory, right-padded with `pad_value`.
-
-    Width: `input_width` plus the longest generation (as NeMo RL's vLLM backend sizes it).
-    `output_ids`: prompt then generated tokens. `logprobs`: the sampled token's logprob at each
-    generated position, 0.0 on prompt and padding. `token_epochs`: the policy epoch of each
-    generated token, -1 elsewhere. `truncated`: finish reason "length". All on the CPU.
-    """
-    import torch
-
-    gen = [len(t.token_ids) for t in trajectories]
-    b, width = len(trajectories), input_width + max(gen, default=0)
-    output_ids = torch.full((b, width), pad_value, dtype=torch.long)
-    logprobs = torch.zeros((b, width), dtype=torch.float32)
-    epochs = torch.full((b, width), -1, dtype=torch.long)
-    for r, t in enumerate(trajectories):
-        p, g = len(t.prompt_token_ids), len(t.token_ids)
-        output_ids[r, : p + g] = torch.tensor(t.prompt_token_ids + t.token_ids, dtype=torch.long)
-        logprobs[r, p : p + g] = torch.tensor(t.logprobs, dtype=torch.float32)
-        epochs[r, p : p + g] = torch.tensor(t.token_epochs(), dtype=torch.long)
-    return {
-        "output_ids": output_ids,
-        "logprobs": logprobs,
-        "generation_lengths": torch.tensor(gen, dtype=torch.long),
-        "unpadded_sequence_lengths": torch.tensor([len(t.prompt_token_ids) + len(t.token_ids) for t in trajectories]),
-        "truncated": torch.tensor([t.finish_reason == "length" for t in trajectories], dtype=torch.bool),
-        "token_epochs": epochs,
-    }
-
-
-def pad_id_from_model_dir(path: str | Path) -> int | None:
-    """The model's pad token id: the tokenizer's pad token, else config.json's `pad_token_id`; None if neither."""
-    path = Path(path)
-    if (path / "tokenizer_config.json").is_file() and (path / "tokenizer.json").is_file():
-        pad = json.loads((path / "tokenizer_config.json").read_text()).get("pad_token")
-        pad = pad.get("content") if isinstance(pad, dict) else pad
-        if pad:
-            from tokenizers import Tokenizer
-
-            if (pad_id := Tokenizer.from_file(str(path / "tokenizer.json")).token_to_id(pad)) is not None:
-                return pad_id
-    config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
-    return config.get("pad_token_id") if isinstance(config.get("pad_token_id"), int) else None
-
-
-class _Call:
-    """One call's rows in flight; groups routed to it wait in `arrived` as (row, group)."""
-
-    def __init__(self, prompts: list[Prompt]):
-        self.prompts = prompts
-        self.arrived: deque[tuple[int, Group]] = deque()
 
 
 class RolloutGeneration:
@@ -240,16 +86,15 @@ class RolloutGeneration:
             raise ValueError(f"sampling.n: generation returns one row per input row (n=1), got {self._sampling['n']}")
         self._portal: Any = None
         self._closed = False
-        self._lock = threading.Lock()  # guards _routes and the call counter: callers' threads use them
-        self._routes: dict[str, tuple[_Call, int]] = {}  # prompt id of a row in flight -> (call, row)
+        self._lock = threading.Lock()  # guards the call counter: callers' threads use it
         self._calls = itertools.count()
         self._tag = next(_instances)
-        self._reading = False  # a call is awaiting the engine's next group
-        self._changed: anyio.Event | None = None  # set when a read ends; created on the engine loop
+        self._plane: Any = None  # the weight plane, once init_collective joined it
+        self._metrics: Any = None  # get_logger_metrics' window
         owned = engine is None
         self.engine = engine = RolloutEngine(cfg, **engine_kwargs) if owned else engine  # type: ignore[arg-type]
         if not owned:
-            engine.limits  # noqa: B018 -- raises RuntimeError unless the engine is running
+            engine.limits  # noqa: B018 -- raises EngineClosedError unless the engine is running
         base = engine.cfg.sampling
         effective_sampling(base, Prompt(sampling={**self._sampling, "n": 1}))  # InvalidPromptError names the field
         self._base_stop = [*base.stop, *self._sampling.get("stop", [])]
@@ -284,21 +129,24 @@ class RolloutGeneration:
         """One sample per row, blocking until every row is done. Returns a plain dict:
 
         `output_ids` [B, S + longest generation] (prompt then generation, right-padded with
-        `pad_value`), `logprobs` (aligned with `output_ids`), `generation_lengths`,
-        `unpadded_sequence_lengths`, `truncated`, `token_epochs` (see `output_tensors`).
-        Raises InvalidPromptError on bad input, nothing admitted (a batch that is not
-        right-padded: verify_right_padding's message); GenerationError naming every failed row,
-        once all rows are done; EngineDeadError. Not on the engine's loop (there: `agenerate`).
+        `pad_value`, the dtype of `input_ids`), `logprobs` (aligned with `output_ids`),
+        `generation_lengths`, `unpadded_sequence_lengths`, `truncated`, `token_epochs` (see
+        `output_tensors`). A row whose prompt + max_tokens exceeds `model.max_model_len` generates
+        what the context has room for (finish reason length, `truncated` True); a row with no room
+        at all comes back with its prompt and nothing generated, `truncated` False (as NeMo RL's
+        vLLM workers do). Raises InvalidPromptError on bad input, nothing admitted (a batch that
+        is not right-padded: verify_right_padding's message); GenerationError naming every failed
+        row, once all rows are done; EngineDeadError. Not on the engine's loop (there: `agenerate`).
         """
         self._check_open()
-        call, width = self._prepare(data, greedy)
-        return output_tensors(_successes(self._blocking(self._run, call)), width, self.pad_value)
+        call = self._prepare(data, greedy)
+        return call.tensors(self._blocking(self._run, call.submitted), self.pad_value)
 
     async def agenerate(self, data: Mapping[str, Any], greedy: bool = False) -> dict[str, Any]:
         """`generate`, awaitable from any event loop."""
         self._check_open()
-        call, width = self._prepare(data, greedy)
-        return output_tensors(_successes(await self._on_engine(self._run, call)), width, self.pad_value)
+        call = self._prepare(data, greedy)
+        return call.tensors(await self._on_engine(self._run, call.submitted), self.pad_value)
 
     async def generate_async(
         self, data: Mapping[str, Any], greedy: bool = False
@@ -310,12 +158,18 @@ class RolloutGeneration:
         rows still running are dropped as they finish.
         """
         self._check_open()
-        call, width = self._prepare(data, greedy)
-        if call.prompts:
-            await self._on_engine(self._submit, call)
-        for _ in call.prompts:
-            i, group = await self._on_engine(self._next_row, call)
-            yield i, output_tensors(_successes({i: group}), width, self.pad_value)
+        call = self._prepare(data, greedy)
+        for i in sorted(call.full):  # no room to generate: nothing to wait for
+            yield i, call.tensors({}, self.pad_value, rows=[i])
+        if not call.submitted:
+            return
+        submission = await self._on_engine(self._submit, call.submitted)
+        try:
+            while (item := await self._on_engine(submission.next)) is not None:
+                k, group = item
+                yield call.rows[k], call.tensors({k: group}, self.pad_value, rows=[call.rows[k]])
+        finally:
+            submission.cancel()  # left early: the rows still running stop (a no-op once all came back)
 
     def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
         """Ready the engines for a generation phase: a no-op, returns True.
@@ -333,6 +187,99 @@ class RolloutGeneration:
         weight epoch, so none computed by old weights is reused after `update_weights`.
         """
         return True
+
+    # -- the hooks NeMo RL's GRPO loop calls every step ------------------------------------------
+
+    def blocks_training(self) -> bool:
+        """False: the engines run on cores or GPUs of their own and never stand down for a training
+        step (they have no sleep mode: see `prepare_for_generation`)."""
+        return False
+
+    def wake_carries_weight_updates(self) -> bool:
+        """False: `prepare_for_generation` loads nothing; new weights come only by an update
+        (`update_weights`, `update_weights_from_collective`)."""
+        return False
+
+    def get_logger_metrics(self) -> dict[str, Any]:
+        """The engine's figures (`RolloutEngine.metrics` names: tokens, trajectories, throughput,
+        lag, weight updates and their stalls, ...) since `clear_logger_metrics`, or since this
+        object was made. Reading does not clear; `engine.metrics()` keeps a window of its own."""
+        self._check_open()
+        return self._blocking(self.aget_logger_metrics)
+
+    def clear_logger_metrics(self) -> None:
+        """Start a new window for `get_logger_metrics`."""
+        self._check_open()
+        self._blocking(self.aclear_logger_metrics)
+
+    async def aget_logger_metrics(self) -> dict[str, Any]:
+        return await self._on_engine(lambda: self._window().read())
+
+    async def aclear_logger_metrics(self) -> None:
+        await self._on_engine(lambda: self._window().reset())
+
+    def _window(self) -> Any:
+        if self._metrics is None:
+            self._metrics = self.engine.metrics_window()
+        return self._metrics
+
+    def invalidate_kv_cache(self) -> bool:
+        """Drop every engine's prefix cache; True when every engine did. Not needed for correctness
+        (cache blocks are salted with the weight epoch, so none computed by old weights is reused):
+        it frees the memory old epochs' blocks hold."""
+        self._check_open()
+        return self._blocking(self.ainvalidate_kv_cache)
+
+    async def ainvalidate_kv_cache(self) -> bool:
+        async def reset() -> bool:
+            results = await asyncio.gather(*(e.reset_prefix_cache() for e in self.engine.pool.engines), return_exceptions=True)
+            return not any(isinstance(r, BaseException) for r in results)
+
+        return await self._on_engine(reset)
+
+    # -- weight refit through the plane, as NeMo RL's GRPO loop calls it -------------------------
+
+    def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> list[Any]:
+        """Join the weight plane of a trainer whose `train_world_size` ranks each run a
+        `rollout.plane_sender.PlaneSender(ip, port, rank=r, ranks=train_world_size)` (rank 0
+        hosts the store at `ip:port`). Returns [] (nothing left to wait for: NeMo RL `ray.get`s
+        it with the trainer's futures). `world_size` is NeMo RL's train + inference ranks; the
+        plane forms its groups per round, so it is only checked against the engines' workers."""
+        self._check_open()
+        workers = self.engine.cfg.engines.count * _workers_per_engine(self.engine.cfg)
+        if world_size != train_world_size + workers:
+            log.warning("init_collective: world_size is not train_world_size + the engines' model workers",
+                        world_size=world_size, train_world_size=train_world_size, engine_workers=workers)  # fmt: skip
+        options = {"host": ip, "port": port, "ranks": train_world_size, "local": False}
+        self._plane = self._blocking(lambda: self.engine.weight_plane(**options))
+        return []
+
+    def prepare_refit_info(self, state_dict_info: Mapping[str, Any]) -> None:
+        """Check the trainer's tensors, {HF name: (shape, dtype)} as its senders will declare them,
+        against the model now. Raises InvalidWeightsError naming each problem; every update
+        checks the ranks' declarations again before any engine changes."""
+        from policies.weights import TensorSpec, check_specs, read_manifest
+
+        got = {n: TensorSpec(str(dtype).removeprefix("torch."), tuple(shape)) for n, (shape, dtype) in state_dict_info.items()}
+        check_specs(got, read_manifest(self.engine.model_path), "prepare_refit_info's state_dict_info")
+
+    def update_weights_from_collective(self) -> list[Any]:
+        """One plane round while the trainer's ranks `send`; blocks until every engine serves the new
+        epoch or left rotation. Returns [a handle `ray.get` gives True from] (NeMo RL checks
+        `all(results)`). An engine that failed left rotation and restarts (logged); the call raises
+        WeightSyncError when no engine serves the new epoch, InvalidWeightsError when the
+        trainer's tensors do not fit the model (no engine changed)."""
+        self._check_open()
+        if self._plane is None:
+            raise RuntimeError("update_weights_from_collective before init_collective")
+        before = self.engine.epoch
+        try:
+            self._blocking(self._plane.update)
+        except WeightSyncError as e:
+            if self.engine.epoch == before:
+                raise
+            log.error("weight refit: engines left rotation; the others serve the new epoch", epoch=self.engine.epoch, failed=e.failed)
+        return [self.engine.pool.share(True)]
 
     def update_weights(self, weights: Any) -> int:
         """`RolloutEngine.update_weights` (a state dict or a directory of HF safetensors): the new epoch.
@@ -352,65 +299,32 @@ class RolloutGeneration:
         self._closed = True
         return True
 
-    def _prepare(self, data: Mapping[str, Any], greedy: bool) -> tuple[_Call, int]:
+    def _prepare(self, data: Mapping[str, Any], greedy: bool) -> _Call:
         with self._lock:
             prefix = f"gen{self._tag}.{next(self._calls)}-row"
         prompts, width = prompts_from_batch(
             data, self.pad_value, greedy=greedy, sampling=self._sampling, base_stop=self._base_stop, id_prefix=prefix
         )
-        return _Call(prompts), width
+        return _Call(prompts, width, _dtype(data), self.engine.cfg.sampling, self.engine.limits.max_model_len)
 
     # -- on the engine's loop -------------------------------------------------------------------
 
-    async def _run(self, call: _Call) -> dict[int, Group]:
-        """Feed the call's rows and wait for all of them."""
-        groups: dict[int, Group] = {}
-        if call.prompts:
-            await self._submit(call)
-        while len(groups) < len(call.prompts):
-            i, group = await self._next_row(call)
-            groups[i] = group
-        return groups
+    async def _run(self, prompts: list[Prompt]) -> dict[int, Group]:
+        """Submit the call's rows and wait for all of them."""
+        if not prompts:
+            return {}
+        submission = await self._submit(prompts)
+        return dict(enumerate(await submission.result()))
 
-    async def _submit(self, call: _Call) -> None:
-        """Register the rows, then feed them (checked now: InvalidPromptError admits none)."""
-        if self._changed is None:
-            self._changed = anyio.Event()
-        with self._lock:
-            self._routes.update({p.id: (call, i) for i, p in enumerate(call.prompts)})
-        try:
-            self.engine.feed(call.prompts)
-        except BaseException:
-            with self._lock:
-                for p in call.prompts:
-                    del self._routes[p.id]
-            raise
+    async def _submit(self, prompts: list[Prompt]) -> Submission:
+        """The rows, checked now (InvalidPromptError admits none), on a channel of this call's own.
 
-    async def _next_row(self, call: _Call) -> tuple[int, Group]:
-        """The next finished row of `call`. One waiting call at a time reads the engine's queue and
-        hands the group to the call that fed it; the others wait for that, then look again."""
-        while not call.arrived:
-            if self._reading:
-                await self._changed.wait()  # type: ignore[union-attr]
-                continue
-            self._reading = True
-            try:
-                group = await self.engine.next_group()
-            finally:
-                self._reading = False
-                self._changed.set()  # type: ignore[union-attr]
-                self._changed = anyio.Event()
-            if group is None:
-                raise RuntimeError("the engine handed out every fed prompt while rows were still pending")
-            with self._lock:
-                owner = self._routes.pop(group.prompt_id, None)
-            if owner is None:
-                raise RuntimeError(
-                    f"the engine handed out group {group.prompt_id!r}, which this RolloutGeneration did not feed: "
-                    "while a call runs it must be the engine's only consumer"
-                )
-            owner[0].arrived.append((owner[1], group))  # a call nobody waits for any more keeps it, unread
-        return call.arrived.popleft()
+        A call hands out all of its rows before its caller can update weights: it is a step of its
+        own size for staleness admission, or rows past max_lag + 1 would wait forever; a row
+        dropped as too stale comes back as a failed row."""
+        submission = self.engine.submit(prompts)
+        self.engine.admit_step(len(prompts))
+        return submission
 
     # -- reaching the engine's loop -------------------------------------------------------------
 
@@ -432,6 +346,50 @@ class RolloutGeneration:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("RolloutGeneration is shut down")
+
+
+class _Call:
+    """One call's rows: those the engine runs (`submitted`, each with its budget clamped to the
+    context left after its prompt) and those with no room at all (`full`), and how to make
+    NeMo RL's tensors of them."""
+
+    def __init__(self, prompts: list[Prompt], width: int, dtype: Any, base: Any, max_model_len: int):
+        self.prompts, self.width, self.dtype = prompts, width, dtype
+        self.full: set[int] = set()
+        self.rows: list[int] = []  # submitted prompt k is row rows[k]
+        self.submitted: list[Prompt] = []
+        for i, p in enumerate(prompts):
+            room = max_model_len - len(p.token_ids or ())
+            if room <= 0:
+                self.full.add(i)
+                continue
+            s = effective_sampling(base, p)
+            if s.max_tokens > room:  # near the context limit: generate what fits, finish reason length
+                p = msgspec.structs.replace(p, sampling={**p.sampling, "max_tokens": room, "min_tokens": min(s.min_tokens, room)})
+            self.rows.append(i)
+            self.submitted.append(p)
+
+    def tensors(self, groups: dict[int, Group], pad_value: int, rows: list[int] | None = None) -> dict[str, Any]:
+        """NeMo RL's output for `rows` (default all), from the submitted prompts' `groups` (by
+        submission index). Raises GenerationError naming every failed row."""
+        by_row = {self.rows[k]: g for k, g in groups.items()}
+        for i in self.full:  # the prompt alone fills the context: returned as is
+            p = self.prompts[i]
+            by_row[i] = Group(p.id, p, [Trajectory(prompt_id=p.id, prompt_token_ids=list(p.token_ids or ()), finish_reason="length")])
+        wanted = sorted(by_row) if rows is None else rows
+        return output_tensors(_successes({i: by_row[i] for i in wanted}), self.width, pad_value, self.dtype)
+
+
+def _workers_per_engine(cfg: Config) -> int:
+    v = cfg.engines.vllm
+    return int(v.get("tensor_parallel_size", 1)) * int(v.get("pipeline_parallel_size", 1))
+
+
+def _dtype(data: Mapping[str, Any]) -> Any:
+    import torch
+
+    ids = data["input_ids"]
+    return ids.dtype if isinstance(ids, torch.Tensor) and not ids.is_floating_point() else torch.long
 
 
 def _successes(groups: dict[int, Group]) -> list[Trajectory]:

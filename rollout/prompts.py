@@ -19,7 +19,7 @@ import msgspec
 
 from rollout.config import PromptsConfig, readable_validation_error
 from rollout.errors import InvalidPromptError
-from rollout.types import Prompt, Sampling
+from rollout.types import Prompt, Sampling, not_utf8_in, printable
 
 
 class BadPrompt(msgspec.Struct, frozen=True):
@@ -47,6 +47,13 @@ def effective_sampling(base: Sampling, prompt: Prompt) -> Sampling:
     """The prompt's sampling overrides applied to `base`. Raises InvalidPromptError naming the field."""
     if not prompt.sampling:
         return base
+    if (bad := not_utf8_in(prompt.sampling, "sampling")) is not None:  # msgspec would raise UnicodeEncodeError
+        raise InvalidPromptError(f"prompt {printable(prompt.id)!r}: {bad}")
+    if prompt.sampling.get("logprobs", base.logprobs) != base.logprobs:
+        raise InvalidPromptError(
+            f"prompt {prompt.id!r}: sampling.logprobs is engine-wide (vLLM's logprobs_mode), "
+            f"{base.logprobs!r} here; set it in the config"
+        )
     merged = {**msgspec.structs.asdict(base), **prompt.sampling}
     try:
         return msgspec.convert(merged, Sampling)
@@ -56,15 +63,24 @@ def effective_sampling(base: Sampling, prompt: Prompt) -> Sampling:
 
 def check_prompt(prompt: Prompt, sampling: Sampling, limits: ModelLimits) -> None:
     """Raise InvalidPromptError with the reason if the prompt cannot run as given."""
+    if (bad := not_utf8_in(msgspec.structs.asdict(prompt), "")) is not None:
+        raise InvalidPromptError(f"prompt {printable(prompt.id)!r}: {bad.lstrip('.')}")
     name = f"prompt {prompt.id!r}"
     if sampling.n > limits.max_n:
         raise InvalidPromptError(f"{name}: sampling.n {sampling.n} exceeds engines.max_inflight_per_engine {limits.max_n}")
+    bad_stop = [t for t in sampling.stop_token_ids if not t < limits.vocab_size]
+    if bad_stop:  # vLLM indexes the logits with them (min_tokens): one outside the vocabulary would crash the engine
+        raise InvalidPromptError(f"{name}: sampling.stop_token_ids: {bad_stop[0]} outside the vocabulary [0, {limits.vocab_size})")
+    if prompt.session is not None and sampling.n != 1:
+        raise InvalidPromptError(f"{name}: a session continues one conversation: sampling.n must be 1, got {sampling.n}")
     if (prompt.token_ids is None) == (prompt.text is None):
         raise InvalidPromptError(f"{name}: give exactly one of token_ids or text")
     if prompt.text is not None:
         if not prompt.text:
             raise InvalidPromptError(f"{name}: empty text")
-        return  # length is checked by the engine once tokenized
+        if sampling.max_tokens >= limits.max_model_len:  # at least one prompt token; the rest is checked once tokenized
+            raise InvalidPromptError(f"{name}: max_tokens {sampling.max_tokens} leaves no room in max_model_len {limits.max_model_len}")
+        return
     ids = prompt.token_ids or []
     if not ids:
         raise InvalidPromptError(f"{name}: empty token_ids")
@@ -126,16 +142,23 @@ async def as_async(source: Iterable[Any] | AsyncIterable[Any]) -> AsyncIterator[
 
 
 def coerce(item: Any) -> Prompt | BadPrompt:
-    """Accept a Prompt, a list of token ids, a string, or a dict with Prompt fields."""
-    if isinstance(item, (Prompt, BadPrompt)):
+    """Accept a Prompt, a list of token ids, a string, or a dict with Prompt fields. Types are
+    checked here (a Prompt made in code too: its constructor checks none), text is checked to be
+    UTF-8 in `check_prompt`."""
+    if isinstance(item, BadPrompt):
         return item
-    if isinstance(item, str):
+    if isinstance(item, Prompt):
+        item = msgspec.structs.asdict(item)
+    elif isinstance(item, str):
         item = {"text": item}
     elif isinstance(item, (list, tuple)):
         item = {"token_ids": list(item)}
     if not isinstance(item, dict):
         return BadPrompt(id="", reason=f"cannot make a prompt from a {type(item).__name__}")
+    name = printable(item.get("id", ""))
+    if (bad := not_utf8_in({k: v for k, v in item.items() if k not in Prompt.__struct_fields__}, "")) is not None:
+        return BadPrompt(id=name, reason=bad.lstrip("."))  # an unknown key msgspec could not even name
     try:
         return msgspec.convert(item, Prompt)
     except msgspec.ValidationError as e:
-        return BadPrompt(id=str(item.get("id", "")), reason=readable_validation_error(e))
+        return BadPrompt(id=name, reason=readable_validation_error(e))

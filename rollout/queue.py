@@ -1,4 +1,6 @@
-"""The trajectory queue: finished groups waiting for the learner. Bounded, and the bound is admission.
+"""Where finished groups go: the learner's trajectory queue, or one caller's `Submission`.
+
+The trajectory queue holds finished groups waiting for the learner. Bounded, and the bound is admission.
 
 Owns: capacity (`queue.max_groups` groups admitted but not yet taken), the hand-off order, and the
 end-of-stream rule. The scheduler `reserve()`s a slot before it starts a group, so a full queue
@@ -11,6 +13,8 @@ reserved (the order prompts were fed), holding back a finished group until the o
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import anyio
 
@@ -48,6 +52,16 @@ class TrajectoryQueue:
     async def reserve(self) -> int:
         """Wait for a free slot and take it for one group about to start; returns its sequence number."""
         await self._slots.acquire()
+        self._reserved += 1
+        self._next_seq += 1
+        return self._next_seq - 1
+
+    def try_reserve(self) -> int | None:
+        """`reserve` without waiting: None when the queue is full."""
+        try:
+            self._slots.acquire_nowait()
+        except anyio.WouldBlock:
+            return None
         self._reserved += 1
         self._next_seq += 1
         return self._next_seq - 1
@@ -95,3 +109,60 @@ class TrajectoryQueue:
     def _notify(self) -> None:
         self._changed.set()
         self._changed = anyio.Event()
+
+
+class Submission:
+    """One caller's prompts (`RolloutEngine.submit`) and their groups, which come back here and
+    nowhere else, each once: `async for index, group in submission` as they finish (`index`: the
+    prompt's position in the call), or `await submission.result()` for all in prompt order.
+    `cancel()` stops the ones still running (their engine requests are aborted). Bounded: it holds
+    at most one group per prompt. Raises the engine's fatal error (every engine dead, the engine
+    closed) instead of waiting for what can never come.
+    """
+
+    def __init__(self, prompts: list[Any], train: bool, on_take: Callable[[Group], Group] | None = None):
+        self.prompts = prompts
+        self.train = train  # counted by staleness admission and checked at hand-out (`on_take`)
+        self.scope = anyio.CancelScope()
+        self._send, self._recv = anyio.create_memory_object_stream[tuple[int, Group]](max(len(prompts), 1))
+        self._left = len(prompts)
+        self._error: BaseException | None = None
+        self._on_take = on_take
+
+    def put(self, group: Group, index: int) -> None:
+        if self._error is None:  # after a failure nobody reads it
+            self._send.send_nowait((index, group))  # never blocks: room for every prompt
+
+    def fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+            self._send.close()
+
+    def cancel(self) -> None:
+        self.scope.cancel()
+
+    async def next(self) -> tuple[int, Group] | None:
+        """The next finished group and its prompt's index; None once every prompt's came back."""
+        if not self._left:
+            return None
+        try:
+            index, group = await self._recv.receive()
+        except anyio.EndOfStream:
+            assert self._error is not None
+            raise self._error from None
+        self._left -= 1
+        return index, (self._on_take(group) if self._on_take is not None else group)
+
+    def __aiter__(self) -> AsyncIterator[tuple[int, Group]]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[tuple[int, Group]]:
+        while (item := await self.next()) is not None:
+            yield item
+
+    async def result(self) -> list[Group]:
+        """Every group, in the order of the prompts."""
+        out: dict[int, Group] = {}
+        async for index, group in self:
+            out[index] = group
+        return [out[i] for i in sorted(out)]

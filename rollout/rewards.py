@@ -12,6 +12,8 @@ import importlib
 import inspect
 import math
 import numbers
+import os
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +26,15 @@ from rollout.types import Prompt, Trajectory
 RewardFn = Callable[[Prompt, Trajectory], Any]
 
 
+def import_module(name: str) -> Any:
+    """Import a user's module by name, the current directory searched too (after installed ones),
+    as `python -m` does: `rollout` is a console script, whose sys.path lacks it."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
+    return importlib.import_module(name)
+
+
 def load_reward(path: str | None) -> RewardFn | None:
     """Import `package.module:function`; raises InvalidConfigError naming the `reward` key."""
     if path is None:
@@ -32,7 +43,7 @@ def load_reward(path: str | None) -> RewardFn | None:
     if not sep or not module_name or not attr:
         raise InvalidConfigError(f"reward: expected 'package.module:function', got {path!r}")
     try:
-        module = importlib.import_module(module_name)
+        module = import_module(module_name)
     except Exception as e:
         raise InvalidConfigError(f"reward: cannot import module {module_name!r}: {type(e).__name__}: {e}") from e
     fn = getattr(module, attr, None)

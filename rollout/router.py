@@ -14,12 +14,15 @@ class EngineLoad(Struct):
     restarting: bool = False  # out of rotation until its restart succeeds
 
 
-def route(loads: Sequence[EngineLoad], n: int, capacity: int) -> int | None:
+def route(loads: Sequence[EngineLoad], n: int, capacity: int, prefer: int | None = None) -> int | None:
     """Index of the engine to take a group of `n` requests, or None if none has room.
 
     Least outstanding tokens among healthy engines with `requests + n <= capacity`; ties go to
-    fewer requests, then the lower index.
+    fewer requests, then the lower index. `prefer` (the engine an episode or a session is on,
+    holding its KV): that engine while it is healthy, waiting for its room rather than moving.
     """
+    if prefer is not None and loads[prefer].healthy:
+        return prefer if loads[prefer].requests + n <= capacity else None
     best: int | None = None
     for i, load in enumerate(loads):
         if not load.healthy or load.requests + n > capacity:

@@ -1,44 +1,54 @@
-"""The async scheduler: admits prompts, routes each group to one engine, runs its samples.
+"""The async scheduler: admits prompts, runs each prompt's group on one engine, hands it on.
 
-Owns the data path between the prompt sources and the trajectory queue:
-  1) read the next prompt from the fed sources (lazily, one at a time);
-  2) wait for the staleness budget (`staleness.max_lag`, see `staleness.Admission`), then reserve a
-     queue slot (a full queue stops admission here);
-  3) validate it against the model and its sampling values (a bad one becomes a failed group);
-  4) wait for an engine with room for the whole group (`router.route`, least outstanding tokens);
-  5) run the group's `n` samples on that engine, so they share its prefix cache; if the engine dies
-     (or the group outlives `engines.request_timeout_s`), its unfinished samples continue on
-     another engine from the engine's last progress report (`watch`), up to `engines.max_retries`;
+Owns the data path between the prompt sources and where groups go:
+  1) read the next prompt: from the fed sources (the learner's, one after another, lazily), or
+     from a caller's `Submission` (each read on its own, alongside);
+  2) for groups to train on, wait for the staleness budget (`staleness.max_lag`, see
+     `staleness.Admission`); for the learner's, reserve a queue slot (a full queue stops admission);
+  3) validate it against the model and its sampling values (a bad one becomes a failed group,
+     which gives its admission slot back);
+  4) wait for an engine with room for the whole group (`Runner.acquire`, least outstanding tokens);
+  5) run the group's `n` samples on that engine, so they share its prefix cache (`Runner.run`:
+     moved to another engine if that one dies); with `env` set each sample is an episode
+     (`rollout.episodes`) whose turns stay on one engine while it lives;
   6) score its trajectories with the reward function, if any (off the engine path);
-  7) hand the finished group to the queue as soon as its last sample ends (after logging it to
-     `queue.durable_dir`, when set).
-One task group (the caller's) owns every in-flight group; cancelling it aborts the engine requests.
-Does not own: engines (see `backend`), hand-out order and capacity (see `queue`).
+  7) hand the finished group to its destination as soon as its last sample ends: the learner's
+     queue (after logging it to `queue.durable_dir`, when set) or the caller's `Submission`.
+One task group (the engine's) owns every in-flight group; cancelling it aborts the engine requests.
+A source that raises ends with a failed group saying why; the others go on.
+Does not own: engines (`runner`), hand-out order and capacity (`queue`).
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+import traceback
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
 
 import anyio
 import msgspec
 from anyio.abc import TaskGroup
 
 from rollout.backend import Engine
+from rollout.chat import ChatRenderer
 from rollout.config import Config
 from rollout.durable import DurableLog
-from rollout.errors import EngineDeadError, InvalidPromptError, RolloutError
+from rollout.env import EnvError, EnvFactory
+from rollout.episodes import run_episode
+from rollout.errors import EngineDeadError, InvalidPromptError, RetryableError, RolloutError
 from rollout.log import get_logger
 from rollout.prompts import BadPrompt, ModelLimits, check_prompt, coerce, effective_sampling
-from rollout.queue import TrajectoryQueue
+from rollout.queue import Submission, TrajectoryQueue
 from rollout.rewards import RewardFn, score
-from rollout.router import EngineLoad, route
-from rollout.staleness import Admission
-from rollout.types import Group, Prompt, Request, Sampling, Trajectory
+from rollout.runner import Runner, failed
+from rollout.staleness import Admission, trainable
+from rollout.types import Group, Prompt, Request, Sampling, Trajectory, kv_runs
 
 log = get_logger(__name__)
+Destination = TrajectoryQueue | Submission
+MAX_SESSIONS = 65536  # sessions remembered; a forgotten one starts over on any engine
 
 
 class Scheduler:
@@ -52,235 +62,243 @@ class Scheduler:
         reward: RewardFn | None = None,
         durable: DurableLog | None = None,
         on_engine_dead: Callable[[int], bool] | None = None,
+        env: EnvFactory | None = None,
+        chat: ChatRenderer | None = None,
     ):
         self.cfg = cfg
-        self.engines = list(engines)
         self.queue = queue
         self.limits = limits
         self.on_trajectory = on_trajectory
         self.reward = reward
         self.durable = durable
-        self.on_engine_dead = on_engine_dead  # starts a restart; False when it will not
-        self.reports: list[Mapping[str, Trajectory]] = [{} for _ in self.engines]  # each engine's latest progress report
-        self.loads = [EngineLoad() for _ in self.engines]
+        self.env = env
+        self.chat = chat
+        self.runner = Runner(cfg, engines, on_engine_dead, self.fail)
+        self.admission = Admission(cfg.staleness)
         self._sources: deque[AsyncIterator] = deque()
         self._new_source = anyio.Event()
-        self._capacity_freed = anyio.Event()
-        self.admission = Admission(cfg.staleness)
+        self._submissions: set[Submission] = set()
+        self._tg: TaskGroup | None = None
+        self._numbers = 0  # groups started, for request ids
+        # session -> (engine, cache salt, kv_epochs) of its last turn; the oldest forgotten first
+        self._sessions: OrderedDict[str, tuple[int, str, list[tuple[int, int]]]] = OrderedDict()
+
+    # -- sources -----------------------------------------------------------------------------
 
     def add_source(self, source: AsyncIterator) -> None:
-        """Queue a prompt source; it is read lazily, after the ones fed before it."""
+        """Queue a prompt source for the learner; it is read lazily, after the ones fed before it."""
         self._sources.append(source)
         self.queue.producer_started()
         self._new_source.set()
 
-    async def run(self, tg: TaskGroup) -> None:
-        """Read sources forever, starting groups in `tg`. A fatal error fails the queue instead of raising."""
-        try:
-            while True:
-                if not self._sources:
-                    self._new_source = anyio.Event()
-                    await self._new_source.wait()
-                    continue
-                source = self._sources[0]
-                try:
-                    async for item in source:
-                        await self._admit(coerce(item), tg)
-                except EngineDeadError:
-                    raise
-                except RolloutError as e:  # a source that cannot be read further (e.g. a bad file)
-                    seq = await self.queue.reserve()
-                    await self._hand_in(Group(prompt_id="", prompt=Prompt(), error=str(e)), seq)
-                finally:
-                    self._sources.popleft()
-                    self.queue.producer_done()
-        except EngineDeadError as e:
-            log.error("scheduler stopped", error=str(e))
-            self.queue.fail(e)
+    def submit(self, submission: Submission) -> None:
+        """Run a caller's prompts now, alongside everything else; their groups go to `submission`."""
+        assert self._tg is not None, "the scheduler is not running"
+        self._submissions.add(submission)
+        self._tg.start_soon(self._or_fail, self._run_submission, submission)
 
-    async def _admit(self, item: Prompt | BadPrompt, tg: TaskGroup) -> None:
-        await self.admission.acquire()
-        seq = await self.queue.reserve()
+    def start(self, tg: TaskGroup) -> None:
+        """Run in `tg` (the engine's): the learner's sources, the health watch, and every group."""
+        self._tg = tg
+        tg.start_soon(self._or_fail, self._read_sources, tg)
+        tg.start_soon(self._or_fail, self.runner.watch)
+
+    async def _or_fail(self, fn: Callable[..., Awaitable[None]], *args: object) -> None:
+        """Run one of the engine task group's long-lived tasks. If it dies, nothing may ever reach
+        the queue again: whoever waits for a group (now or later) gets EngineDeadError saying why.
+        Not re-raised: that would cancel the task group's host, the learner's own task, mid-call."""
+        try:
+            await fn(*args)
+        except Exception as e:
+            log.error("scheduler task died", task=fn.__name__, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=6))
+            self.fail(EngineDeadError(f"the scheduler stopped: {fn.__name__} raised {type(e).__name__}: {e}"))
+
+    async def _read_sources(self, tg: TaskGroup) -> None:
+        """Read the learner's sources forever, one after another, starting groups in `tg`."""
+        while True:
+            if not self._sources:
+                self._new_source = anyio.Event()
+                await self._new_source.wait()
+                continue
+            items = self._sources[0].__aiter__()
+            try:
+                while True:
+                    try:
+                        item = await items.__anext__()
+                    except StopAsyncIteration:
+                        break
+                    except Exception as e:  # the source itself failed: say so in a group; the rest goes on
+                        reason = str(e) if isinstance(e, RolloutError) else f"prompt source raised {type(e).__name__}: {e}"
+                        log.error("prompt source failed", error=reason, traceback=traceback.format_exc(limit=4))
+                        seq = await self.queue.reserve()
+                        await self._hand_in(Group(prompt_id="", prompt=Prompt(), error=reason), seq, self.queue)
+                        break
+                    if not await self._admit(coerce(item), tg, self.queue, True):
+                        return
+            finally:
+                self._sources.popleft()
+                self.queue.producer_done()
+
+    async def _run_submission(self, sub: Submission) -> None:
+        try:
+            with sub.scope:
+                async with anyio.create_task_group() as tg:
+                    for index, prompt in enumerate(sub.prompts):
+                        if not await self._admit(prompt, tg, sub, sub.train, index):
+                            return
+        finally:
+            self._submissions.discard(sub)
+
+    def fail(self, error: RolloutError) -> None:
+        """Nothing can run any more: whoever waits for a group gets `error` instead."""
+        if isinstance(error, EngineDeadError):
+            log.error("scheduler stopped", error=str(error))
+        self.queue.fail(error)
+        for sub in list(self._submissions):
+            sub.fail(error)
+
+    # -- one group ---------------------------------------------------------------------------
+
+    async def _admit(self, item: Prompt | BadPrompt, tg: TaskGroup, dest: Destination, train: bool, index: int = 0) -> bool:
+        """Start one prompt's group in `tg`. False when no engine is left to run it."""
+        if train:
+            await self.admission.acquire()
+        seq = await self.queue.reserve() if dest is self.queue else index
+        self._numbers += 1
+        try:
+            return await self._start(item, tg, dest, train, seq, self._numbers)
+        except Exception as e:  # a bug must not leave `seq` waiting forever: this group fails, the rest goes on
+            await self._crashed(e, item, seq, dest, train)
+            return True
+
+    async def _start(self, item: Prompt | BadPrompt, tg: TaskGroup, dest: Destination, train: bool, seq: int, number: int) -> bool:
         queued_at = time.time()
         if isinstance(item, BadPrompt):
-            await self._hand_in(Group(prompt_id=item.id, prompt=Prompt(id=item.id), error=item.reason), seq)
-            return
-        prompt = item if item.id else _with_id(item, f"p{seq + 1}")
+            await self._reject(Group(prompt_id=item.id, prompt=Prompt(id=item.id), error=item.reason), seq, dest, train)
+            return True
+        prompt = item if item.id else msgspec.structs.replace(item, id=f"p{number}")
         try:
             sampling = effective_sampling(self.cfg.sampling, prompt)
             check_prompt(prompt, sampling, self.limits)
         except InvalidPromptError as e:
-            await self._hand_in(Group(prompt_id=prompt.id, prompt=prompt, error=str(e)), seq)
-            return
+            await self._reject(Group(prompt_id=prompt.id, prompt=prompt, error=str(e)), seq, dest, train)
+            return True
         cost = len(prompt.token_ids or prompt.text or "") + sampling.max_tokens
-        engine = await self._acquire_engine(sampling.n, cost)
-        tg.start_soon(self._run_group, engine, prompt, sampling, seq, cost, queued_at)
+        session = self._sessions.get(prompt.session) if prompt.session is not None else None
+        try:
+            engine = await self.runner.acquire(sampling.n, cost, on=session[0] if session else None)
+        except EngineDeadError as e:
+            self.fail(e)
+            return False
+        tg.start_soon(self._run_guarded, engine, prompt, sampling, number, seq, cost, queued_at, dest, train, session)
+        return True
 
-    async def _acquire_engine(self, n: int, cost: int) -> int:
-        capacity = self.cfg.engines.max_inflight_per_engine + self.cfg.engines.queued_per_engine
-        while (i := route(self.loads, n, capacity)) is None:
-            if not any(load.healthy or load.restarting for load in self.loads):
-                raise EngineDeadError("every engine is dead")
-            freed = self._capacity_freed
-            await freed.wait()
-        self.loads[i].requests += n
-        self.loads[i].tokens += n * cost
-        return i
+    async def _run_guarded(self, *args: Any) -> None:
+        """`_run_group`, a task nobody awaits: an exception in it (a bug, a callback that raised)
+        fails this group with the reason instead of the engine's task group and everything in it."""
+        try:
+            await self._run_group(*args)
+        except Exception as e:
+            _, prompt, _, _, seq, _, _, dest, train, _ = args
+            await self._crashed(e, prompt, seq, dest, train)
 
-    def _release_engine(self, i: int, n: int, cost: int) -> None:
-        self.loads[i].requests -= n
-        self.loads[i].tokens -= n * cost
-        self._wake_admission()
+    async def _crashed(self, error: Exception, item: Prompt | BadPrompt, seq: int, dest: Destination, train: bool) -> None:
+        """Group `seq` failed for a reason of ours, not the engine's: hand it in failed, with the reason."""
+        reason = f"scheduler: {type(error).__name__}: {error}"
+        log.error("group failed", prompt=item.id, error=reason, traceback=traceback.format_exc(limit=6))
+        prompt = item if isinstance(item, Prompt) else Prompt(id=item.id)
+        try:
+            await self._reject(Group(prompt_id=item.id, prompt=prompt, error=reason), seq, dest, train)
+        except Exception as e:  # it cannot even be handed in: the learner would wait for it forever
+            if dest is self.queue:
+                self.fail(EngineDeadError(f"{reason}; and it could not be handed in: {type(e).__name__}: {e}"))
 
-    def _wake_admission(self) -> None:
-        self._capacity_freed.set()
-        self._capacity_freed = anyio.Event()
+    async def _reject(self, group: Group, seq: int, dest: Destination, train: bool) -> None:
+        if train:
+            self.admission.release()  # never trained on
+        await self._hand_in(group, seq, dest)
 
-    async def _run_group(self, i: int, prompt: Prompt, sampling: Sampling, seq: int, cost: int, queued_at: float) -> None:
-        pending = {
-            k: Request(f"r{seq + 1}-{k}", prompt.id, k, sampling, token_ids=prompt.token_ids, text=prompt.text)
+    async def _run_group(
+        self, i: int, prompt: Prompt, sampling: Sampling, number: int, seq: int, cost: int, queued_at: float,
+        dest: Destination, train: bool, session: tuple[int, str, list[tuple[int, int]]] | None = None,
+    ) -> None:  # fmt: skip
+        salt = (session[1] if session else f"s:{prompt.session}") if prompt.session is not None else None
+        requests = [
+            Request(f"r{number}-{k}", prompt.id, k, sampling, token_ids=prompt.token_ids, text=prompt.text, cache_salt=salt)
             for k in range(sampling.n)
-        }
+        ]
         done: dict[int, Trajectory] = {}
-        retries, timeout = 0, self.cfg.engines.request_timeout_s
-        while True:
-            failure, moved = await self._attempt(i, pending, cost, queued_at, done, timeout)
-            if not pending or not moved or retries == self.cfg.engines.max_retries:
-                break
-            retries += 1
-            for k, req in list(pending.items()):  # continue from the failed engine's last progress report
-                partial = self.reports[i].get(req.request_id)
-                if partial is not None and partial.finished_at:
-                    self._finish(partial, queued_at, done)
-                    del pending[k]
-                elif partial is not None and partial.token_ids:
-                    pending[k] = msgspec.structs.replace(req, resume=partial)
-            if not pending:
-                break
-            try:
-                i = await self._acquire_engine(len(pending), cost)
-            except EngineDeadError as e:
-                failure = str(e)
-                break
-            log.warning("samples moved to another engine", prompt=prompt.id, samples=len(pending), engine=i,
-                        reason=failure, resumed_tokens=sum(len(r.resume.token_ids) for r in pending.values() if r.resume))  # fmt: skip
-        for k, req in pending.items():
-            reason = failure or "engine returned no result"
-            self._finish(_failed(req, i, f"{reason} (moved {retries} times)" if retries else reason), queued_at, done)
+
+        def finish(traj: Trajectory) -> None:
+            traj.queued_at = queued_at
+            done[traj.sample_index] = traj
+            if self.on_trajectory is not None:
+                self.on_trajectory(traj)
+
+        if self.env is None:
+            await self.runner.run(i, requests, cost, finish)
+        else:
+            self.runner.release(i, sampling.n, cost)  # an episode holds room on its engine only while a turn runs
+            async with anyio.create_task_group() as tg:
+                for req in requests:
+                    tg.start_soon(self._episode, i, req, prompt, finish)
         trajectories = [done[k] for k in range(sampling.n)]
+        if prompt.session is not None:
+            self._continue(prompt.session, trajectories[0], session[2] if session else [])
         if self.reward is not None:
             async with anyio.create_task_group() as tg:
                 for t in trajectories:
                     tg.start_soon(score, self.reward, prompt, t)
-        await self._hand_in(Group(prompt_id=prompt.id, prompt=prompt, trajectories=trajectories), seq)
+        group = Group(prompt_id=prompt.id, prompt=prompt, trajectories=trajectories)
+        if train and not trainable(group):
+            self.admission.release()  # every sample failed: never trained on
+        await self._hand_in(group, seq, dest)
 
-    async def _attempt(
-        self, i: int, pending: dict[int, Request], cost: int, queued_at: float, done: dict[int, Trajectory], timeout: float | None
-    ) -> tuple[str | None, bool]:
-        """Run `pending` on engine `i` (capacity already taken), moving finished ones to `done`.
-
-        Returns (failure, whether the rest may move to another engine)."""
-        failure, moved = None, False
-        try:
-            with anyio.fail_after(timeout):
-                async for traj in self.engines[i].generate_group(list(pending.values())):
-                    del pending[traj.sample_index]
-                    self._release_engine(i, 1, cost)  # per sample: the engine has room as soon as one ends
-                    self._finish(traj, queued_at, done)
-        except EngineDeadError as e:
-            self.mark_dead(i, str(e))
-            failure, moved = str(e), True
-        except TimeoutError:
-            failure, moved = f"no result within engines.request_timeout_s={timeout} on engine {i}", True
-        except RolloutError as e:
-            failure = str(e)
-        finally:
-            if pending:
-                self._release_engine(i, len(pending), cost)
-        return failure, moved
-
-    async def watch(self) -> None:
-        """Every `engines.health_interval_s`: each healthy engine reports its requests' progress.
-
-        The reports are what a crash keeps. An engine that fails to answer within
-        `engines.health_timeout_s` is killed, so its running groups move on instead of hanging.
-        """
-        while True:
-            await anyio.sleep(self.cfg.engines.health_interval_s)
-            async with anyio.create_task_group() as tg:
-                for i, load in enumerate(self.loads):
-                    if load.healthy:
-                        tg.start_soon(self._check, i)
-
-    async def _check(self, i: int) -> None:
-        engine, timeout = self.engines[i], self.cfg.engines.health_timeout_s
-        try:
-            with anyio.fail_after(timeout):
-                reports = await engine.progress()
-        except TimeoutError:
-            reason = f"engine {i}: no health report within engines.health_timeout_s={timeout}"
-        except RolloutError as e:
-            reason = str(e)
-        else:
-            if engine is self.engines[i]:
-                self.reports[i] = reports
+    def _continue(self, session: str, turn: Trajectory, before: list[tuple[int, int]]) -> None:
+        """Remember where a session's turn ran and what its KV holds, for the session's next turn."""
+        if not turn.ok:
             return
-        if engine is self.engines[i]:
-            self.mark_dead(i, reason)
-            await engine.kill()  # its calls fail now, and its groups move on
+        turn.kv_epochs = kv_runs(len(turn.prompt_token_ids), len(turn.token_ids), turn.policy_epochs, turn.kv_recomputes,
+                                 turn.kv_reused, before)  # fmt: skip
+        self._sessions[session] = (turn.engine_id, turn.cache_salt, turn.kv_epochs)
+        self._sessions.move_to_end(session)
+        while len(self._sessions) > MAX_SESSIONS:
+            self._sessions.popitem(last=False)
 
-    def revive(self, i: int, engine: Engine) -> None:
-        """A restarted engine `i`, at the current epoch: back into rotation."""
-        self.engines[i] = engine
-        self.reports[i] = {}  # the old engine's: the samples it held have moved on
-        self.loads[i].healthy, self.loads[i].restarting = True, False
-        log.info("engine back in rotation", engine=i)
-        self._wake_admission()
+    async def _episode(self, i: int, request: Request, prompt: Prompt, finish: Callable[[Trajectory], None]) -> None:
+        """One sample as an episode (`rollout.episodes`), its turns kept on engine `i` while it serves."""
+        assert self.env is not None
+        engine = i
 
-    def give_up(self, i: int, reason: str) -> None:
-        """Engine `i` will not come back."""
-        self.loads[i].restarting = False
-        log.error("engine gone for good", engine=i, reason=reason)
-        self._check_alive()
+        async def run_turn(turn: Request) -> Trajectory:
+            nonlocal engine
+            cost = len(turn.token_ids or ()) + turn.sampling.max_tokens
+            got: list[Trajectory] = []
+            engine = await self.runner.acquire(1, cost, on=engine)
+            engine = await self.runner.run(engine, [turn], cost, got.append)
+            return got[0]
 
-    def _check_alive(self) -> None:
-        if not any(load.healthy or load.restarting for load in self.loads):
-            self.queue.fail(EngineDeadError("every engine is dead (and none is restarting)"))
-        self._wake_admission()  # admission re-checks: there may be no engine left at all
+        try:
+            env = self.env()
+        except Exception as e:
+            finish(failed(request, i, f"episode {request.request_id}: {EnvError(f'environment raised {type(e).__name__}: {e}')}"))
+            return
+        try:
+            episode = await run_episode(request, prompt, env, self.cfg.episode, self.limits, self.chat, run_turn)
+        except EngineDeadError as e:
+            episode = failed(request, engine, str(e))
+        finish(episode)
 
-    async def _hand_in(self, group: Group, seq: int) -> None:
-        """Into the queue, after the durable log (if any) holds it."""
-        if self.durable is not None:
+    async def hand_in(self, group: Group) -> None:
+        """A group finished elsewhere (an episode served over HTTP) into the learner's queue, counted
+        by staleness admission as if it had run here. Raises RetryableError when the queue is full."""
+        if (seq := self.queue.try_reserve()) is None:
+            raise RetryableError(f"the learner's queue is full (queue.max_groups={self.queue.max_groups}): try again")
+        self.admission.running += 1  # its hand-out counts it accepted, or releases it
+        await self._hand_in(group, seq, self.queue)
+
+    async def _hand_in(self, group: Group, seq: int, dest: Destination) -> None:
+        """To the caller's submission, or into the learner's queue after the durable log holds it."""
+        if dest is self.queue and self.durable is not None:
             await anyio.to_thread.run_sync(self.durable.append, group)
-        self.queue.put(group, seq)
-
-    def mark_dead(self, i: int, reason: str) -> None:
-        """Take engine `i` out of rotation (its running groups move on) and have it restarted."""
-        if self.loads[i].healthy:
-            self.loads[i].healthy = False
-            log.error("engine out of rotation", engine=i, reason=reason)
-            self.loads[i].restarting = self.on_engine_dead is not None and self.on_engine_dead(i)
-        self._check_alive()
-
-    def _finish(self, traj: Trajectory, queued_at: float, done: dict[int, Trajectory]) -> None:
-        traj.queued_at = queued_at
-        done[traj.sample_index] = traj
-        if self.on_trajectory is not None:
-            self.on_trajectory(traj)
-
-
-def _failed(req: Request, engine_id: int, reason: str) -> Trajectory:
-    return Trajectory(
-        request_id=req.request_id,
-        prompt_id=req.prompt_id,
-        sample_index=req.sample_index,
-        prompt_token_ids=list(req.token_ids or []),
-        finish_reason="error",
-        error=reason,
-        engine_id=engine_id,
-        finished_at=time.time(),
-    )
-
-
-def _with_id(prompt: Prompt, pid: str) -> Prompt:
-    return msgspec.structs.replace(prompt, id=pid)
+        dest.put(group, seq)

@@ -25,28 +25,72 @@ from msgspec import Meta, Struct
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
-PositiveInt = Annotated[int, Meta(ge=1)]
-NonNegInt = Annotated[int, Meta(ge=0)]
+# Bounds of what the next layers carry: msgpack (the engines' wire) holds 64-bit integers, vLLM
+# keeps token ids, top-k and lengths in int32 arrays and seeds numpy with 32 bits. A value that
+# passes these bounds is never refused later (tests/test_fuzz.py throws generated values at them).
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+PositiveInt = Annotated[int, Meta(ge=1, le=INT32_MAX)]
+NonNegInt = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
 
 
 class Sampling(Struct, frozen=True, forbid_unknown_fields=True):
     """Sampling values of one request; the config's `sampling:` block has the same fields."""
 
     n: PositiveInt = 4
-    temperature: Annotated[float, Meta(ge=0.0)] = 1.0
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0  # vLLM's range
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
     top_k: NonNegInt = 0  # 0: all tokens
     max_tokens: PositiveInt = 128
     min_tokens: NonNegInt = 0
     stop_token_ids: list[NonNegInt] = msgspec.field(default_factory=lambda: [2])
     stop: list[str] = msgspec.field(default_factory=list)  # stop strings (need a tokenizer)
-    seed: int | None = None  # per-request seeds derive from it: reproducible samples
+    seed: Int64 | None = None  # per-request seeds derive from it: reproducible samples
+    # The behaviour logprob that travels with each token (README, "Behaviour logprobs"):
+    # processed = of the distribution sampled from (temperature, top-k/top-p, min_tokens applied);
+    # raw = log_softmax of the model's logits. Engine-wide (vLLM's logprobs_mode): no per-prompt override.
+    logprobs: Literal["processed", "raw"] = "processed"
 
     def __post_init__(self) -> None:
         if math.isnan(self.temperature):  # Meta(ge=0) already rejects NaN; keep the reason explicit
             raise ValueError("temperature: must be a number >= 0, got NaN")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens: {self.min_tokens} exceeds max_tokens {self.max_tokens}")
+        for i, stop in enumerate(self.stop):
+            if (reason := not_utf8(stop)) is not None:
+                raise ValueError(f"stop: [{i}] {reason}")
+
+
+def not_utf8(text: str) -> str | None:
+    """Why `text` cannot travel as UTF-8 (msgpack, JSON, the tokenizer): a lone surrogate; None if it can."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"is not valid UTF-8: lone surrogate {text[e.start]!r} at character {e.start}"
+    return None
+
+
+def not_utf8_in(value: Any, where: str) -> str | None:
+    """The first string (a key or a value, at any depth of dicts and lists) in `value` that is not
+    valid UTF-8, as "where.key: reason"; None when every one is."""
+    if isinstance(value, str):
+        return None if (reason := not_utf8(value)) is None else f"{where}: {reason}"
+    if isinstance(value, dict):
+        for key, item in value.items():
+            name = f"{where}.{key}" if isinstance(key, str) and not_utf8(key) is None else where
+            if (found := not_utf8_in(key, f"{where} key") or not_utf8_in(item, name)) is not None:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            if type(item) is not int and (found := not_utf8_in(item, f"{where}[{i}]")) is not None:  # token ids: skipped fast
+                return found
+    return None
+
+
+def printable(text: Any) -> str:
+    """`text` as a str that encodes (lone surrogates escaped): for ids and messages that must travel."""
+    return str(text).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class Prompt(Struct, frozen=True, forbid_unknown_fields=True):
@@ -61,6 +105,9 @@ class Prompt(Struct, frozen=True, forbid_unknown_fields=True):
     id: str = ""
     sampling: dict[str, Any] = msgspec.field(default_factory=dict)
     metadata: dict[str, Any] = msgspec.field(default_factory=dict)
+    # A conversation's turns share a session (n=1): each runs on the engine of the turn before and
+    # reuses the KV it left (`Trajectory.kv_reused`), as an episode's turns do.
+    session: str | None = None
 
 
 class Request(Struct, frozen=True):
@@ -77,6 +124,9 @@ class Request(Struct, frozen=True):
     token_ids: list[int] | None = None
     text: str | None = None
     resume: Trajectory | None = None
+    # An episode's turn: the prefix-cache salt its episode's turns share, so this turn reuses the
+    # KV the turns before computed (`Trajectory.kv_reused`); None: salted with the epoch.
+    cache_salt: str | None = None
 
 
 class Trajectory(Struct):
@@ -102,6 +152,16 @@ class Trajectory(Struct):
     finished_at: float = 0.0
     reward: float | None = None
     stale_tokens: int = 0  # leading generated tokens masked out of the loss as too stale (staleness.stale: mask)
+    # Episodes (README, "Episodes"). Of a turn: `kv_reused` leading prompt positions kept the KV
+    # the episode's turns before computed (as their `kv_epochs` say); the rest was computed by its
+    # first step. `cache_salt`: the prefix-cache salt its KV is held under (the next turn's).
+    kv_reused: int = 0
+    cache_salt: str = ""
+    # Of a whole episode: `token_ids` is every token after the first prompt (model turns and
+    # observations), `logprobs` 0.0 and `loss_mask` 0 on observation tokens, `policy_epochs` -1 runs
+    # there; `turns` holds each model turn (prompt = the conversation so far) with its own records.
+    loss_mask: list[int] = msgspec.field(default_factory=list)  # empty: every token is the model's
+    turns: list[Trajectory] = msgspec.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -177,6 +237,7 @@ class EngineStats(Struct):
     tokens_generated: int = 0
     requests_failed: int = 0
     reruns: int = 0  # requests rerun because a weight update overtook their prompt
+    preemptions: int = 0  # requests vLLM evicted for KV cache (each continued as a new request, recorded)
 
 
 class UpdateStats(Struct):
@@ -186,9 +247,12 @@ class UpdateStats(Struct):
     mode: str
     bytes: int = 0  # size of the weights (moved once into the object store)
     bytes_received: int = 0  # summed over engines
-    seconds: float = 0.0  # the whole `update_weights` call
+    seconds: float = 0.0  # phase 2: from the first engine's pause to the last engine's resume
+    prepare_s: float = 0.0  # before it: checks, the object store's receive or the plane's join
     stall_s: dict[int, float] = msgspec.field(default_factory=dict)  # engine -> pause..resume
     load_s: dict[int, float] = msgspec.field(default_factory=dict)  # engine -> weight load alone
+    # engine -> KV positions its running requests had to recompute (recompute, abort_resume)
+    recomputed_tokens: dict[int, int] = msgspec.field(default_factory=dict)
     failed: list[int] = msgspec.field(default_factory=list)
 
 
@@ -206,17 +270,26 @@ def expand_runs(runs: list[tuple[int, int]], length: int) -> list[int]:
     return out[:length]
 
 
-def kv_runs(prompt_len: int, num_tokens: int, policy_epochs: list[tuple[int, int]], kv_recomputes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def kv_runs(
+    prompt_len: int, num_tokens: int, policy_epochs: list[tuple[int, int]], kv_recomputes: list[tuple[int, int]],
+    reused: int = 0, before: list[tuple[int, int]] | tuple = (),
+) -> list[tuple[int, int]]:
     """`kv_epochs` implied by the policy epochs and recompute points.
 
     KV entries exist for positions 0..P+T-2 (the last token is never fed back). Without a
     recompute, position P+i-1 was computed by the step that sampled token i, so it has token i's
-    policy epoch, and the prompt has token 0's. A recompute at token j recomputed 0..P+j-1.
+    policy epoch, and the prompt has token 0's, except the first `reused` positions of an
+    episode's turn, which keep the epochs `before` (the turn before's `kv_epochs`) gives them.
+    A recompute at token j recomputed 0..P+j-1.
     """
     if num_tokens == 0:
         return []
-    base, epoch = kv_recomputes[-1] if kv_recomputes else (0, policy_epochs[0][1])
-    runs = [(0, epoch)]
+    if kv_recomputes:
+        base, epoch = kv_recomputes[-1]
+        runs = [(0, epoch)]
+    else:
+        base, runs = 0, [tuple(r) for r in before if r[0] < reused] if reused else []
+        append_run(runs, reused if runs else 0, policy_epochs[0][1])
     for start, e in policy_epochs:
         if start > base:
             append_run(runs, prompt_len + start - 1, e)
@@ -243,7 +316,9 @@ class Batch(Struct):
 
         `input_ids` = prompt + generation; `logprobs` aligned with `input_ids` (0 on prompt and
         padding); `token_epochs` (-1 on prompt and padding); `loss_mask` 1 on generated tokens
-        (except the leading `stale_tokens` of a trajectory, masked as too stale).
+        (except the leading `stale_tokens` of a trajectory, masked as too stale). An episode is one
+        row: its whole conversation, `loss_mask` 1 on model tokens only (observation tokens: 0,
+        logprob 0, epoch -1).
         When every row has a reward: `rewards` and GRPO `advantages` (per group, over its
         successful samples; divided by the group's std when `normalize_std`).
         """
@@ -264,7 +339,13 @@ class Batch(Struct):
             input_ids[r, : p + g] = torch.tensor(t.prompt_token_ids + t.token_ids, dtype=torch.long)
             logprobs[r, p : p + g] = torch.tensor(t.logprobs, dtype=torch.float32)
             epochs[r, p : p + g] = torch.tensor(t.token_epochs(), dtype=torch.long)
-            loss_mask[r, p + min(t.stale_tokens, g) : p + g] = 1.0
+            if t.loss_mask:  # an episode: its model tokens, less the leading stale ones among them
+                mask = torch.tensor(t.loss_mask, dtype=torch.float32)
+                if t.stale_tokens:
+                    mask[mask.nonzero()[: t.stale_tokens, 0]] = 0.0
+                loss_mask[r, p : p + g] = mask
+            else:
+                loss_mask[r, p + min(t.stale_tokens, g) : p + g] = 1.0
         extra = {}
         if rows and all(t.reward is not None for t in rows):
             extra["rewards"] = torch.tensor([t.reward for t in rows], dtype=torch.float32)

@@ -10,7 +10,6 @@ with events, never sleeps: `gate` holds every request until set, `dead` makes it
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -59,14 +58,25 @@ class FakeEngine:
         self.fail_stage = False  # weight updates: fail to receive, fail to load, or never answer
         self.fail_commit = False
         self.hang_commit = False
+        self.commit_gate: anyio.Event | None = None  # when set to an unset event, commits wait for it
         self.staged: dict[int, object] = {}
         self.reported_tokens = 0  # progress(): how many tokens of a held request it reports
         self.hang_progress = False
         self.held: dict[str, Request] = {}  # requests in flight, by id
         self.killed = False
         self.commits: list[int] = []
+        self._plane: PlaneWorkerFake | None = None
         self.spec = SpecCounters(engine_id=engine_id)  # what spec_counters() reports; tests set it
+        self.preemptions = 0  # what stats() reports; tests set it
+        self.spec_per_request: tuple[int, int, int, list[int]] | None = None  # added to `spec` per finished request
         self._changed = anyio.Event()
+
+    @property
+    def plane(self) -> PlaneWorkerFake:
+        """Its model worker's end of the weight plane (made on first use)."""
+        if self._plane is None:
+            self._plane = PlaneWorkerFake(self.engine_id)
+        return self._plane
 
     def block(self) -> anyio.Event:
         """Hold every request from now on until the returned event is set."""
@@ -98,6 +108,8 @@ class FakeEngine:
                 raise EngineDeadError(f"fake engine {self.engine_id} is dead")
             traj = self._trajectory(request)
             self.finished += 1
+            if self.spec_per_request is not None:
+                self.spec.add(*self.spec_per_request)
             return traj
         except anyio.get_cancelled_exc_class():
             self.cancelled += 1
@@ -120,6 +132,7 @@ class FakeEngine:
             requests_finished=self.finished,
             tokens_generated=0,
             requests_failed=self.failed,
+            preemptions=self.preemptions,
         )
 
     async def progress(self) -> dict[str, Trajectory]:
@@ -143,36 +156,52 @@ class FakeEngine:
             self.gate.set()
 
     async def reset_prefix_cache(self) -> None:
+        if self.dead:
+            raise EngineDeadError(f"fake engine {self.engine_id} is dead")
         self.prefix_cache_resets += 1
 
     async def stage_weights(self, epoch: int, weights: object) -> int:
+        if self.dead:
+            raise EngineDeadError(f"fake engine {self.engine_id} is dead")
         if self.fail_stage:
             raise RuntimeError("no space left on device")
         self.staged[epoch] = weights
+        if type(weights).__name__ == "PlaneStage":  # the weight plane: the worker joins in the background
+            if self.plane.fail_join:
+                raise RuntimeError("cannot join the plane")
+            self.plane.receiver.stage(weights)
         return 100
 
     async def drop_weights(self, epoch: int) -> None:
-        self.staged.pop(epoch, None)
+        staged = self.staged.pop(epoch, None)
+        if type(staged).__name__ == "PlaneStage":
+            self.plane.receiver.drop(staged.round)
 
     async def commit_weights(self, epoch: int) -> dict[str, float]:
+        if self.commit_gate is not None:
+            await self.commit_gate.wait()
         if self.hang_commit:
             await anyio.sleep_forever()
         if self.fail_commit:
             raise RuntimeError("reload failed")
-        self.staged.pop(epoch)
+        staged = self.staged.pop(epoch)
+        if type(staged).__name__ == "PlaneStage":
+            await anyio.to_thread.run_sync(self.plane.load, staged.round, abandon_on_cancel=True)
         self.commits.append(epoch)
         self.epoch = epoch
+        self._notify()
         return {"pause_s": 0.001, "load_s": 0.002, "stall_s": 0.003}
 
-    async def run_raw(self, requests: list[Request]) -> dict:
+    async def run_raw(self, requests: list[Request], outputs: bool = False) -> dict:
         start = time.time()
         trajectories = [await self.generate(r) for r in requests]
-        return {
+        result = {
             "tokens": sum(len(t.token_ids) for t in trajectories),
             "trajectories": len(trajectories),
             "start": start,
             "end": time.time(),
         }
+        return {**result, "outputs": [(t.token_ids, t.logprobs, t.finish_reason) for t in trajectories]} if outputs else result
 
     async def spec_counters(self) -> SpecCounters:
         if self.dead:
@@ -212,6 +241,7 @@ class FakeEngine:
             kv_recomputes=recomputes,
             num_preemptions=len(recomputes),
             engine_id=self.engine_id,
+            cache_salt=request.cache_salt or "",  # as the real policy carries it on to the next turn
             submitted_at=now,
             first_token_at=now,
             finished_at=now,
@@ -242,8 +272,44 @@ class FakePool:
         if self.fail_restart:
             raise RuntimeError("engine failed to start")
         self.restarts.append(i)
+        if self.engines[i]._plane is not None:  # its worker processes are gone with it
+            self.engines[i]._plane.receiver.close()
         self.engines[i] = FakeEngine(i, eos_at=self.engines[i].eos_at)
         return self.engines[i]
 
     async def shutdown(self) -> None:
         self.shutdown_calls += 1
+        for e in self.engines:
+            if e._plane is not None:
+                e._plane.receiver.close()
+
+
+class PlaneWorkerFake:
+    """A fake engine's model worker on the weight plane: the real `PlaneReceiver`, and a load that
+    takes every streamed tensor the way vLLM's `reload_weights(weights_iterator=...)` does.
+    `fail_after` tensors: the load raises then (an engine failing mid-load); `hold`: the load waits
+    for this event after its first tensor (a learner can be killed meanwhile)."""
+
+    def __init__(self, engine_id: int):
+        from policies.plane_worker import PlaneReceiver
+
+        self.engine_id = engine_id
+        self.receiver = PlaneReceiver()
+        self.loaded: dict[str, object] = {}
+        self.fail_after: int | None = None
+        self.fail_join = False
+        self.hold = None  # a threading.Event
+        self.got_first = None  # a threading.Event, set after the first tensor
+
+    def load(self, round: int) -> int:
+        got = {}
+        for name, tensor in self.receiver.stream(round):
+            if self.fail_after is not None and len(got) >= self.fail_after:
+                raise RuntimeError(f"fake worker of engine {self.engine_id} failed loading {name}")
+            got[name] = tensor.clone()
+            if self.got_first is not None and len(got) == 1:
+                self.got_first.set()
+                if self.hold is not None:
+                    self.hold.wait(30)
+        self.loaded = got
+        return sum(t.numel() * t.element_size() for t in got.values())

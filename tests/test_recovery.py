@@ -53,7 +53,7 @@ async def test_samples_continue_on_another_engine_from_the_last_report(make_cfg)
         async with RolloutEngine(make_cfg("engines.max_restarts=0"), pool=pool) as engine:
             engine.feed([PROMPT])
             await doomed.wait_until(lambda e: e.inflight == 2)
-            while sum(len(r) for r in engine._scheduler.reports) < 2:  # both samples reported at least once
+            while sum(len(r) for r in engine._scheduler.runner.reports) < 2:  # both samples reported at least once
                 await anyio.sleep(0.01)
             await doomed.kill()
             group = await engine.next_group()
@@ -75,6 +75,29 @@ async def test_a_hung_engine_is_killed_by_the_health_check(make_cfg):
             engine.feed([PROMPT])
             group = await engine.next_group()
     assert hung.killed and group.ok and all(t.engine_id == 1 for t in group.trajectories)
+
+
+async def test_an_engine_slow_to_report_holds_back_no_other_engines_report(make_cfg):
+    """Each engine reports on its own beat: while engine 0's report hangs (not yet past the health
+    timeout), engine 1's requests that started meanwhile are still reported, so a crash of engine 1
+    would keep their tokens."""
+    pool = FakePool(2)
+    slow, other = pool.engines
+    slow.hang_progress = True
+    for e in pool.engines:
+        e.block()
+    other.reported_tokens = 3
+    with anyio.fail_after(TIMEOUT):
+        async with RolloutEngine(make_cfg("engines.health_timeout_s=60"), pool=pool) as engine:
+            runner = engine._scheduler.runner
+            await anyio.sleep(0.05)  # both engines' first reports are asked for (engine 0's never comes)
+            engine.feed([Prompt(token_ids=[7, 8, i], id=f"p{i}") for i in range(4)])
+            await other.wait_until(lambda e: e.inflight > 0)
+            while not any(t.token_ids for t in runner.reports[1].values()):
+                await anyio.sleep(0.01)
+            assert set(runner.reports[1]) == set(other.held)
+            for e in pool.engines:
+                e.gate.set()
 
 
 async def test_a_stuck_group_is_retried_elsewhere_then_failed_with_the_reason(make_cfg):
@@ -102,12 +125,12 @@ async def test_a_dead_engine_restarts_at_the_current_epoch_and_serves_again(make
             await old.kill()
             engine.feed([PROMPT])  # runs on engine 1 meanwhile, or on 0 once it is back
             assert (await engine.next_group()).ok
-            while not engine._scheduler.loads[0].healthy:
+            while not engine._scheduler.runner.loads[0].healthy:
                 await anyio.sleep(0.01)
             new = pool.engines[0]
             assert new is not old and pool.restarts == [0]
             assert new.commits == [2] and new.epoch == 2  # brought to the current epoch before readmission
-            assert engine._scheduler.engines[0] is new
+            assert engine._scheduler.runner.engines[0] is new
             pool.engines[1].dead = True  # now only the restarted engine can serve
             engine.feed([Prompt(token_ids=[5], id="q")])
             group = await engine.next_group()
@@ -124,7 +147,7 @@ async def test_restarts_are_bounded_then_the_engine_is_given_up(make_cfg):
             engine.feed([PROMPT])
             with pytest.raises(EngineDeadError, match="every engine is dead"):
                 await engine.next_group()
-    assert engine._restarts == {0: 2}
+    assert engine._updates._restarts == {0: 2}
 
 
 async def test_with_every_engine_restarting_admission_waits_instead_of_failing(make_cfg):
@@ -135,3 +158,23 @@ async def test_with_every_engine_restarting_admission_waits_instead_of_failing(m
             engine.feed([PROMPT, Prompt(token_ids=[5], id="q")])
             groups = [g async for g in engine.groups()]
     assert [g.ok for g in groups] == [True, True] and pool.restarts == [0]
+
+
+async def test_a_restart_never_loads_other_bytes_under_the_current_epoch(make_cfg, tmp_path):
+    """Weights given as a directory are loaded by a restarted engine only if the directory still
+    holds what epoch N was: a rewrite there must not come back as epoch N."""
+    d = tmp_path / "epoch1"
+    d.mkdir()
+    save_file(STATE, str(d / "model.safetensors"))
+    pool = FakePool(2)
+    with anyio.fail_after(TIMEOUT):
+        async with RolloutEngine(make_cfg("engines.max_restarts=1"), pool=pool) as engine:
+            await engine.update_weights(str(d))
+            save_file({"embed.weight": torch.ones(4, 3)}, str(d / "model.safetensors"))  # the learner's next checkpoint
+            await pool.engines[0].kill()
+            engine.feed([PROMPT])
+            assert (await engine.next_group()).ok  # engine 1 serves
+            while engine._scheduler.runner.loads[0].restarting:
+                await anyio.sleep(0.01)
+            assert not engine._scheduler.runner.loads[0].healthy, "a restart loaded changed bytes as epoch 1"
+            assert pool.engines[0].commits == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import anyio
 import msgspec
@@ -101,3 +102,12 @@ async def test_reward_failures_mark_only_that_trajectory(cfg):
     assert "returned nan, expected a finite number" in groups["nan"].trajectories[0].error
     assert "returned '1.0'" in groups["text"].trajectories[0].error
     assert "returned True" in groups["bool"].trajectories[0].error
+
+
+def test_a_reward_module_in_the_working_directory_imports_from_the_console_script(tmp_path, monkeypatch):
+    # `rollout` is a console script: its sys.path lacks the working directory, where
+    # `reward: mymodule:fn` and `env: benchmarks.envs:Observations` live
+    (tmp_path / "cwd_reward_mod.py").write_text("def fn(prompt, traj):\n    return 1.0\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert load_reward("cwd_reward_mod:fn") is not None

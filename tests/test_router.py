@@ -63,3 +63,11 @@ def test_does_not_mutate_loads():
     before = [(x.requests, x.tokens, x.healthy) for x in ls]
     route(ls, n=2, capacity=8)
     assert [(x.requests, x.tokens, x.healthy) for x in ls] == before
+
+
+def test_a_preferred_engine_is_waited_for_while_it_serves():
+    loads = [EngineLoad(requests=4, tokens=400), EngineLoad(requests=0)]
+    assert route(loads, 1, capacity=4, prefer=0) is None  # full: wait for it, its KV is there
+    assert route(loads, 1, capacity=5, prefer=0) == 0
+    loads[0].healthy = False
+    assert route(loads, 1, capacity=5, prefer=0) == 1  # gone: anywhere

@@ -29,7 +29,7 @@ async def main():
         await engine.next_group()
 
 def sync_main():
-    from rollout.engine import SyncRolloutEngine
+    from rollout.sync_engine import SyncRolloutEngine
     cfg = load_config(None, ["sampling.max_tokens=4", "logging.level=error", "model.path=" + sys.argv[1]])
     with SyncRolloutEngine(cfg, pool=Pool(1)) as engine:
         engine._engine.pool.engines[0].block()

@@ -138,7 +138,7 @@ async def test_meter_leaves_dead_engines_out():
 def test_bench_rows_show_summed_and_per_engine_figures():
     import msgspec
 
-    from rollout.bench import spec_decode_rows
+    from rollout.bench_table import spec_decode_rows
 
     ours = msgspec.to_builtins(window(BEFORE, AFTER))
     empty = msgspec.to_builtins(window(AFTER, AFTER))  # zero drafts: dashes, not a crash

@@ -196,3 +196,22 @@ def test_bad_staleness_config_names_the_key(override, message):
 
     with pytest.raises(InvalidConfigError, match=re.escape(message)):
         load_config(None, [override])
+
+
+def test_tokens_without_epochs_fail_instead_of_counting_as_epoch_0():
+    """No epoch is ever guessed: a trajectory whose tokens carry no policy epochs cannot be checked
+    against max_lag, so it fails with the reason instead of passing as epoch 0."""
+    f = StalenessFilter(StalenessConfig(max_lag=1))
+    t = traj([], 4)
+    g = f.apply(group(t, traj([(0, 5)], 2)), epoch=5)
+    assert g is not None and not t.ok and "no policy epochs" in t.error
+    assert f.stats.lag_tokens == {0: 2}
+
+
+def test_an_episodes_observation_tokens_have_no_lag():
+    """Observation tokens (policy epoch -1) are not the model's: they are neither counted nor masked."""
+    f = StalenessFilter(StalenessConfig(max_lag=1, stale="mask"))
+    ep = traj([(0, 2), (3, -1), (5, 4)], 8, loss_mask=[1, 1, 1, 0, 0, 1, 1, 1])
+    g = f.apply(group(ep), epoch=4)
+    assert g is not None and f.stats.lag_tokens == {2: 3, 0: 3}
+    assert ep.stale_tokens == 3 and f.stats.masked_tokens == 3

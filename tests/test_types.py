@@ -191,22 +191,6 @@ def test_sampling_defaults_and_checks():
         Sampling(temperature=float("nan"))
 
 
-def test_exporters_follow_the_documented_worked_example():
-    from rollout.export import to_megatron, to_nemo_gym
-    from rollout.types import kv_runs
-
-    keep = Trajectory(prompt_token_ids=[9, 8, 7, 6], token_ids=[5, 6, 7, 8, 9, 10], logprobs=[-1.0] * 6, policy_epochs=[(0, 3), (3, 4)])
-    keep.kv_epochs = kv_runs(4, 6, keep.policy_epochs, [])
-    assert to_megatron(keep) == {"policy_epoch": [(4, 3), (7, 4)], "kv_cache_epoch": [(0, 3), (6, 4)], "num_evictions": 0}
-    recompute = msgspec.structs.replace(keep, kv_recomputes=[(3, 4)], num_preemptions=1, kv_epochs=kv_runs(4, 6, keep.policy_epochs, [(3, 4)]))
-    assert to_megatron(recompute)["kv_cache_epoch"] == [(0, 4)] and to_megatron(recompute)["num_evictions"] == 1
-    gym = to_nemo_gym([keep, recompute])
-    assert gym["prompt_token_ids"] == [[9, 8, 7, 6]] * 2 and gym["generation_token_ids"] == [[5, 6, 7, 8, 9, 10]] * 2
-    assert gym["generation_log_probs"][0] == [-1.0] * 6 and gym["num_evictions"] == [0, 1]
-    assert gym["policy_epoch"] == [[(4, 3), (7, 4)]] * 2 and gym["kv_cache_epoch"] == [[(0, 3), (6, 4)], [(0, 4)]]
-    assert to_nemo_gym(keep)["num_evictions"] == [0]
-
-
 def test_a_progress_report_reads_as_a_mapping_of_its_trajectories():
     running = make_trajectory([5, 6], [7, 8], request_id="r1-0", epochs=[(0, 0), (1, 1)])
     done = make_trajectory([5, 6], [9], request_id="r1-1", finished_at=3.0)
@@ -215,3 +199,15 @@ def test_a_progress_report_reads_as_a_mapping_of_its_trajectories():
     assert report["r1-0"] == running and report.get("r1-1") == done
     assert report.get("r9-0") is None
     assert len(ProgressReport(msgspec.msgpack.encode([]))) == 0
+
+
+def test_an_episode_is_one_row_with_observation_tokens_masked():
+    ep = Trajectory(
+        prompt_token_ids=[5, 6], token_ids=[7, 8, 9, 50, 51, 10, 11], logprobs=[-1.0, -1.0, -1.0, 0.0, 0.0, -2.0, -2.0],
+        policy_epochs=[(0, 3), (3, -1), (5, 4)], loss_mask=[1, 1, 1, 0, 0, 1, 1], stale_tokens=2,
+    )
+    t = Batch(groups=[Group(prompt_id="p", prompt=Prompt(id="p"), trajectories=[ep])]).to_tensors()
+    assert t["input_ids"][0].tolist() == [5, 6, 7, 8, 9, 50, 51, 10, 11]
+    assert t["loss_mask"][0].tolist() == [0, 0, 0, 0, 1, 0, 0, 1, 1]  # the first 2 model tokens too stale
+    assert t["token_epochs"][0].tolist() == [-1, -1, 3, 3, 3, -1, -1, 4, 4]
+    assert t["logprobs"][0].tolist() == [0, 0, -1, -1, -1, 0, 0, -2, -2]

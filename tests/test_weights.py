@@ -60,7 +60,10 @@ def test_pack_roundtrip_keeps_values_and_dtypes(model_dir):
         ({"extra": torch.ones(1)}, "unknown extra"),
         ({"embed.weight": None}, "missing embed.weight"),
         ({"embed.weight": torch.full((4, 3), float("nan"))}, "embed.weight']: contains NaN"),
+        ({"embed.weight": torch.zeros(4, 3).index_fill_(1, torch.tensor([1]), -float("inf"))}, "embed.weight']: contains NaN or inf"),
+        ({"norm.weight": torch.tensor([1.0, float("nan"), 1.0], dtype=torch.bfloat16)}, "norm.weight']: contains NaN or inf"),
         ({"embed.weight": [[1.0]]}, "expected a torch.Tensor, got list"),
+        ({"embed.weight": torch.empty(4, 3, device="meta")}, "embed.weight']: on device meta, which holds no data"),
         ({"embed.weight": None, "norm.weight": None}, "the state dict is empty"),
     ],
 )
@@ -116,6 +119,43 @@ async def test_a_failed_receive_changes_no_engine(cfg):
             assert all(not eng.commits and not eng.staged for eng in pool.engines)
 
 
+async def test_an_engine_found_dead_at_an_update_restarts_and_the_others_load_it(cfg):
+    """An engine killed a moment ago (no health report due yet): the update finds it dead while
+    the weights go out, takes it out of rotation and goes on; its restart loads the new epoch."""
+    e = msgspec.structs.replace(cfg.engines, restart_backoff_s=0, health_interval_s=60)
+    pool = FakePool(3)
+    with anyio.fail_after(5):
+        async with RolloutEngine(msgspec.structs.replace(cfg, engines=e), pool=pool) as engine:
+            killed = pool.engines[1]
+            await killed.kill()
+            assert await engine.update_weights(STATE) == 1
+            u = engine.weight_updates[-1]
+            assert set(u.stall_s) == {0, 2} and not u.failed
+            while not engine._scheduler.runner.loads[1].healthy:
+                await anyio.sleep(0.01)
+            assert pool.restarts == [1] and pool.engines[1] is not killed
+            assert [eng.commits for eng in pool.engines] == [[1]] * 3  # the restarted one: at the current epoch
+            assert await engine.update_weights(STATE) == 2
+
+
+async def test_a_live_engine_that_cannot_receive_still_calls_the_update_off(cfg):
+    e = msgspec.structs.replace(cfg.engines, restart_backoff_s=0, health_interval_s=60, max_restarts=0)
+    pool = FakePool(3)
+    pool.engines[0].dead = True
+    pool.engines[2].fail_stage = True
+    with anyio.fail_after(5):
+        async with RolloutEngine(msgspec.structs.replace(cfg, engines=e), pool=pool) as engine:
+            with pytest.raises(WeightSyncError, match="engine 2: RuntimeError: no space left") as err:
+                await engine.update_weights(STATE)
+            assert err.value.failed == [0, 2] and engine.epoch == 0
+            assert all(not eng.commits and not eng.staged for eng in pool.engines)
+            assert [load.healthy for load in engine._scheduler.runner.loads] == [False, True, True]  # the dead one is out
+            pool.engines[1].dead = pool.engines[2].dead = True
+            with pytest.raises(WeightSyncError, match="engine 1: EngineDeadError"):  # none alive: nothing loads
+                await engine.update_weights(STATE)
+            assert engine.epoch == 0 and not any(eng.commits for eng in pool.engines)
+
+
 async def test_a_failed_or_hung_load_takes_the_engine_out_of_rotation(cfg):
     pool = FakePool(3)
     pool.engines[0].fail_commit = True
@@ -144,3 +184,37 @@ async def test_bad_weights_never_reach_the_pool(cfg):
             with pytest.raises(InvalidWeightsError, match="missing norm.weight"):
                 await engine.update_weights({"embed.weight": STATE["embed.weight"]})
             assert not pool.shared and engine.epoch == 0
+
+
+async def test_a_cancelled_update_never_lets_two_weights_share_an_epoch(cfg):
+    """Engine 0 has committed epoch 1 and engine 1 is still loading when the caller gives up; the
+    next update must not label different weights with epoch 1 again."""
+    pool = FakePool(3)
+    pool.engines[1].commit_gate = gate = anyio.Event()
+    with anyio.fail_after(5):
+        async with RolloutEngine(cfg, pool=pool) as engine:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(engine.update_weights, STATE)
+                await pool.engines[0].wait_until(lambda e: e.commits == [1])
+                tg.cancel_scope.cancel()  # the caller's timeout, mid-commit
+                gate.set()
+            second = await engine.update_weights(STATE)
+            committed = [e.commits for e in pool.engines]
+    assert second == 2 and committed == [[1, 2]] * 3, committed
+
+
+async def test_a_drain_longer_than_the_timeout_is_not_a_failed_load(cfg):
+    """In drain mode the engine waits for running requests before loading; weight_sync.timeout_s
+    bounds the load, so a long generation must not make the engine 'fail' and restart."""
+    drain = msgspec.structs.replace(cfg, weight_sync=msgspec.structs.replace(cfg.weight_sync, mode="drain", timeout_s=0.02))
+    pool = FakePool(3)
+    for e in pool.engines:
+        e.commit_gate = anyio.Event()  # the drain: running requests finishing
+    with anyio.fail_after(5):
+        async with RolloutEngine(drain, pool=pool) as engine:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(engine.update_weights, STATE)
+                await anyio.sleep(0.1)  # time must pass beyond timeout_s: that is what is tested
+                for e in pool.engines:
+                    e.commit_gate.set()
+            assert engine.epoch == 1 and not engine.weight_updates[-1].failed

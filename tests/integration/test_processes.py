@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from tests.integration.conftest import ROOT, engine_processes, run_python, shm_segments
 
@@ -45,7 +46,7 @@ def _wait_listening(port: int, timeout: float = 120) -> None:
 
 def test_join_existing_cluster_via_ray_address():
     port = _free_port()
-    ray_bin = ROOT / ".venv" / "bin" / "ray"
+    ray_bin = Path(sys.executable).parent / "ray"  # the venv's, which need not be on PATH
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     temp_dir = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # short: Ray's socket paths must fit
     # A head of its own, in its own process group: `ray stop` would kill every Ray process on the
@@ -66,14 +67,15 @@ async def main():
     async with RolloutEngine(cfg) as engine:
         engine.feed([[5, 6, 7], [8, 9, 10]])
         groups = [g async for g in engine.groups()]
-        print(json.dumps({{"groups": len(groups), "ok": all(g.ok for g in groups),
-                          "address": ray.get_runtime_context().gcs_address}}))
+        print("RESULT", json.dumps({{"groups": len(groups), "ok": all(g.ok for g in groups),
+                                    "address": ray.get_runtime_context().gcs_address}}), flush=True)
 if __name__ == "__main__":
     anyio.run(main)
 """
         result = run_python(code, env={"RAY_AUTH_MODE": "disabled"})
         assert result.returncode == 0, result.stderr[-3000:]
-        out = json.loads(result.stdout.strip().splitlines()[-1])
+        # Ray forwards the engine actors' log lines to the driver's stdout, some after the result
+        out = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))[7:])
         assert out["groups"] == 2 and out["ok"]
         assert out["address"].endswith(f":{port}"), "the driver must join the running head, not start its own"
     finally:
@@ -89,12 +91,18 @@ if __name__ == "__main__":
 def test_cli_run_writes_trajectories_and_leaves_nothing_behind(tmp_path):
     before_pids, before_shm = engine_processes(), shm_segments()
     out = tmp_path / "t.jsonl"
+    # A KV cache too small for every request at full length, with preemption avoided: the engine
+    # warns that it caps running requests, and that warning, logged inside the engine actor, must
+    # reach the driver's stderr at the default log levels.
+    small_kv = ["engines.preemption=avoid", "engines.vllm={kv_cache_gib: 0.01}"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rollout.cli", "run", "configs/tiny.yaml", "--out", str(out), "--no-progress", *sum((["-o", o] for o in SMALL), [])],
+        [sys.executable, "-m", "rollout.cli", "run", "configs/tiny.yaml", "--out", str(out), "--no-progress",
+         *sum((["-o", o] for o in SMALL + small_kv), [])],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-3000:]
+    assert "KV cache holds fewer full-length requests" in stderr, stderr[-3000:]
     lines = out.read_text().splitlines()
     assert len(lines) == 6 * 4 and "wrote 24 trajectories" in stdout
     t = json.loads(lines[0])
@@ -115,7 +123,7 @@ def test_cli_bench_prints_ratio_against_raw_vllm(tmp_path):
     assert data["engine"]["trajectories"] == 24 and data["raw_vllm"]["trajectories"] == 24
     assert data["ratio_tokens_per_s"] > 0 and [r["order"] for r in data["rounds"]] == ["engine first", "raw vLLM first"]
     assert data["ratio_tokens_per_s"] == sum(r["ratio"] for r in data["rounds"]) / 2  # median of two
-    assert "tokens/s ratio, median" in result.stdout
+    assert "this engine / raw vLLM, generated tokens/s: " in result.stdout
 
 
 def test_cli_rejects_bad_config_naming_the_key():
@@ -129,3 +137,29 @@ def test_cli_rejects_bad_config_naming_the_key():
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 2 and "engines.cpus_per_engine: expected `int`" in result.stderr
+
+
+def test_cli_serve_prints_its_url_answers_and_stops_cleanly_on_sigterm():
+    import openai
+
+    before_pids, before_shm = engine_processes(), shm_segments()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rollout.cli", "serve", "configs/tiny.yaml", "--port", "0", "--api-key", "k",
+         *sum((["-o", o] for o in SMALL), [])],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        while (line := proc.stdout.readline()) and "serving" not in line:
+            pass
+        assert "serving" in line, proc.stderr.read()[-3000:] if proc.poll() is not None else line
+        url = line.split(" at ")[1].strip()
+        client = openai.OpenAI(base_url=url, api_key="k", max_retries=0)
+        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=4)
+        assert len(r.choices[0].message.model_extra["generation_token_ids"]) == 4
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert not _wait_gone(engine_processes() - before_pids), "engine or Ray processes outlived the server"
+    assert shm_segments() <= before_shm

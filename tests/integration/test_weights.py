@@ -1,21 +1,26 @@
 """Exact per-token epochs under in-flight weight updates, checked by the float32 HF oracle.
 
-For each `weight_sync.mode`: 2 real engines, 128 requests of 160-200 tokens, 3 updates with
-distinct random weights while they stream; every behaviour logprob must match the oracle's replay
-(same tokens, the weights each position was computed with) within 1e-3.
+For each `weight_sync.mode`: 2 real engines, 128 requests of 160-200 tokens sampled at temperature
+0.7, top_p 0.9, top_k 50, 3 updates with distinct random weights while they stream, and a KV cache
+of ~3k tokens per engine for the ~5k its 16 running requests need, so vLLM preempts (and each
+preemption is recorded as an eviction and a KV recompute); every behaviour logprob (processed:
+of the distribution sampled from) must match the oracle's replay (same tokens, the weights each
+position was computed with, the same processing) within 1e-3, and a replay of raw logprobs must not.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from policies.oracle import Oracle, compare
+from policies.oracle import Oracle, Processing, compare
 from rollout import Prompt, RolloutEngine
 from rollout.errors import InvalidWeightsError
 from rollout.types import Trajectory, kv_runs
@@ -24,6 +29,8 @@ from .conftest import integration_config
 
 MODES = ["keep", "recompute", "abort_resume", "drain"]
 UPDATES = 3
+SAMPLING = ("sampling.temperature=0.7", "sampling.top_p=0.9", "sampling.top_k=50")
+SMALL_KV = "engines.vllm={kv_cache_gib: 0.003}"  # ~3k float32 tokens of the tiny model
 
 
 def random_weights(base: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
@@ -40,47 +47,145 @@ def prompts(count: int, seed: int) -> list[Prompt]:
     ]  # fmt: skip
 
 
-async def stream_with_updates(mode: str) -> tuple[list[Trajectory], dict[int, dict], RolloutEngine]:
-    # 16 running per engine, 32 groups of 4: requests come in waves. Updates go out as the run
-    # progresses (not on a clock, which a faster engine outruns) and the last 8 groups wait for
-    # the last update, so even `drain` has requests to start under every epoch.
-    cfg = integration_config(f"weight_sync.mode={mode}", "engines.count=2", "engines.max_inflight_per_engine=16")
-    async with RolloutEngine(cfg) as engine:
-        base = load_file(f"{engine.model_path}/model.safetensors")
-        weights = {0: base}
-        batch = prompts(32, seed=len(mode))
-        updated = asyncio.Event()
+def shifted_boundary(t: Trajectory) -> Trajectory | None:
+    """`t` with its first epoch boundary one token later (a recompute there moved with it), or None
+    where that leaves no token to the run (updates landed on consecutive tokens)."""
+    if len(t.policy_epochs) < 2:
+        return None
+    (s0, e0), (s1, e1) = t.policy_epochs[:2]
+    end = t.policy_epochs[2][0] if len(t.policy_epochs) > 2 else len(t.token_ids)
+    if s1 + 1 >= end:
+        return None
+    return msgspec.structs.replace(t, policy_epochs=[(s0, e0), (s1 + 1, e1), *t.policy_epochs[2:]],
+                                   kv_recomputes=[(s + 1, e) if s == s1 else (s, e) for s, e in t.kv_recomputes])  # fmt: skip
 
-        async def source():
-            for p in batch[:24]:
+
+def commit_when(engine: RolloutEngine, ready: Callable[[int], Awaitable[Any]]) -> None:
+    """Hold each weight update's commit (phase 2: engines pause and load) until `ready(epoch)`,
+    after its transfer (phase 1, seconds on a busy machine) is done. The commit then lands at a
+    point the test chose, not wherever the clock put it."""
+    commit = engine._updates._commit
+
+    async def gated(epoch: int, *args: Any, **kwargs: Any) -> Any:
+        await ready(epoch)
+        return await commit(epoch, *args, **kwargs)
+
+    engine._updates._commit = gated  # type: ignore[method-assign]
+
+
+def _generate_then_pause(policy: Any, seconds: float) -> None:
+    """Inside an engine actor (Ray runs `__ray_call__` on a thread of its own): let vLLM generate
+    for `seconds` (0: not at all), then pause it the way a commit does (keep: requests stay)."""
+    vllm = policy._vllm
+
+    async def run() -> None:
+        if seconds:
+            await vllm.resume()
+            await asyncio.sleep(seconds)
+        await vllm.pause("keep", clear_cache=False)
+
+    asyncio.run_coroutine_threadsafe(run(), vllm.llm.output_handler.get_loop()).result(timeout=120)
+
+
+def land_inside(engine: RolloutEngine, before: Callable[[int], Awaitable[Any]], count: int, accept: Callable[[Trajectory, int], bool],
+                staged: list[asyncio.Event]) -> None:  # fmt: skip
+    """Land each update's commit inside running requests however fast or slow the machine (a
+    progress report or a commit can take seconds on a busy 2-core machine, longer than a request).
+    Once `before(epoch)` is done the engines' generation is paused, then `staged[epoch]` is set:
+    the requests the update must land in start now, held. The engines then generate ~50 ms at a
+    time until fresh progress reports show `count` samples `accept(t, epoch)` takes generating
+    (tokens out, not finished); the commit pauses them again (a no-op), loads and resumes."""
+    runner = engine._scheduler.runner
+
+    async def step(seconds: float) -> list[int]:
+        live = [i for i, load in enumerate(runner.loads) if load.healthy]
+        await asyncio.gather(*(runner.engines[i].actor.__ray_call__.remote(_generate_then_pause, seconds) for i in live))
+        return live
+
+    async def ready(epoch: int) -> None:
+        await before(epoch)
+        await step(0)
+        staged[epoch].set()
+        best = 0
+        try:
+            async with asyncio.timeout(300):
+                while best < count:
+                    live = await step(0.05)
+                    await asyncio.gather(*(runner._check(i) for i in live))
+                    reports = [t for i in live for t in runner.reports[i].values()]
+                    best = max(best, sum(accept(t, epoch) and bool(t.token_ids) and not t.finished_at for t in reports))
+        except TimeoutError:
+            raise AssertionError(f"never {count} samples generating at once (at most {best} seen)") from None
+
+    commit_when(engine, ready)
+
+
+async def run_with_updates(engine: RolloutEngine, parts: list[list[Prompt]], update: Any, weights: dict[int, dict]) -> list[Trajectory]:
+    """Feed `parts` in order, an update between consecutive ones. Update k+1 goes out as soon as
+    update k is in; part k is fed once update k+1's transfer is done and part k-1 is all done,
+    and update k+1 commits once 12 of part k's samples are generating (`land_inside`). So every
+    epoch has requests started under it (drain too), and in-place modes see every update land
+    mid-request however long its transfer took: the run never races a clock."""
+    base = weights[0]
+    part_of = {p.id: k for k, part in enumerate(parts) for p in part}
+    left = [len(part) for part in parts]
+    finished = [asyncio.Event() for _ in parts]
+    updated = [asyncio.Event() for _ in range(len(parts) + 1)]
+    staged = [asyncio.Event() for _ in range(len(parts) + 1)]
+    staged[len(parts)].set()  # no update after the last part
+    trajectories: list[Trajectory] = []
+
+    async def source():
+        for k, part in enumerate(parts):
+            await staged[k + 1].wait()
+            if k:
+                await finished[k - 1].wait()
+            for p in part:
                 yield p
-            await updated.wait()
-            for p in batch[24:]:
-                yield p
+            await updated[k + 1].wait()
 
-        engine.feed(source())
-        trajectories: list[Trajectory] = []
+    async def consume() -> None:
+        async for group in engine.groups():
+            assert group.ok, group.error or [t.error for t in group.trajectories]
+            trajectories.extend(group.trajectories)
+            k = part_of[group.prompt_id]
+            left[k] -= 1
+            if not left[k]:
+                finished[k].set()
 
-        async def consume() -> None:
-            async for group in engine.groups():
-                assert group.ok, group.error or [t.error for t in group.trajectories]
-                trajectories.extend(group.trajectories)
+    async def before(epoch: int) -> None:  # part epoch-1 runs under this update: the one before it is done
+        if epoch >= 2:
+            await finished[epoch - 2].wait()
 
-        consumer = asyncio.ensure_future(consume())
-        await asyncio.sleep(0.6)  # update 1 while the first wave streams
-        for k in range(1, UPDATES + 1):
-            while len(trajectories) < 4 * 8 * (k - 1) and not consumer.done():  # updates 2, 3 after 8, 16 groups
-                await asyncio.sleep(0.02)
+    land_inside(engine, before, 12, lambda t, epoch: part_of.get(t.prompt_id) == epoch - 1, staged)
+    engine.feed(source())
+    consumer = asyncio.ensure_future(consume())
+    try:
+        for k in range(1, len(parts)):
             weights[k] = random_weights(base, seed=1000 * k)
-            assert await engine.update_weights(weights[k]) == k
-        updated.set()
-        await consumer
+            assert await update(weights[k]) == k
+            updated[k].set()
+    finally:
+        updated[len(parts)].set()
+    await consumer
+    return trajectories
+
+
+async def stream_with_updates(mode: str, via_plane: bool = False) -> tuple[list[Trajectory], dict[int, dict], RolloutEngine]:
+    # 16 running per engine; 4 parts of 8 groups of 4 (one wave of 32 each), an update between parts.
+    cfg = integration_config(f"weight_sync.mode={mode}", "engines.count=2", "engines.max_inflight_per_engine=16", SMALL_KV, *SAMPLING)
+    async with RolloutEngine(cfg) as engine:
+        weights = {0: load_file(f"{engine.model_path}/model.safetensors")}
+        batch = prompts(32, seed=len(mode))
+        update = (await engine.weight_plane()).send if via_plane else engine.update_weights
+        trajectories = await run_with_updates(engine, [batch[8 * k : 8 * (k + 1)] for k in range(UPDATES + 1)], update, weights)
+        engine.final_stats = await engine.stats()  # type: ignore[attr-defined]
         return trajectories, weights, engine
 
 
 @pytest.mark.parametrize("mode", MODES)
-async def test_epochs_match_the_oracle(mode: str):
-    trajectories, weights, engine = await stream_with_updates(mode)
+async def test_epochs_match_the_oracle(mode: str, via_plane: bool = False):
+    trajectories, weights, engine = await stream_with_updates(mode, via_plane)
     assert len(trajectories) == 128
     assert [u.epoch for u in engine.weight_updates] == [1, 2, 3] and not any(u.failed for u in engine.weight_updates)
     for u in engine.weight_updates:
@@ -95,31 +200,36 @@ async def test_epochs_match_the_oracle(mode: str):
         assert t.kv_epochs == kv_runs(len(t.prompt_token_ids), len(t.token_ids), t.policy_epochs, t.kv_recomputes)
         assert t.num_preemptions == len(t.kv_recomputes)
     assert seen == {0, 1, 2, 3}, "every update must land while requests stream"
-    if mode == "drain":
-        assert not straddling and all(t.num_preemptions == 0 for t in trajectories)
+    evictions = sum(s.preemptions for s in engine.final_stats)
+    recomputed = sum(t.num_preemptions for t in trajectories)
+    assert evictions >= 8 and recomputed >= 8, f"vLLM preempted {evictions} requests, {recomputed} recomputes recorded"
+    boundaries_recomputed = all({s for s, _ in t.policy_epochs[1:]} <= {j for j, _ in t.kv_recomputes} for t in trajectories)
+    if mode == "drain":  # no update inside a request: an epoch changes only where an evicted one resumed
+        assert boundaries_recomputed
     else:
         assert len(straddling) >= 8, f"only {len(straddling)} trajectories saw an update mid-stream"
-    if mode == "keep":
-        assert all(t.num_preemptions == 0 for t in trajectories)
     if mode in ("recompute", "abort_resume"):
-        assert all(t.kv_recomputes == [(s, e) for s, e in t.policy_epochs[1:]] for t in trajectories)
+        assert boundaries_recomputed
 
     oracle = Oracle(engine.model_path, weights)
-    report = await asyncio.to_thread(compare, oracle, trajectories, 1e-3)
+    sampling = msgspec.structs.replace(engine.cfg.sampling, max_tokens=200, min_tokens=160)  # as the prompts ask
+    processed = Processing.of(sampling, stop_ids=[2])
+    report = await asyncio.to_thread(compare, oracle, trajectories, 1e-3, 20, processed)
     assert report.tokens == tokens
     assert report.ok, msgspec.json.encode(report).decode()[:2000]
+    raw = await asyncio.to_thread(compare, oracle, trajectories[:8], 1e-3, 20, Processing(logprobs="raw"))
+    assert raw.mismatched > raw.tokens // 2, "raw logprobs must not match what the engine reported"
 
     # The oracle is sharp: move one epoch boundary by one token and it fails.
-    t = straddling[0] if straddling else max(trajectories, key=lambda t: len(t.token_ids))
-    if straddling:
-        (s0, e0), (s1, e1) = t.policy_epochs[0], t.policy_epochs[1]
-        shifted = [(s0, e0), (s1 + 1, e1), *t.policy_epochs[2:]]
-        recomputes = [(s + 1, e) if s == s1 else (s, e) for s, e in t.kv_recomputes]
+    movable = [t for t in straddling if shifted_boundary(t)]
+    if movable:
+        bad = shifted_boundary(movable[0])
     else:  # drain: claim the last 10 tokens came from the next epoch
+        t = max(trajectories, key=lambda t: len(t.token_ids))
         last = t.policy_epochs[-1][1]
-        shifted, recomputes = [*t.policy_epochs, (len(t.token_ids) - 10, (last + 1) % 4)], []
-    bad = msgspec.structs.replace(t, policy_epochs=shifted, kv_recomputes=recomputes)
-    assert not (await asyncio.to_thread(compare, oracle, [bad], 1e-3)).ok
+        bad = msgspec.structs.replace(t, policy_epochs=[*t.policy_epochs, (len(t.token_ids) - 10, (last + 1) % 4)], kv_recomputes=[])
+    assert mode == "drain" or movable
+    assert not (await asyncio.to_thread(compare, oracle, [bad], 1e-3, 20, processed)).ok
 
 
 async def test_bad_weights_are_rejected_before_any_engine_changes(engine):

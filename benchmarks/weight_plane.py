@@ -1,0 +1,196 @@
+"""What one weight update costs on a real model, by source: Ray's object store vs the weight plane.
+
+For each model size: build (once, cached) a random Llama of about that many parameters in bf16
+with transformers' config and safetensors (byte-level tokenizer of the tiny model), start
+`engines.count` engines (eager, small KV cache, idle), then per method and repeat push the
+model's own weights back and time:
+- update: the learner's call (`engine.update_weights(state_dict)` for the object store,
+  `plane.send(state_dict)` for the plane) until every engine serves the new epoch;
+- stall: pause -> resume of the slowest engine (`UpdateStats.stall_s`);
+- memcpy: one plain copy of the same bytes into a preallocated, already touched buffer, in this
+  process, in the same run (the physical floor of moving the bytes once on this machine);
+- prepare / load phase: the update's split at the first pause (`UpdateStats.prepare_s`, `.seconds`);
+- /dev/shm: the peak of `/dev/shm` usage above its level before the update (sampled every 5 ms),
+  plus what the planes' shared slots hold there all along.
+Reports medians over the repeats, ratios to memcpy, one table, and a JSON report.
+
+    python benchmarks/weight_plane.py --sizes 0.5B --methods store,gloo,shm --repeats 3
+    python benchmarks/weight_plane.py --sizes 60M,250M,1B --methods gloo,shm --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rollout.config import load_config  # noqa: E402
+from rollout.engine import RolloutEngine  # noqa: E402
+
+# hidden, intermediate, layers, heads, kv heads: Llama shapes of about the named size (vocab 260)
+SIZES = {
+    "60M": (768, 2048, 10, 12, 4),
+    "250M": (1024, 3072, 20, 8, 4),
+    "0.5B": (1536, 4096, 20, 12, 4),
+    "1B": (2048, 5632, 23, 16, 4),
+}
+
+
+def build_model(size: str, root: Path) -> Path:
+    """A random bf16 Llama of `size` (cached in `root`)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from policies.tiny import TinySpec, build_tiny
+
+    out = root / f"bench-llama-{size}"
+    if (out / "DONE").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    hidden, inter, layers, heads, kv = SIZES[size]
+    tiny = build_tiny(TinySpec())
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny / f, out / f)
+    cfg = LlamaConfig(
+        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv, vocab_size=260, max_position_embeddings=4096, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, tie_word_embeddings=False, torch_dtype="bfloat16",
+    )  # fmt: skip
+    cfg.save_pretrained(out)
+    with torch.device("meta"):
+        shapes = {n: p.shape for n, p in LlamaForCausalLM(cfg).state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    weights = {
+        n: torch.ones(s, dtype=torch.bfloat16) if n.endswith("norm.weight") else (torch.randn(s, generator=g) * 0.02).to(torch.bfloat16)
+        for n, s in shapes.items()
+    }
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "DONE").write_text("")
+    return out
+
+
+class ShmPeak:
+    """Peak /dev/shm usage above its level at start, sampled every 5 ms in a thread."""
+
+    def __init__(self) -> None:
+        self.base = shutil.disk_usage("/dev/shm").used
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):  # a measurement's sampling period, not a synchronisation
+            self.peak = max(self.peak, shutil.disk_usage("/dev/shm").used - self.base)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def plane_slots() -> int:
+    """Bytes the weight planes' shared slots hold in /dev/shm (made once, reused every update)."""
+    return sum(f.stat().st_blocks * 512 for f in Path("/dev/shm").glob("rollout-plane-*"))
+
+
+def memcpy_s(weights: dict[str, Any]) -> float:
+    """One copy of every byte into a preallocated, already touched buffer."""
+    import torch
+
+    dst = {n: torch.empty_like(t) for n, t in weights.items()}
+    for n, t in weights.items():
+        dst[n].copy_(t)  # touch the pages first: the floor is the copy, not the page faults
+    start = time.perf_counter()
+    for n, t in weights.items():
+        dst[n].copy_(t)
+    return time.perf_counter() - start
+
+
+async def bench_size(size: str, methods: list[str], repeats: int, args: argparse.Namespace) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    path = build_model(size, Path(args.cache))
+    overrides = [
+        f"model.path={path}", "model.dtype=bfloat16", "model.max_model_len=512", f"engines.count={args.engines}",
+        "engines.vllm={kv_cache_gib: 0.25, enforce_eager: true}", "logging.level=warning", "weight_sync.timeout_s=600",
+    ]  # fmt: skip
+    cfg = load_config(args.config, overrides)
+    weights = load_file(str(path / "model.safetensors"))
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    out: dict[str, Any] = {"size": size, "params": sum(t.numel() for t in weights.values()), "bytes": nbytes, "methods": {}}
+    async with RolloutEngine(cfg) as engine:
+        planes = {m: await engine.weight_plane(backend=m, bucket_bytes=args.bucket_mb << 20) for m in methods if m != "store"}
+        for method in methods:
+            update = engine.update_weights if method == "store" else planes[method].send
+            await update(weights)  # warm-up: first-use costs (groups, slots, staging) are not the figure
+            runs = []
+            for _ in range(repeats):
+                copy = memcpy_s(weights)
+                shm = ShmPeak()
+                start = time.perf_counter()
+                await update(weights)
+                seconds = time.perf_counter() - start
+                u = engine.weight_updates[-1]
+                runs.append({
+                    "update_s": seconds, "prepare_s": u.prepare_s, "load_phase_s": u.seconds, "stall_s": max(u.stall_s.values()),
+                    "memcpy_s": copy, "shm_peak_bytes": shm.stop() + plane_slots(),
+                })  # fmt: skip
+            med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            med["update_x_memcpy"] = med["update_s"] / med["memcpy_s"]
+            med["stall_x_memcpy"] = med["stall_s"] / med["memcpy_s"]
+            out["methods"][method] = {"median": med, "runs": runs}
+            print(row(size, nbytes, method, med), flush=True)
+    return out
+
+
+def row(size: str, nbytes: int, method: str, m: dict[str, float]) -> str:
+    return (
+        f"{size:>5} {nbytes / 2**30:>6.2f} {method:>6} {m['update_s']:>8.3f} {m['prepare_s']:>8.3f} {m['load_phase_s']:>8.3f} "
+        f"{m['stall_s']:>8.3f} {m['memcpy_s']:>8.3f} {m['update_x_memcpy']:>7.1f} {m['stall_x_memcpy']:>7.1f} "
+        f"{m['shm_peak_bytes'] / 2**20:>9.0f}"
+    )
+
+
+HEADER = (
+    f"{'size':>5} {'GiB':>6} {'method':>6} {'update s':>8} {'prepare':>8} {'phase 2':>8} {'stall s':>8} {'memcpy s':>8} "
+    f"{'upd/cp':>7} {'stl/cp':>7} {'shm MiB':>9}"
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("config", nargs="?", default=str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"))
+    ap.add_argument("--sizes", default="0.5B", help=f"comma-separated, of {', '.join(SIZES)}")
+    ap.add_argument("--methods", default="store,gloo,shm", help="store (Ray's object store), gloo, shm (the plane)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--engines", type=int, default=2)
+    ap.add_argument("--bucket-mb", type=int, default=64)
+    ap.add_argument("--cache", default=str(Path.home() / ".cache" / "rollout"))
+    ap.add_argument("--report", default="weight_plane_report.json")
+    args = ap.parse_args(argv)
+    methods = args.methods.split(",")
+    print(HEADER, flush=True)
+    results = [asyncio.run(bench_size(size, methods, args.repeats, args)) for size in args.sizes.split(",")]
+    print(HEADER)
+    for r in results:
+        for method, m in r["methods"].items():
+            print(row(r["size"], r["bytes"], method, m["median"]))
+    Path(args.report).write_text(msgspec.json.encode({"args": vars(args), "results": results}).decode())
+    print(f"report: {args.report}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,258 @@
+"""One vLLM AsyncLLM as the policy sees it: `VllmFrontend`, vLLM's public API plus what it lacks.
+
+Public surfaces used: `AsyncLLM.from_vllm_config`, `generate` (one output per request, vLLM's
+non-streaming mode), `abort`, `pause_generation`, `resume_generation`, `update_weight_version`,
+`collective_rpc("reload_weights")` (and of our worker extension's methods: the weight plane's
+worker side, `worker.PlaneWorker`), `reset_prefix_cache`, `shutdown`, `RequestOutput` with its
+`weight_versions` spans, `SamplingParams(flat_logprobs=True)`.
+Private internals, each checked at start (`probe`), failing closed:
+- `AsyncLLM._logger_ref`: vLLM's output loop calls the stat logger in it once per engine step;
+  `StepWatch` takes that slot (times first tokens within a step).
+- `AsyncLLM.output_processor.external_req_ids` / `.request_states[...]`: a running request's
+  `is_prefilling`, `detokenizer.output_token_ids`, `logprobs_processor.logprobs`,
+  `weight_version_starts` and `num_cached_tokens` (what a progress report keeps of it if the
+  engine dies).
+- `SchedulerConfig.scheduler_cls` = `scheduler.EvictingScheduler`: vLLM's KV-cache preemptions
+  become evictions the policy sees (see that module).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+from policies.vllm_adapter import EVICTED, VllmChangedError, check_vllm
+from rollout.errors import EngineDeadError
+
+Spans = list[tuple[int, int]]
+
+
+class Finished:
+    """A finished vLLM request: its tokens, logprobs, finish reason and weight-version spans."""
+
+    __slots__ = ("ids", "logprobs", "reason", "evicted", "spans", "cached")
+
+    def __init__(self, ids: list[int], logprobs: list[float], reason: str, evicted: bool, spans: Spans, cached: int = 0):
+        self.ids, self.logprobs, self.reason, self.evicted, self.spans = ids, logprobs, reason, evicted, spans
+        self.cached = cached  # prompt positions found in the prefix cache
+
+
+def sampled_logprobs(flat: Any) -> list[float]:
+    """The sampled token's logprob at each position of vLLM's FlatLogprobs (a copy).
+
+    Requested with `logprobs=0`, a position holds just the sampled token, so the flat list is
+    already one per position (copied at C speed); otherwise each position's first entry.
+    """
+    if len(flat.logprobs) == len(flat.start_indices):
+        return list(flat.logprobs)
+    return [flat.logprobs[i] for i in flat.start_indices]
+
+
+class StepWatch:
+    """Takes the place of the stat logger in vLLM's output loop, which reads it from a one-element
+    list (`AsyncLLM._logger_ref`) and calls `record` once per engine step, after that step's
+    outputs are processed. Calls `after_step`, and the logger it replaced, if any (speculative
+    decoding's counts), with everything it is given."""
+
+    def __init__(self, inner: Any, after_step: Callable[[], None]) -> None:
+        self.inner = inner
+        self.after_step = after_step
+
+    def record(self, *args: Any, **kwargs: Any) -> None:
+        if self.inner is not None:
+            self.inner.record(*args, **kwargs)
+        self.after_step()
+
+
+class VllmFrontend:
+    """Built by `start`; the policy's only way to its AsyncLLM."""
+
+    def __init__(self, llm: Any):
+        self.llm = llm
+
+    @classmethod
+    async def start(cls, args: Any, stat_loggers: list[Any] | None, after_step: Callable[[], None]) -> VllmFrontend:
+        """Start an AsyncLLM from engine args with the evicting scheduler, take the stat-logger
+        slot and check every internal this module reads. Raises VllmChangedError."""
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        check_vllm()
+        config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+        sched = config.scheduler_config
+        if sched.scheduler_cls is not None:
+            raise VllmChangedError(f"engines.vllm set scheduler_cls={sched.scheduler_cls!r}; rollout needs its own")
+        kind = "EvictingAsyncScheduler" if sched.async_scheduling else "EvictingScheduler"
+        sched.scheduler_cls = f"policies.vllm_adapter.scheduler.{kind}"
+        frontend = cls(AsyncLLM.from_vllm_config(config, stat_loggers=stat_loggers))
+        try:
+            ref = getattr(frontend.llm, "_logger_ref", None)
+            if not (isinstance(ref, list) and len(ref) == 1):
+                raise VllmChangedError("AsyncLLM._logger_ref is not the one-element list of vLLM 0.32's output loop")
+            ref[0] = StepWatch(ref[0], after_step)
+            await frontend.set_epoch(0)  # weight versions are epochs: the probe reads one back
+            await frontend._probe()
+        except BaseException:
+            frontend.shutdown()
+            raise
+        return frontend
+
+    async def _probe(self) -> None:
+        """One 2-token request, watched while it runs: every private field read later must be there."""
+        from rollout.types import Sampling
+
+        probe = Sampling(n=1, temperature=0.0, max_tokens=2, min_tokens=2, stop_token_ids=[])
+        task = asyncio.ensure_future(self.run("rollout-probe", [1], "rollout-probe", self.params(probe, None)))
+        state = None
+        while not task.done() and state is None:
+            state = self.state("rollout-probe")
+            await asyncio.sleep(0)
+        done = await task
+        if state is None:
+            raise VllmChangedError("AsyncLLM.output_processor has no request_states entry for a running request")
+        for path in ("is_prefilling", "detokenizer.output_token_ids", "logprobs_processor.logprobs", "weight_version_starts", "num_cached_tokens"):
+            obj = state
+            for part in path.split("."):
+                if not hasattr(obj, part):
+                    raise VllmChangedError(f"vLLM's output-processor request state has no {path}")
+                obj = getattr(obj, part)
+        if self.so_far(state) is None or not done.spans:
+            raise VllmChangedError("vLLM did not report weight versions for a request's tokens")
+
+    # -- requests ----------------------------------------------------------------------------
+
+    @staticmethod
+    def params(sampling: Any, seed: int | None, done: int = 0) -> Any:
+        """vLLM SamplingParams of a request (`policies.vllm_args.sampling_params`)."""
+        from policies.vllm_args import sampling_params
+
+        return sampling_params(sampling, seed, done)
+
+    async def run(self, piece_id: str, token_ids: list[int], cache_salt: str, params: Any) -> Finished:
+        """Run one request to its end (cancelling aborts it in vLLM). Its prefix-cache blocks are
+        salted with `cache_salt` (`policies.ledger.Piece`): only requests with the same salt share
+        blocks. Raises EngineDeadError when vLLM's engine died."""
+        from vllm.inputs.engine import tokens_input
+        from vllm.v1.engine.exceptions import EngineDeadError as VllmDead
+
+        # Already token ids: handed over as rendered engine input, which vLLM takes on the spot
+        # (a raw prompt goes through its renderer's thread pool and back).
+        prompt = tokens_input(token_ids, cache_salt=cache_salt)
+        out = None
+        try:
+            async for out in self.llm.generate(prompt, params, request_id=piece_id):
+                pass  # one output, when it ends
+        except VllmDead as e:
+            raise EngineDeadError(f"vLLM's engine core died: {e}") from e
+        if out is None:
+            raise RuntimeError(f"vLLM ended request {piece_id} without an output")
+        c = out.outputs[0]
+        spans = [(s.start, int(s.version)) for s in (c.weight_versions or [])]
+        reason = c.finish_reason or "stop"
+        cached = out.num_cached_tokens or 0
+        return Finished(list(c.token_ids), sampled_logprobs(c.logprobs), reason, c.stop_reason == EVICTED, spans, cached)
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.llm.get_tokenizer().encode(text))
+
+    async def abort(self, piece_ids: list[str]) -> None:
+        await self.llm.abort(piece_ids)
+
+    def state(self, piece_id: str) -> Any:
+        """vLLM's output-processor state of a running request; None before vLLM has it."""
+        op = self.llm.output_processor
+        internal = op.external_req_ids.get(piece_id)
+        return op.request_states.get(internal[0]) if internal else None
+
+    @staticmethod
+    def started(state: Any) -> bool:
+        return not state.is_prefilling
+
+    @staticmethod
+    def so_far(state: Any) -> tuple[list[int], list[float], Spans, int]:
+        """Token ids, logprobs, (first token, epoch) spans produced so far, prompt positions cached."""
+        return (
+            list(state.detokenizer.output_token_ids),
+            sampled_logprobs(state.logprobs_processor.logprobs),
+            [(start, int(version)) for version, start in state.weight_version_starts],
+            state.num_cached_tokens or 0,
+        )
+
+    # -- weight updates ----------------------------------------------------------------------
+
+    async def pause(self, mode: str, clear_cache: bool) -> None:
+        await self.llm.pause_generation(mode=mode, clear_cache=clear_cache)
+
+    async def resume(self) -> None:
+        await self.llm.resume_generation()
+
+    async def set_epoch(self, epoch: int) -> None:
+        await self.llm.update_weight_version(str(epoch))
+
+    async def load(self, weights: Any) -> None:
+        """Load new weights with vLLM's layerwise reload: from a directory of safetensors, or, for a
+        weight plane round (`PlaneStage`), from the tensors its workers receive as they arrive."""
+        from policies.transfer import PlaneStage
+
+        if isinstance(weights, PlaneStage):
+            await self.llm.collective_rpc("rollout_plane_load", kwargs={"round": weights.round})
+        else:
+            await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": weights})
+
+    async def plane_stage(self, stage: Any) -> None:
+        """Phase 1 of a plane round: every model worker starts joining it (returns at once)."""
+        import msgspec
+
+        await self.llm.collective_rpc("rollout_plane_stage", kwargs={"stage": msgspec.msgpack.encode(stage)})
+
+    async def plane_drop(self, round: int) -> None:
+        await self.llm.collective_rpc("rollout_plane_drop", kwargs={"round": round})
+
+    async def check_plane(self) -> None:
+        """The worker internals the plane's worker side uses (`worker.PlaneWorker.rollout_plane_probe`).
+        Raises VllmChangedError naming what changed."""
+        problems = [p for p in await self.llm.collective_rpc("rollout_plane_probe") if p]
+        if problems:
+            raise VllmChangedError(f"weight plane: {problems[0]}")
+
+    async def reset_prefix_cache(self) -> None:
+        await self.llm.reset_prefix_cache()
+
+    # -- engine ------------------------------------------------------------------------------
+
+    async def rpc(self, method: str) -> list[Any]:
+        return await self.llm.collective_rpc(method)
+
+    def kv_capacity(self) -> tuple[int, int, int]:
+        """(KV blocks, tokens per block, draft tokens per step) of this engine."""
+        cache, spec = self.llm.vllm_config.cache_config, self.llm.vllm_config.speculative_config
+        return cache.num_gpu_blocks or 0, cache.block_size, spec.num_speculative_tokens if spec is not None else 0
+
+    def speculative_tokens(self) -> int:
+        return self.kv_capacity()[2]
+
+    async def raw(self, prompts: list[tuple[str, list[int], Any, int | None]], outputs: bool = False) -> dict[str, Any]:
+        """Baseline for `rollout bench`: every request (id, token ids, Sampling, seed) into AsyncLLM
+        at once, in vLLM's own non-streaming mode, keeping each one's token ids and logprobs
+        (returned with `outputs`, as (ids, logprobs, finish reason) per request)."""
+        from vllm.inputs.engine import tokens_input
+
+        async def one(request_id: str, ids: list[int], sampling: Any, seed: int | None) -> tuple[list[int], list[float], str]:
+            async for out in self.llm.generate(tokens_input(ids), self.params(sampling, seed), request_id=request_id):
+                c = out.outputs[0]
+            return list(c.token_ids), sampled_logprobs(c.logprobs), c.finish_reason or "stop"
+
+        start = time.time()
+        samples = await asyncio.gather(*(one(*p) for p in prompts))
+        result = {"tokens": sum(len(s[0]) for s in samples), "trajectories": len(prompts), "start": start, "end": time.time()}
+        return {**result, "outputs": samples} if outputs else result
+
+    @property
+    def dead(self) -> bool:
+        """vLLM's engine core is gone (AsyncLLM's public `errored`): every request fails from now on."""
+        return bool(self.llm.errored)
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()

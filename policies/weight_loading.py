@@ -1,0 +1,125 @@
+"""How a `VLLMPolicy` takes new weights: received first (phase 1), then loaded inside a pause (phase 2).
+
+Owns: `WeightLoading`, the weight-update methods of `policies.vllm_policy.VLLMPolicy` (a base
+class of it: it reads the policy's frontend `_vllm`, its pieces and samples, its open gate, its
+epoch). Phase 1 (`stage_weights`): a state dict from Ray's object store is written as safetensors
+to a staging directory; a directory is taken as is; a weight plane stage (`PlaneStage`) makes the
+engine's model workers join the round in the background. Phase 2 (`commit_weights`): pause as
+`weight_sync.mode` says, load (vLLM's layerwise `reload_weights`, from the directory or from the
+plane's stream of tensors), tag the epoch, resume; an engine that fails to load stays paused and
+refuses work, so it never serves torn weights.
+Does not own: checking weights (`policies.weights`, `policies.transfer`), the plane's worker side
+(`policies.plane_worker`), vLLM's internals (`policies.vllm_adapter`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import time
+from typing import Any
+
+from policies.shm import staging_dir
+from policies.transfer import PlaneStage
+from policies.weights import Packed
+
+
+class WeightLoading:
+    """The weight-update calls of the policy (see the module docstring)."""
+
+    cfg: Any
+    engine_id: int
+    epoch: int
+    _vllm: Any
+    _open: asyncio.Event
+    _broken: str | None
+    _pieces: dict[str, Any]
+    _samples: dict[str, Any]
+    _staged: dict[int, tuple[Any, bool]]  # epoch -> (weights dir or PlaneStage, a dir of ours to delete)
+    # and the policy's `_state(piece)` and `_started(piece)`
+
+    async def stage_weights(self, epoch: int, weights: Packed | str | PlaneStage) -> int:
+        """Phase 1 of an update: receive the weights (no engine change). Returns bytes received."""
+        if isinstance(weights, PlaneStage):  # the workers join the plane's round; the bytes come in phase 2
+            await self._vllm.plane_stage(weights)
+            self._staged[epoch] = (weights, False)
+            return 0
+        if isinstance(weights, str):
+            self._staged[epoch] = (weights, False)
+            return 0
+        from policies.weights import save_dir, unpack
+
+        d = staging_dir(self.engine_id)
+        self._staged[epoch] = (d, True)
+        await asyncio.to_thread(lambda: save_dir(unpack(weights), d))  # the copies stay off the event loop
+        return weights.nbytes
+
+    async def drop_weights(self, epoch: int) -> None:
+        """Forget weights staged for `epoch` (an update that another engine failed)."""
+        d, ours = self._staged.pop(epoch, ("", False))
+        if isinstance(d, PlaneStage):
+            await self._vllm.plane_drop(d.round)
+        elif ours:
+            shutil.rmtree(d, ignore_errors=True)
+
+    async def commit_weights(self, epoch: int) -> dict[str, float]:
+        """Phase 2: pause as `weight_sync.mode` says, load the staged weights, tag `epoch`, resume.
+
+        `weight_sync.timeout_s` bounds the pause and load, not a drain's wait for running requests
+        to finish (that is bounded by their max_tokens). If loading fails or times out the engine
+        stays paused and refuses work: it never serves torn weights.
+        """
+        mode = self.cfg.weight_sync.mode
+        t0 = time.perf_counter()
+        self._open.clear()
+        recomputed = 0
+        try:
+            if mode == "drain":
+                await self._vllm.pause("wait", clear_cache=True)
+            try:
+                async with asyncio.timeout(self.cfg.weight_sync.timeout_s):
+                    t1, t2, recomputed = await self._load(epoch, mode)
+            except TimeoutError as e:
+                raise TimeoutError(f"no load within weight_sync.timeout_s={self.cfg.weight_sync.timeout_s}") from e
+        except BaseException as e:
+            self._broken = f"engine {self.engine_id} failed to load epoch {epoch}: {type(e).__name__}: {e}"
+            with contextlib.suppress(Exception):  # a dead engine has nothing left to abort
+                await self._vllm.abort(list(self._pieces))
+            raise
+        finally:
+            if isinstance(self._staged.get(epoch, ("",))[0], PlaneStage):
+                # no call: the workers let go of the round as they begin receiving it, and a call to
+                # a worker still receiving (a timed-out load) would hold the failure up
+                del self._staged[epoch]
+            else:
+                await self.drop_weights(epoch)
+            self._open.set()
+        t3 = time.perf_counter()
+        return {"pause_s": t1 - t0, "load_s": t2 - t1, "stall_s": t3 - t0, "recomputed_tokens": recomputed}
+
+    async def _load(self, epoch: int, mode: str) -> tuple[float, float, int]:
+        """Pause (all but drain), load, tag, resume. Returns the times the load started and ended,
+        and the KV positions running requests must recompute (recompute, abort_resume)."""
+        if mode != "drain":
+            await self._vllm.pause("keep", clear_cache=mode == "recompute")
+        recomputed = 0
+        if mode in ("recompute", "abort_resume"):
+            for traj, piece, _ in self._samples.values():
+                if piece is not None and (state := self._state(piece)) is not None:
+                    recomputed += len(traj.prompt_token_ids) + len(traj.token_ids) + len(self._vllm.so_far(state)[0])
+        if mode in ("keep", "abort_resume"):
+            # keep: a request whose first token is not out may straddle the update with its
+            # prompt; rerun it. abort_resume: every request continues as a new one.
+            stop = [pid for pid, p in self._pieces.items() if mode == "abort_resume" or not self._started(p)]
+            for pid in stop:
+                self._pieces[pid].resubmit = True
+            if stop:
+                await self._vllm.abort(stop)
+        t1 = time.perf_counter()
+        await self._vllm.load(self._staged[epoch][0])
+        t2 = time.perf_counter()
+        await self._vllm.set_epoch(epoch)
+        self.epoch = epoch
+        await self._vllm.resume()
+        return t1, t2, recomputed

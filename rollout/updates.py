@@ -1,0 +1,351 @@
+"""Weight updates and engine restarts: the two-phase update, epoch allocation, restoring a restarted engine.
+
+Owns: the current epoch (what every healthy engine serves) and the highest epoch ever allocated
+(never reused), the update lock that serialises updates and readmissions, the weights of the
+current epoch as shared with the engines (what a restarted engine loads), restarted engines
+waiting for weights (parked), and the per-update figures (`UpdateStats`). An update runs in two
+phases: every engine receives the weights, or is ready to (`stage_weights`; if one cannot,
+nothing changes; one found dead there leaves rotation and restarts, and the update goes on without
+it), then every engine loads them inside a pause (`commit_weights`); an engine that fails to load
+leaves rotation. Two sources: a state dict or directory (`update`: through Ray's
+object store), or a weight plane round (`plane_round`: the learner sends, the driver only checks
+metadata and runs the phases; see `rollout.plane`).
+Restarts: a restarted engine loads the current epoch's exact bytes when the driver holds them (a
+state dict in the object store; a directory that has not changed). After a plane update the
+bytes live only in the learner: the restarted engine is parked, out of rotation, and loads the
+next update, whatever its source; never other bytes under the current epoch.
+Does not own: checking weights against the model (`policies.weights`, `policies.transfer`),
+loading them into vLLM (`policies.vllm_policy`), scheduling (`rollout.scheduler`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import anyio
+
+from rollout.config import Config
+from rollout.errors import EngineDeadError, InvalidWeightsError, WeightSyncError
+from rollout.log import get_logger
+from rollout.types import UpdateStats
+
+log = get_logger(__name__)
+PLANE = object()  # `_weights` of an epoch that came through a weight plane: its bytes live only in the learner
+
+
+class WeightUpdates:
+    """The weight-update side of a `RolloutEngine`; `bind` it once the engines and scheduler run."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.epoch = 0  # the weights every healthy engine serves; +1 per update
+        self.history: list[UpdateStats] = []
+        self.lock = anyio.Lock()  # updates and readmissions after a restart, one at a time
+        self._manifest: Any = None
+        self._weights: Any = None  # the latest weights as shared with the engines (restarts load them)
+        self._weights_stamp: Any = None  # ... and, for a directory, what it held then (`fingerprint`)
+        self._allocated = 0  # the highest epoch any engine may have loaded: the next one is above it
+        self._restarts: dict[int, int] = {}
+        self._parked: dict[int, Any] = {}  # restarted engines waiting for the next update (after a plane epoch)
+        self.incarnations: dict[int, int] = {}  # engine -> +1 per restart or failed transfer (new plane groups)
+        self._scheduler: Any = None
+        self._pool: Any = None
+        self._model_path = ""
+        self._tg: Any = None
+        self._durable: Any = None
+        self._start_epoch = 0
+
+    def bind(self, scheduler: Any, pool: Any, model_path: str, tg: Any, durable: Any = None, start_epoch: int = 0) -> None:
+        """The running scheduler, engine pool, model directory, the task group restarts run in, the
+        durable log (which records each allocated epoch: a later run resumes above it) and the
+        epoch this run started at."""
+        self._scheduler, self._pool, self._model_path, self._tg = scheduler, pool, model_path, tg
+        self._durable, self._start_epoch = durable, start_epoch
+
+    async def update(self, weights: Any) -> int:
+        """`RolloutEngine.update_weights`: see there."""
+        from policies.weights import fingerprint, pack, read_manifest
+
+        pool = self._pool
+        async with self.lock:
+            t0 = time.perf_counter()
+            if self._manifest is None:
+                self._manifest = await anyio.to_thread.run_sync(read_manifest, self._model_path)
+            payload = await anyio.to_thread.run_sync(pack, weights, self._manifest)
+            stamp = await anyio.to_thread.run_sync(fingerprint, payload) if isinstance(payload, str) else None
+            live = self._members()
+            engines = [pool.engines[i] for i in live]
+            epoch = max(self.epoch, self._allocated) + 1
+            shared = pool.share(payload)
+            live, engines, received = await self._stage(epoch, live, engines, shared)
+            self._allocated = epoch  # an engine may hold it from here on: never allocated again
+            with anyio.CancelScope(shield=True):  # every engine serves `epoch`, or left rotation, before anyone else looks
+                await self._record(epoch)
+                stats, bad = await self._commit(epoch, live, engines, received, payload, prepared=t0)
+                if len(bad) < len(live):
+                    self._weights, self._weights_stamp = shared, stamp
+                    self._serve(epoch, live, bad)
+            if len(bad) == len(live):
+                raise WeightSyncError(f"epoch {epoch}: every engine failed to load it: {describe(bad)}", list(bad))
+            log.info("weights updated", epoch=epoch, seconds=round(stats.seconds, 3), mode=stats.mode, failed=stats.failed)
+            if bad:
+                raise WeightSyncError(f"epoch {epoch}: {describe(bad)}; out of rotation, the others serve epoch {epoch}", list(bad))
+            return epoch
+
+    async def plane_round(self, plane: Any) -> int:
+        """One weight-plane round (`rollout.plane`): the learner ranks' declarations are checked
+        against the model, then the same two phases as `update`, the bytes going learner -> workers.
+        Raises InvalidWeightsError (nothing sent, no engine touched), WeightSyncError, EngineDeadError."""
+        from policies.transfer import Outcome
+
+        run = anyio.to_thread.run_sync
+        t0 = time.perf_counter()
+        n, plan, live, outcome = plane.begin(), None, [], Outcome(error="the driver gave up on the round")
+        try:
+            metas = await run(plane.collect, n)
+            async with self.lock:
+                plan = await self._plan(plane, n, metas)
+                live = self._members()
+                engines = [self._pool.engines[i] for i in live]
+                epoch = max(self.epoch, self._allocated) + 1
+                await self._stage_plane(plane, n, epoch, plan, metas, live, engines)
+                self._allocated = epoch  # an engine may hold it from here on: never allocated again
+                with anyio.CancelScope(shield=True):  # every engine serves `epoch`, or left rotation, before anyone else looks
+                    await self._record(epoch)
+                    await run(plane.go, n)
+
+                    def dropped(i: int, reason: str) -> None:
+                        self._failed_transfer(i)
+                        plane.drop(n, i, reason)
+
+                    received = [plan.nbytes] * len(live)
+                    stats, bad = await self._commit(epoch, live, engines, received, plan, on_failure=dropped, prepared=t0)
+                    if len(bad) < len(live):
+                        self._weights, self._weights_stamp = PLANE, None
+                        self._serve(epoch, live, bad)
+                        served = f"epoch {epoch}: {describe(bad)}; out of rotation, the others serve epoch {epoch}"
+                        outcome = Outcome(epoch, sorted(bad), served if bad else "")
+                    else:
+                        outcome = Outcome(-1, sorted(bad), f"epoch {epoch}: every engine failed to load it: {describe(bad)}")
+            log.info("weights updated", epoch=epoch, seconds=round(stats.seconds, 3), mode=stats.mode, failed=stats.failed, source="plane")
+            if outcome.error:
+                raise WeightSyncError(outcome.error, outcome.failed)
+            return epoch
+        except (InvalidWeightsError, WeightSyncError) as e:
+            outcome = Outcome(outcome.epoch, outcome.failed, str(e))
+            raise
+        except (TimeoutError, ConnectionError) as e:  # before phase 2: no engine changed
+            outcome = Outcome(error=f"round {n}: {e}; no engine changed")
+            raise WeightSyncError(outcome.error, []) from e
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await run(plane.finish, n, outcome, plan, live)
+                except Exception as e:  # the store is gone with the learner: nobody is left to tell
+                    log.warning("weight plane: could not close the round", round=n, error=f"{type(e).__name__}: {e}")
+
+    async def _plan(self, plane: Any, n: int, metas: list[Any]) -> Any:
+        """The learner ranks' declarations checked and cut into buckets; refused ones end the round."""
+        from policies.transfer import make_plan
+        from policies.weights import read_manifest
+
+        run = anyio.to_thread.run_sync
+        try:
+            if errors := [m.error for m in metas if m.error]:
+                raise InvalidWeightsError("; ".join(errors))
+            if len({m.backend for m in metas}) > 1:
+                raise InvalidWeightsError(f"learner ranks use different backends: {[m.backend for m in metas]}")
+            if self._manifest is None:
+                self._manifest = await run(read_manifest, self._model_path)
+            return await run(make_plan, metas, self._manifest, min(m.bucket_bytes for m in metas))
+        except InvalidWeightsError as e:
+            await run(plane.refuse, n, str(e))
+            raise
+
+    async def _stage_plane(self, plane: Any, n: int, epoch: int, plan: Any, metas: list[Any], live: list[int], engines: list[Any]) -> None:
+        """Phase 1 of a plane round: the ticket out, every engine's workers and every learner rank on
+        the data path. Raises WeightSyncError naming what could not join (no engine changed)."""
+        run = anyio.to_thread.run_sync
+        ready_timeout = None if self.cfg.weight_sync.mode == "drain" else plane.timeout_s
+        ticket = await run(plane.ticket, n, epoch, plan, live, _workers(self.cfg), metas, ready_timeout, self.incarnations)
+        try:
+            staged = await asyncio.gather(*(e.stage_weights(epoch, plane.stage(n, i)) for i, e in zip(live, engines)), return_exceptions=True)
+            for i, r in zip(live, staged):
+                if isinstance(r, EngineDeadError):  # the ticket names it, so the round is off; the next one goes without it
+                    self._lost(i, f"{type(r).__name__}: {r}")
+            bad = failures(live, staged) or await run(plane.joined, n, ticket)
+        except BaseException as e:
+            bad, error = {}, e
+        else:
+            error = None
+        if bad or error is not None:
+            reason = describe(bad) if bad else f"{type(error).__name__}: {error}"
+            with anyio.CancelScope(shield=True):
+                await run(plane.go, n, f"weights could not reach {reason}")
+                await asyncio.gather(*(e.drop_weights(epoch) for e in engines), return_exceptions=True)
+            for i in bad:
+                self._failed_transfer(i)
+            raise WeightSyncError(f"epoch {epoch}: weights did not reach {reason}; no engine changed", sorted(bad)) from error
+
+    async def _stage(self, epoch: int, live: list[int], engines: list[Any], shared: Any) -> tuple[list[int], list[Any], list[Any]]:
+        """Phase 1 of `update`: every engine of `live` receives `shared`. Returns the engines that
+        did, with what each received. An engine found dead leaves rotation and the update goes on
+        without it: its crash is not the update's failure (the health watch could as well have
+        seen it a moment earlier), and its restart loads whatever epoch is current by then. Any
+        other failure (a live engine that cannot take the weights), or none left alive, calls the
+        update off: WeightSyncError, no engine changed."""
+        received = await asyncio.gather(*(e.stage_weights(epoch, shared) for e in engines), return_exceptions=True)
+        bad = failures(live, received)
+        dead = {i: bad[i] for i, r in zip(live, received) if isinstance(r, EngineDeadError)}
+        for i, reason in dead.items():
+            self._lost(i, reason)
+        if len(bad) > len(dead) or len(dead) == len(live):
+            await asyncio.gather(*(e.drop_weights(epoch) for i, e in zip(live, engines) if i not in dead), return_exceptions=True)
+            raise WeightSyncError(f"epoch {epoch}: weights did not reach {describe(bad)}; no engine changed", list(bad))
+        if dead:
+            log.warning("engine found dead at a weight update: out of rotation, the update goes on without it",
+                        epoch=epoch, engines=sorted(dead), reason=describe(dead))  # fmt: skip
+        kept = [k for k, i in enumerate(live) if i not in dead]
+        return [live[k] for k in kept], [engines[k] for k in kept], [received[k] for k in kept]
+
+    def _lost(self, i: int, reason: str) -> None:
+        """Engine `i` is dead or failed to load: out of rotation, and restarted (a parked one again)."""
+        if i in self._parked:  # restarted, never back in rotation: restart it again
+            del self._parked[i]
+            if not self.restart_later(i):
+                self._scheduler.runner.give_up(i, reason)
+        else:
+            self._scheduler.runner.mark_dead(i, reason)
+
+    async def _record(self, epoch: int) -> None:
+        """With a durable log: `epoch` is allocated, so a later run resuming from the log starts above it."""
+        if self._durable is not None:
+            await anyio.to_thread.run_sync(self._durable.set_epoch, epoch)
+
+    def _failed_transfer(self, i: int) -> None:
+        self.incarnations[i] = self.incarnations.get(i, 0) + 1  # its plane groups are broken: new ones next time
+
+    def _members(self) -> list[int]:
+        """The engines an update goes to: every healthy one, and restarted ones waiting for weights."""
+        live = sorted({i for i, load in enumerate(self._scheduler.runner.loads) if load.healthy} | set(self._parked))
+        if not live:
+            raise EngineDeadError("every engine is dead")
+        return live
+
+    def _serve(self, epoch: int, live: list[int], bad: dict[int, str]) -> None:
+        """`epoch` is served: by every engine of `live` not in `bad`; parked ones rejoin rotation."""
+        self.epoch = epoch
+        # admission counts the groups started in this run, so it counts epochs from the run's start
+        self._scheduler.admission.set_epoch(epoch - self._start_epoch)
+        for i in [i for i in live if i in self._parked and i not in bad]:
+            self._scheduler.runner.revive(i, self._parked.pop(i))
+
+    async def _commit(
+        self, epoch: int, live: list[int], engines: list[Any], received: list[Any], payload: Any, on_failure: Any = None,
+        prepared: float | None = None,
+    ) -> tuple[UpdateStats, dict[int, str]]:
+        """Phase 2 of an update on every engine that received it; failed ones leave rotation.
+        `prepared`: when the update began (its figures split at phase 2)."""
+        mode, timeout = self.cfg.weight_sync.mode, self.cfg.weight_sync.timeout_s
+        t0 = time.perf_counter()
+        # drain: the engine first waits for its running requests (bounded by their max_tokens) and
+        # times the load itself; a slow generation is not a failed load.
+        wait = None if mode == "drain" else timeout
+
+        async def commit(i: int, e: Any) -> Any:
+            try:
+                return await asyncio.wait_for(e.commit_weights(epoch), wait)
+            except BaseException as err:
+                if on_failure is not None:  # the learner stops sending to it now, not at its own timeout
+                    on_failure(i, f"{type(err).__name__}: {err}")
+                raise
+
+        results = await asyncio.gather(*(commit(i, e) for i, e in zip(live, engines)), return_exceptions=True)
+        bad = failures(live, results, f"no answer within weight_sync.timeout_s={timeout}")
+        for i in bad:
+            self._lost(i, bad[i])
+        stats = UpdateStats(
+            epoch=epoch,
+            mode=mode,
+            bytes=getattr(payload, "nbytes", 0),
+            bytes_received=sum(r for r in received if isinstance(r, int)),
+            seconds=time.perf_counter() - t0,
+            prepare_s=t0 - prepared if prepared is not None else 0.0,
+            stall_s={i: r["stall_s"] for i, r in zip(live, results) if isinstance(r, dict)},
+            load_s={i: r["load_s"] for i, r in zip(live, results) if isinstance(r, dict)},
+            recomputed_tokens={i: int(r.get("recomputed_tokens", 0)) for i, r in zip(live, results) if isinstance(r, dict)},
+            failed=sorted(bad),
+        )
+        self.history.append(stats)
+        return stats, bad
+
+    def restart_later(self, i: int) -> bool:
+        """The scheduler lost engine `i`: restart it in the background, unless it used up its restarts."""
+        n = self._restarts.get(i, 0)
+        if n >= self.cfg.engines.max_restarts or not hasattr(self._pool, "restart"):
+            return False
+        self._restarts[i] = n + 1
+        self._tg.start_soon(self._restart, i, n + 1)
+        return True
+
+    async def _restart(self, i: int, n: int) -> None:
+        """Restart engine `i` (the `n`-th time), load the current epoch's weights, readmit it."""
+        scheduler = self._scheduler
+        await anyio.sleep(self.cfg.engines.restart_backoff_s * 2 ** (n - 1))
+        try:
+            log.warning("restarting engine", engine=i, restart=n, of=self.cfg.engines.max_restarts)
+            engine = await self._pool.restart(i)
+            self.incarnations[i] = self.incarnations.get(i, 0) + 1  # new worker processes: new plane groups
+            async with self.lock:  # no update may slip between loading and readmission
+                if self._weights is PLANE:
+                    self._parked[i] = engine
+                    log.warning(
+                        "engine restarted; it waits out of rotation for the next weight update (the current epoch came "
+                        "through the weight plane, and its bytes live only in the learner)", engine=i, epoch=self.epoch,
+                    )  # fmt: skip
+                    return
+                if self._weights is not None:  # none yet (a resumed run): it serves the model's, like the others
+                    await self._restore(engine)
+                scheduler.runner.revive(i, engine)
+        except Exception as e:
+            reason = f"restart {n} failed: {type(e).__name__}: {e}"
+            if not self.restart_later(i):
+                scheduler.runner.give_up(i, reason)
+            else:
+                log.error("engine restart failed; trying again", engine=i, reason=reason)
+
+    async def _restore(self, engine: Any) -> None:
+        """Load the current epoch's weights, exactly those bytes, into a restarted engine, within
+        `weight_sync.timeout_s` (the receive and the load). Raises WeightSyncError when a weights
+        directory changed since it was loaded as this epoch."""
+        from policies.weights import fingerprint
+
+        if self._weights_stamp is not None and await anyio.to_thread.run_sync(fingerprint, self._weights) != self._weights_stamp:
+            raise WeightSyncError(
+                f"weights directory {self._weights} changed since it was loaded as epoch {self.epoch}: "
+                "a restarted engine would serve other weights under that epoch; update_weights again to readmit it", []
+            )  # fmt: skip
+        with anyio.fail_after(self.cfg.weight_sync.timeout_s):
+            await engine.stage_weights(self.epoch, self._weights)
+            await engine.commit_weights(self.epoch)
+
+
+def _workers(cfg: Config) -> int:
+    """Model workers per engine: each one receives every tensor (vLLM shards them itself)."""
+    v = cfg.engines.vllm
+    return int(v.get("tensor_parallel_size", 1)) * int(v.get("pipeline_parallel_size", 1))
+
+
+def failures(ids: list[int], results: list[Any], timeout_reason: str = "timed out") -> dict[int, str]:
+    """Engine id -> reason, for every result that is an exception."""
+    out = {}
+    for i, r in zip(ids, results):
+        if isinstance(r, BaseException):
+            out[i] = timeout_reason if isinstance(r, (asyncio.TimeoutError, TimeoutError)) else f"{type(r).__name__}: {r}"
+    return out
+
+
+def describe(failures: dict[int, str]) -> str:
+    return "; ".join(f"engine {i}: {reason}" for i, reason in sorted(failures.items()))

@@ -1,0 +1,56 @@
+"""Every tier: no test may leave an asyncio transport for the garbage collector to close.
+
+asyncio's `_SelectorTransport.__del__` closes the socket without unregistering it from its loop's
+selector (CPython 3.11). The loop's selector map keeps the fd; the kernel's epoll set drops it. A
+later socket given the same fd number is then registered as a mere change of callback, never
+added to epoll, and never read: its request hangs. The same goes for any socket closed while its
+loop still polls it. In CI a test's 512 HTTP requests hung so (8 of them: their replies sat in
+their sockets, their fds in neither the loop's selector map nor its epoll set) after an earlier
+test left its `AsyncOpenAI` client unclosed. Both are recorded here and fail the test that did
+it, with where the socket was closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import socket
+import traceback
+from asyncio import selector_events
+
+import pytest
+
+_leaked: list[str] = []
+_close_on_gc = selector_events._SelectorTransport.__del__
+
+
+def _recording_del(self, *args):  # noqa: ANN001 -- asyncio's own signature
+    if self._sock is not None:
+        _leaked.append(repr(self))
+    _close_on_gc(self, *args)
+
+
+selector_events._SelectorTransport.__del__ = _recording_del
+_close = socket.socket.close
+
+
+def _checked_close(self: socket.socket) -> None:
+    fd = self.fileno()
+    try:
+        polled = fd >= 0 and fd in asyncio.get_running_loop()._selector.get_map()  # type: ignore[attr-defined]
+    except RuntimeError:  # no loop runs in this thread
+        polled = False
+    if polled:
+        _leaked.append(f"socket fd {fd} closed while its loop still polls it, at:\n{''.join(traceback.format_stack(limit=12))}")
+    _close(self)
+
+
+socket.socket.close = _checked_close  # type: ignore[method-assign]
+
+
+@pytest.fixture(autouse=True)
+def no_transport_left_to_the_garbage_collector():
+    yield
+    gc.collect()
+    leaked, _leaked[:] = list(_leaked), []
+    assert not leaked, f"transports closed by the garbage collector, not by their owner (close the client): {leaked[:4]}"

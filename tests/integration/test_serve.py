@@ -1,0 +1,141 @@
+"""`rollout serve` on real engines, driven by the official `openai` client over loopback.
+
+- Conversations of 4 turns whose token ids are carried in the assistant messages, with weight
+  updates fired between and during turns: every served token's processed logprob is replayed by
+  the oracle (the conversation as an episode: the KV carried from turn to turn), and each turn's
+  prompt extends the one before token for token.
+- An engine killed mid-request: the request still completes, on the other engine.
+- 512 concurrent chat requests: every one answered exactly once, the driver's memory bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import resource
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import openai
+import pytest
+from safetensors.torch import load_file
+
+from policies.oracle import Oracle, Processing, compare
+from rollout import RolloutEngine
+from rollout.types import Trajectory
+
+from .conftest import integration_config
+from .test_chaos import kill
+from .test_weights import commit_when, random_weights
+
+# A loop of this module's own: on the session's loop, after the rest of the suite, the 512 requests
+# hung in CI (they pass alone). The suspect under investigation: the shared loop's selector map
+# out of step with its epoll set after earlier tests (a closed socket's fd reused by a new one).
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+SAMPLING = {"temperature": 0.7, "top_p": 0.9}
+EXTRA = {"top_k": 50, "min_tokens": 128}  # long turns: more to go than an update takes to land
+TURNS = 4
+PILOTS = 2  # conversations with short turns
+
+
+@contextlib.asynccontextmanager
+async def serving(cfg: Any) -> AsyncIterator[tuple[RolloutEngine, Any, openai.AsyncOpenAI]]:
+    """The engine, its server, and a client closed before the server goes (an unclosed client's
+    sockets, closed by the garbage collector, stay in the loop's selector map: a later socket
+    given the same fd number is never polled)."""
+    async with RolloutEngine(cfg) as engine:
+        server = await engine.serve(port=0)
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=600) as client:
+            yield engine, server, client
+
+
+def turn(message: dict) -> Trajectory:
+    r = message["rollout"]
+    return Trajectory(
+        prompt_token_ids=message["prompt_token_ids"], token_ids=message["generation_token_ids"],
+        logprobs=message["generation_log_probs"], policy_epochs=[tuple(x) for x in r["policy_epochs"]],
+        kv_recomputes=[tuple(x) for x in r["kv_recomputes"]], kv_reused=r["kv_reused"], engine_id=r["engine_id"],
+    )  # fmt: skip
+
+
+async def test_served_turns_match_the_oracle_across_updates_and_a_killed_engine():
+    cfg = integration_config("engines.count=2", "engines.vllm={block_size: 32}", "engines.health_interval_s=0.5", "model.max_model_len=1024",
+                             "engines.restart_backoff_s=0.5")  # fmt: skip
+    async with serving(cfg) as (engine, server, client):
+        base = load_file(f"{engine.model_path}/model.safetensors")
+        weights = {0: base}
+        landed, piloted, pilot_turns = [asyncio.Event() for _ in range(TURNS)], [asyncio.Event() for _ in range(TURNS)], [0] * TURNS
+
+        async def conversation(c: int) -> list[dict]:
+            pilot = c < PILOTS  # short turns: once all of turn k's are served, update k commits (the long turns mid-way)
+            messages, out = [{"role": "user", "content": f"conversation {c}: " + "z" * (3 * c)}], []
+            for k in range(TURNS):
+                if k >= 2:
+                    await landed[k - 1].wait()  # update k-1 lands between turns k-1 and k (turns 0 and 1 share epoch 0)
+                kwargs = {"max_tokens": 8 if pilot else 160, "extra_body": {**EXTRA, "min_tokens": 8} if pilot else EXTRA, **SAMPLING}
+                if c % 2:  # as agents that always stream: the message arrives as one delta
+                    chunks = [chunk async for chunk in await client.chat.completions.create(
+                        model=server.model, messages=messages, stream=True, **kwargs)]  # fmt: skip
+                    m = chunks[0].choices[0].delta.model_dump()
+                    assert chunks[-1].choices[0].finish_reason and m["content"] == "".join(x.choices[0].delta.content or "" for x in chunks)
+                else:
+                    m = (await client.chat.completions.create(model=server.model, messages=messages, **kwargs)).choices[0].message.model_dump()
+                out.append(m)
+                messages = [*messages, m, {"role": "user", "content": f"next {k}"}]
+                if pilot:
+                    pilot_turns[k] += 1
+                    if pilot_turns[k] == PILOTS:
+                        piloted[k].set()
+            return out
+
+        async def updates() -> None:  # never against a clock: each commit waits for the pilots' turn
+            for k in range(1, TURNS):
+                weights[k] = random_weights(base, seed=900 + k)
+                await engine.update_weights(weights[k])
+                landed[k].set()
+                if k == 2:
+                    loads = engine._scheduler.runner.loads
+                    victim = max(range(len(loads)), key=lambda i: (loads[i].healthy, loads[i].requests))  # one mid-request
+                    await kill(engine._scheduler.runner.engines[victim], "actor")
+                    while loads[victim].healthy:  # out of rotation before the next update stages
+                        await asyncio.sleep(0.05)
+
+        commit_when(engine, lambda epoch: asyncio.wait_for(piloted[epoch].wait(), 300))
+        updater = asyncio.ensure_future(updates())
+        conversations = await asyncio.gather(*(conversation(c) for c in range(16)))
+        await updater
+        oracle = Oracle(engine.model_path, weights)
+    processing = Processing(temperature=0.7, top_p=0.9, top_k=50, min_tokens=128, stop_ids=(2,))
+    episodes = []
+    for conv in conversations:
+        turns = [turn(m) for m in conv]
+        for a, b in zip(turns, turns[1:]):
+            before = a.prompt_token_ids + a.token_ids
+            assert b.prompt_token_ids[: len(before)] == before, "a turn's prompt extends the one before"
+        episodes.append(Trajectory(request_id=f"c{len(episodes)}", prompt_token_ids=turns[0].prompt_token_ids, turns=turns))
+    served = [t for e in episodes for t in e.turns]
+    assert {epoch for t in served for _, epoch in t.policy_epochs} == {0, 1, 2, 3}, "updates must land while turns are served"
+    assert any(len(t.policy_epochs) > 1 for t in served), "an update inside a turn"
+    assert any(t.kv_reused for t in served), "turns reuse the KV of the turns before"
+    report = await asyncio.to_thread(compare, oracle, episodes, 1e-3, 20, processing)
+    assert report.ok and report.tokens == sum(len(t.token_ids) for t in served), msgspec.json.encode(report).decode()[:2000]
+
+
+async def test_512_concurrent_requests_are_each_answered_once_in_bounded_memory():
+    cfg = integration_config("engines.count=2", "engines.max_inflight_per_engine=128")
+    async with serving(cfg) as (_, server, client):
+        rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        results = await asyncio.gather(*(
+            client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": f"request {i}"}],
+                                           max_tokens=8, extra_body={"session_id": f"s{i}", "min_tokens": 8})
+            for i in range(512)
+        ))  # fmt: skip
+        rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        assert len(results) == 512 and all(len(r.choices[0].message.model_extra["generation_token_ids"]) == 8 for r in results)
+        prompts = [r.choices[0].message.model_extra["prompt_token_ids"] for r in results]
+        assert len({tuple(p) for p in prompts}) == 512, "every request answered once, with its own prompt"
+        assert server.inflight == 0
+        assert (rss_after - rss_before) * 1024 < 512 * 2**20, f"driver grew {rss_after - rss_before} KiB (pid {os.getpid()})"

@@ -1,0 +1,225 @@
+"""The OpenAI-compatible server over fake engines, driven by the real `openai` client and httpx:
+fields on every message, multi-turn token ids, vLLM's conventions, every error case, sessions,
+episodes handed to the learner, disconnects. Real engines: tests/integration/test_serve.py."""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+import httpx
+import openai
+import pytest
+
+from rollout.config import load_config
+from rollout.engine import RolloutEngine
+from rollout.tool_calls import parse_tool_calls
+from tests.fakes import FakePool
+
+TIMEOUT = 10
+
+
+def cfg(*overrides: str):
+    return load_config(None, ["model.path=tiny", "sampling.max_tokens=6", "engines.count=2", "model.max_model_len=256",
+                              "logging.level=error", *overrides])  # fmt: skip
+
+
+class Served:
+    def __init__(self, engine, server, pool):
+        self.engine, self.server, self.pool = engine, server, pool
+        self.client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=server.api_key or "none", max_retries=0)
+        self.http = httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT)
+
+
+def served(*overrides: str, api_key: str | None = None, pool: FakePool | None = None):
+    import contextlib
+
+    @contextlib.asynccontextmanager
+    async def run():
+        p = pool or FakePool(2)
+        with anyio.fail_after(TIMEOUT * 3):
+            async with RolloutEngine(cfg(*overrides), pool=p) as engine:
+                server = await engine.serve(port=0, api_key=api_key)
+                s = Served(engine, server, p)
+                try:
+                    yield s
+                finally:
+                    await s.http.aclose()
+                    await s.client.close()
+
+    return run()
+
+
+async def test_a_chat_completion_carries_tokens_logprobs_and_epochs():
+    async with served() as s:
+        r = await s.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        m = r.choices[0].message
+        extra = m.model_extra
+        assert r.object == "chat.completion" and r.model == "tiny" and r.choices[0].finish_reason in ("stop", "length")
+        assert len(extra["generation_token_ids"]) == len(extra["generation_log_probs"]) == r.usage.completion_tokens == 4
+        assert extra["prompt_token_ids"] == s.server.chat.render([{"role": "user", "content": "hi"}])
+        assert extra["policy_epoch"] == [[[0, 0]]] and extra["kv_cache_epoch"] == [[[0, 0]]] and extra["num_evictions"] == [0]
+        assert extra["rollout"]["policy_epochs"] == [[0, 0]] and extra["rollout"]["engine_id"] in (0, 1)
+        assert isinstance(m.content, str) and r.usage.prompt_tokens == len(extra["prompt_token_ids"])
+
+
+async def test_three_turns_are_token_contiguous_and_stay_on_one_engine():
+    async with served() as s:
+        messages = [{"role": "user", "content": "first"}]
+        turns = []
+        for k in range(3):
+            r = await s.client.chat.completions.create(model="tiny", messages=messages, max_tokens=5)
+            m = r.choices[0].message.model_dump()
+            turns.append(m)
+            messages = [*messages, m, {"role": "user", "content": f"turn {k}"}]  # the assistant message, ids and all
+        for a, b in zip(turns, turns[1:]):
+            before = a["prompt_token_ids"] + a["generation_token_ids"]
+            assert b["prompt_token_ids"][: len(before)] == before
+        assert len({t["rollout"]["engine_id"] for t in turns}) == 1
+        requests = [r for e in s.pool.engines for r in e.requests]
+        assert len({r.cache_salt for r in requests}) == 1 and requests[0].cache_salt.startswith("s:")
+
+
+async def test_vllm_conventions_token_ids_as_tokens_and_return_token_ids():
+    async with served() as s:
+        r = await s.client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3, logprobs=True,
+            extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True},
+        )  # fmt: skip
+        choice = r.choices[0]
+        ids = choice.message.model_extra["generation_token_ids"]
+        assert [c.token for c in choice.logprobs.content] == [f"token_id:{t}" for t in ids]
+        assert [c.logprob for c in choice.logprobs.content] == choice.message.model_extra["generation_log_probs"]
+        assert all(c.top_logprobs == [] for c in choice.logprobs.content)
+        assert choice.model_extra["token_ids"] == ids and r.model_extra["prompt_token_ids"] == choice.message.model_extra["prompt_token_ids"]
+
+        tok = (await s.http.post("/tokenize", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]})).json()
+        assert tok["tokens"] == r.model_extra["prompt_token_ids"] and tok["count"] == len(tok["tokens"])
+        gen = (await s.http.post("/inference/v1/generate", json={"model": "tiny", "token_ids": [5, 6, 7],
+                                                                 "sampling_params": {"max_tokens": 4, "temperature": 0.5}})).json()
+        assert gen["prompt_token_ids"] == [5, 6, 7] and len(gen["choices"][0]["token_ids"]) == 4
+        assert [c["token"] for c in gen["choices"][0]["logprobs"]["content"]] == [f"token_id:{t}" for t in gen["choices"][0]["token_ids"]]
+        c = await s.client.completions.create(model="tiny", prompt="abc", max_tokens=2)
+        assert c.choices[0].model_extra["generation_token_ids"] and c.usage.completion_tokens == 2
+        models = await s.client.models.list()
+        assert models.data[0].id == "tiny" and models.data[0].model_extra["max_model_len"] == 256
+        assert (await s.http.get("/health")).json() == {"status": "ok"}
+        metrics = (await s.http.get("/metrics")).text
+        assert 'rollout_http_requests_total{path="/v1/chat/completions",status="200"} 1.0' in metrics
+        assert "rollout_http_generated_tokens_total" in metrics and "rollout_epoch" in metrics
+
+
+async def test_stream_true_is_answered_as_server_sent_events_the_sdk_reads():
+    """Agent code that always streams works unchanged: the same answer, its token fields on the
+    delta, the finish reason and usage as OpenAI sends them, then [DONE]."""
+    async with served() as s:
+        messages = [{"role": "user", "content": "hi"}]
+        stream = await s.client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, logprobs=True, stream=True,
+                                                        stream_options={"include_usage": True}, extra_body={"return_token_ids": True})  # fmt: skip
+        chunks = [c async for c in stream]
+        assert {c.object for c in chunks} == {"chat.completion.chunk"} and len({c.id for c in chunks}) == 1
+        deltas = [c.choices[0] for c in chunks if c.choices]
+        assert deltas[0].delta.role == "assistant" and [d.finish_reason for d in deltas][-1] in ("stop", "length")
+        extra = deltas[0].delta.model_extra
+        assert len(extra["generation_token_ids"]) == len(extra["generation_log_probs"]) == 4 and extra["policy_epoch"] == [[[0, 0]]]
+        assert extra["prompt_token_ids"] == s.server.chat.render(messages) == chunks[0].model_extra["prompt_token_ids"]
+        assert deltas[0].model_extra["token_ids"] == extra["generation_token_ids"]
+        assert [c.logprob for c in deltas[0].logprobs.content] == extra["generation_log_probs"]
+        assert "".join(d.delta.content or "" for d in deltas) == s.server.chat.decode(extra["generation_token_ids"])
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+        raw = await s.http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 2, "stream": True})
+        assert raw.headers["content-type"].startswith("text/event-stream") and raw.text.endswith("data: [DONE]\n\n")
+
+        texts = [c async for c in await s.client.completions.create(model="tiny", prompt="abc", max_tokens=3, stream=True)]
+        assert {c.object for c in texts} == {"text_completion"} and texts[-1].choices[0].finish_reason in ("stop", "length")
+        assert len(texts[0].choices[0].model_extra["generation_token_ids"]) == 3
+        bad = await s.http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "stream": "yes"})
+        assert bad.status_code == 400 and "stream: expected true or false" in bad.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "body, status, needle",
+    [
+        (b"{not json", 400, "malformed JSON"),
+        (json.dumps({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}).encode(), 404, "model 'gpt-9' does not exist"),
+        (json.dumps({"model": "tiny"}).encode(), 400, "messages: required"),
+        (json.dumps({"messages": [{"role": "robot", "content": "x"}]}).encode(), 400, "messages[0].role"),
+        (json.dumps({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}).encode(), 400, "temperature: expected a number"),
+        (json.dumps({"messages": [{"role": "user", "content": "x"}], "temperature": -1}).encode(), 400, "temperature"),
+        (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10000}).encode(), 400, "maximum context length"),
+        (json.dumps({"messages": [{"role": "user", "content": "x" * 400}]}).encode(), 400, "maximum context length"),
+        (json.dumps({"messages": [{"role": "user", "content": "x"}], "n": 3}).encode(), 400, "n: only n=1"),
+    ],
+)
+async def test_errors_are_openai_shaped_and_name_the_field(body, status, needle):
+    async with served() as s:
+        r = await s.http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == status, r.text
+        assert needle in r.json()["error"]["message"] and set(r.json()["error"]) >= {"message", "type", "param", "code"}
+        ok = await s.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
+        assert ok.choices[0].message.content is not None  # the server serves on
+
+
+async def test_api_key_body_limit_and_overload():
+    async with served("serve.max_body_bytes=2000", "serve.max_concurrency=1", api_key="sekret") as s:
+        assert (await s.http.get("/v1/models")).status_code == 401
+        async with openai.AsyncOpenAI(base_url=f"{s.server.url}/v1", api_key="wrong", max_retries=0) as bad:
+            with pytest.raises(openai.AuthenticationError):
+                await bad.models.list()
+        auth = {"authorization": "Bearer sekret"}
+        big = {"messages": [{"role": "user", "content": "x" * 5000}]}
+        assert (await s.http.post("/v1/chat/completions", json=big, headers=auth)).status_code == 413
+        gate = [e.block() for e in s.pool.engines]
+        async with anyio.create_task_group() as tg:
+            first = s.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}]}, headers=auth)
+            tg.start_soon(lambda: first)
+            while s.server.inflight < 1:
+                await anyio.sleep(0.01)
+            r = await s.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "b"}]}, headers=auth)
+            assert r.status_code == 429 and "max_concurrency" in r.json()["error"]["message"]
+            for g in gate:
+                g.set()
+
+
+async def test_every_engine_gone_is_503():
+    pool = FakePool(1)
+    async with served("engines.count=1", "engines.max_restarts=0", pool=pool) as s:
+        pool.engines[0].dead = True
+        r = await s.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 503 and "engine unavailable" in r.json()["error"]["message"]
+
+
+async def test_a_client_that_disconnects_aborts_its_engine_request():
+    async with served() as s:
+        gates = [e.block() for e in s.pool.engines]
+        with pytest.raises(httpx.ReadTimeout):
+            await s.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}, timeout=0.3)
+        while sum(e.cancelled for e in s.pool.engines) < 1 or s.server.inflight:  # aborted, and the handler is done
+            await anyio.sleep(0.01)
+        for g in gates:
+            g.set()
+
+
+async def test_served_turns_become_an_episode_for_the_learner():
+    async with served() as s:
+        messages = [{"role": "user", "content": "solve"}]
+        for k in range(2):
+            r = await s.client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, extra_body={"episode_id": "ep7"})
+            messages = [*messages, r.choices[0].message.model_dump(), {"role": "tool", "content": f"result {k}"}]
+        done = (await s.http.post("/v1/episodes/ep7/reward", json={"reward": 0.5})).json()
+        assert done["turns"] == 2 and done["reward"] == 0.5
+        group = await s.engine.next_group()
+        (ep,) = group.trajectories
+        assert group.prompt_id == "ep7" and ep.reward == 0.5 and len(ep.turns) == 2
+        assert sum(ep.loss_mask) == sum(len(t.token_ids) for t in ep.turns) and 0 in ep.loss_mask
+        again = await s.http.post("/v1/episodes/ep7/reward", json={"reward": 1})
+        assert again.status_code == 404
+
+
+def test_tool_calls_are_read_from_the_models_text():
+    content, calls = parse_tool_calls('ok <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>', "hermes")
+    assert content == "ok" and calls[0]["function"] == {"name": "add", "arguments": '{"a": 1}'} and calls[0]["type"] == "function"
+    assert parse_tool_calls("<tool_call>not json</tool_call>", "hermes") == ("<tool_call>not json</tool_call>", [])
+    content, calls = parse_tool_calls('{"name": "add", "arguments": "{}"}', "json")
+    assert content is None and calls[0]["function"]["arguments"] == "{}"
+    assert parse_tool_calls('{"name": "add"}', "none") == ('{"name": "add"}', [])
