@@ -29,7 +29,7 @@ import anyio
 import msgspec
 
 from rollout.errors import InvalidConfigError, RolloutError
-from rollout.rewards import import_module
+from rollout.rewards import import_object
 from rollout.types import Prompt
 
 Observation = str | dict[str, Any] | list[dict[str, Any]] | list[int] | None
@@ -72,16 +72,9 @@ def load_env(path: str | None, env_args: dict[str, Any]) -> EnvFactory | None:
         if env_args:
             raise InvalidConfigError("env_args: set without env")
         return None
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise InvalidConfigError(f"env: expected 'package.module:Class', got {path!r}")
-    try:
-        module = import_module(module_name)
-    except Exception as e:
-        raise InvalidConfigError(f"env: cannot import module {module_name!r}: {type(e).__name__}: {e}") from e
-    cls = getattr(module, attr, None)
+    module_name, cls = import_object("env", path, "package.module:Class")
     if cls is None or not callable(cls):
-        raise InvalidConfigError(f"env: module {module_name!r} has no class or factory {attr!r}")
+        raise InvalidConfigError(f"env: module {module_name!r} has no class or factory {path.partition(':')[2]!r}")
     if inspect.isclass(cls) and not all(callable(getattr(cls, m, None)) for m in ("reset", "step")):
         raise InvalidConfigError(f"env: {path!r} has no reset and step methods")
     try:

@@ -26,29 +26,31 @@ from rollout.types import Prompt, Trajectory
 RewardFn = Callable[[Prompt, Trajectory], Any]
 
 
-def import_module(name: str) -> Any:
-    """Import a user's module by name, the current directory searched too (after installed ones),
-    as `python -m` does: `rollout` is a console script, whose sys.path lacks it."""
+def import_object(key: str, path: str, form: str) -> tuple[str, Any]:
+    """Import the `package.module:name` a config `key` names; returns (module name, the object or
+    None if the module has no such name). The current directory is searched too (after installed
+    modules), as `python -m` does: `rollout` is a console script, whose sys.path lacks it.
+    Raises InvalidConfigError naming `key` for a path not of `form` or a module that does not import."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise InvalidConfigError(f"{key}: expected {form!r}, got {path!r}")
     cwd = os.getcwd()
     if cwd not in sys.path and "" not in sys.path:
         sys.path.append(cwd)
-    return importlib.import_module(name)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:
+        raise InvalidConfigError(f"{key}: cannot import module {module_name!r}: {type(e).__name__}: {e}") from e
+    return module_name, getattr(module, attr, None)
 
 
 def load_reward(path: str | None) -> RewardFn | None:
     """Import `package.module:function`; raises InvalidConfigError naming the `reward` key."""
     if path is None:
         return None
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise InvalidConfigError(f"reward: expected 'package.module:function', got {path!r}")
-    try:
-        module = import_module(module_name)
-    except Exception as e:
-        raise InvalidConfigError(f"reward: cannot import module {module_name!r}: {type(e).__name__}: {e}") from e
-    fn = getattr(module, attr, None)
+    module_name, fn = import_object("reward", path, "package.module:function")
     if fn is None:
-        raise InvalidConfigError(f"reward: module {module_name!r} has no attribute {attr!r}")
+        raise InvalidConfigError(f"reward: module {module_name!r} has no attribute {path.partition(':')[2]!r}")
     if not callable(fn):
         raise InvalidConfigError(f"reward: {path!r} is not callable")
     return fn
