@@ -1,0 +1,106 @@
+"""The vLLM adapter fails closed: a vLLM whose internals changed is refused at engine start, naming
+what changed, instead of an engine that starts and records wrong epochs. The checks run against the
+installed vLLM, with one internal changed at a time (the real engines pass them at every start:
+tests/integration)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from policies.vllm_adapter import UNTESTED_ENV, VllmChangedError, check_vllm
+from policies.vllm_adapter.frontend import Finished, VllmFrontend
+
+pytest.importorskip("vllm")
+
+
+def test_the_installed_vllm_passes():
+    import vllm
+
+    assert check_vllm() == vllm.__version__
+
+
+def test_an_untested_version_is_refused_unless_asked_for(monkeypatch):
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    monkeypatch.delenv(UNTESTED_ENV, raising=False)
+    with pytest.raises(VllmChangedError, match=f"vLLM 0.99.0.*{UNTESTED_ENV}=1"):
+        check_vllm()
+    monkeypatch.setenv(UNTESTED_ENV, "1")
+    assert check_vllm() == "0.99.0"  # the shape checks still ran, and passed
+
+
+def test_a_scheduler_hook_with_another_signature_is_named(monkeypatch):
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    monkeypatch.setattr(Scheduler, "_preempt_request", lambda self, request: None)
+    with pytest.raises(VllmChangedError, match=r"Scheduler\._preempt_request is not \(request, timestamp, drop_stale_output\)"):
+        check_vllm()
+
+
+def test_a_scheduler_that_preempts_another_way_is_refused(monkeypatch):
+    """If vLLM preempted without `_preempt_request`, preemptions would go unrecorded: the KV epochs
+    of a recomputed request would be wrong without a word."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    def schedule(self):
+        return None
+
+    monkeypatch.setattr(Scheduler, "schedule", schedule)
+    with pytest.raises(VllmChangedError, match=r"Scheduler\.schedule no longer preempts through _preempt_request"):
+        check_vllm()
+
+
+def test_a_missing_engine_output_field_is_refused(monkeypatch):
+    from vllm.v1 import engine
+
+    monkeypatch.setattr(engine, "FinishReason", types.SimpleNamespace(STOP=0, LENGTH=1))  # no ABORT
+    with pytest.raises(VllmChangedError, match="FinishReason.ABORT"):
+        check_vllm()
+
+
+def request_state(**missing: bool):
+    """What vLLM's output processor holds for a running request, less the fields named."""
+    fields = {
+        "is_prefilling": False,
+        "detokenizer": types.SimpleNamespace(output_token_ids=[5, 6]),
+        "logprobs_processor": types.SimpleNamespace(logprobs=None),
+        "weight_version_starts": [(0, 0)],
+        "num_cached_tokens": 0,
+    }
+    return types.SimpleNamespace(**{k: v for k, v in fields.items() if k not in missing})
+
+
+def frontend(state, spans=((0, 0),)) -> VllmFrontend:
+    f = VllmFrontend(llm=None)
+
+    async def run(piece_id, token_ids, cache_salt, params):
+        return Finished([5, 6], [-0.1, -0.2], "length", False, list(spans))
+
+    f.run = run  # type: ignore[method-assign]
+    f.state = lambda piece_id: state  # type: ignore[method-assign]
+    f.so_far = lambda s: ([5, 6], [], list(spans), 0)  # type: ignore[method-assign]
+    return f
+
+
+async def test_the_probe_passes_a_request_state_with_every_field():
+    await frontend(request_state())._probe()
+
+
+@pytest.mark.parametrize("field", ["is_prefilling", "detokenizer", "weight_version_starts", "num_cached_tokens"])
+async def test_the_probe_names_a_request_state_field_that_is_gone(field):
+    with pytest.raises(VllmChangedError, match=f"request state has no {field}"):
+        await frontend(request_state(**{field: True}))._probe()
+
+
+async def test_the_probe_refuses_a_vllm_that_reports_no_weight_versions():
+    """Without weight versions every token would be labelled with no epoch (once, epoch 0)."""
+    with pytest.raises(VllmChangedError, match="did not report weight versions"):
+        await frontend(request_state(), spans=())._probe()
+
+
+async def test_the_probe_refuses_a_vllm_that_keeps_no_state_for_a_running_request():
+    with pytest.raises(VllmChangedError, match="no request_states entry"):
+        await frontend(None)._probe()
