@@ -20,12 +20,19 @@ from rollout import RolloutEngine, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 512
+RERUNS = int(os.environ.get("ROLLOUT_INTEGRATION_RERUNS", "1"))
 
 
 def pytest_collection_modifyitems(items):
+    """Every test here is `integration`, and gets one rerun when it fails (`R` in the progress
+    line, "rerun" in the summary): these run real engines on whatever the machine's two shared
+    cores give them, and a test that fails twice fails the suite. A hang (pytest-timeout) is not
+    rerun."""
     for item in items:
         if "tests/integration" in str(item.fspath):
             item.add_marker(pytest.mark.integration)
+            if item.get_closest_marker("flaky") is None:
+                item.add_marker(pytest.mark.flaky(reruns=RERUNS, rerun_except="Timeout >"))
 
 
 def integration_config(*overrides: str):
