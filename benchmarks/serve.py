@@ -11,9 +11,11 @@ what the machine spends on the HTTP side. Rounds alternate which side goes first
 the median over rounds of HTTP / in-process generated tokens/s. A third side, `paced`, submits
 the same prompts in process one by one at the offsets the last HTTP round's requests reached the
 engine (`ratio_paced`): what is left once the arrival spread is taken out. CPU seconds of the
-server, client and engine processes per side are reported too.
+server, client and engine processes per side are reported too. `--size 60M` (or 250M, 0.5B, 1B)
+serves a random bf16 Llama of that size, built locally, instead of the config's model: a model
+whose forward pass costs more than the front end's parsing, as every real one does.
 
-    python benchmarks/serve.py [CONFIG] [--requests 512] [--max-tokens 64] [--rounds 4] [--client aiohttp|openai] [-o k=v] [--report FILE]
+    python benchmarks/serve.py [CONFIG] [--requests 512] [--max-tokens 64] [--rounds 4] [--client aiohttp|openai] [--size 60M] [-o k=v] [--report FILE]
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.weight_plane import SIZES, build_model  # noqa: E402
+from policies.tiny import cache_root  # noqa: E402
 from rollout.config import load_config  # noqa: E402
 from rollout.engine import RolloutEngine  # noqa: E402
 from rollout.process import freeze_heap  # noqa: E402
@@ -105,7 +109,7 @@ async def run(cfg: Any, requests: int, max_tokens: int, rounds: int, client: str
                       f"in-process paced as HTTP arrived over {row['http_arrival_spread_s']:.2f} s {row['paced']:.1f} "
                       f"(ratio {row['ratio_paced']:.3f}); CPU s: server process {row['http_server_cpu_s']:.2f} "
                       f"(in-process {row['in_process_server_cpu_s']:.2f}), client process {row['http_client_cpu_s']:.2f}", flush=True)  # fmt: skip
-    return {"requests": requests, "max_tokens": max_tokens, "client": client, "rounds": table,
+    return {"requests": requests, "max_tokens": max_tokens, "client": client, "model": cfg.model.path, "rounds": table,
             "ratio": statistics.median(r["ratio"] for r in table),
             "ratio_paced": statistics.median(r["ratio_paced"] for r in table)}  # fmt: skip
 
@@ -200,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--client", choices=["aiohttp", "openai"], default="aiohttp",
                     help="the client process's HTTP client: aiohttp (as vLLM's serving benchmark) or the OpenAI SDK")  # fmt: skip
+    ap.add_argument("--size", choices=list(SIZES), help="serve a random bf16 Llama of this size (built once, cached) instead of the config's model")
+    ap.add_argument("--cache", default=str(cache_root()), help="where --size models are built")
     ap.add_argument("--report", default="serve_report.json")
     ap.add_argument("--client-of", help=argparse.SUPPRESS)  # internal: run as the client process of this URL
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -207,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.client_of:
         asyncio.run(_client_process(args.client, args.client_of, args.model))
         return 0
-    cfg = load_config(args.config, ["logging.level=warning", *args.override])
+    model = [f"model.path={build_model(args.size, Path(args.cache))}", "model.dtype=bfloat16"] if args.size else []
+    cfg = load_config(args.config, ["logging.level=warning", *model, *args.override])
     report = asyncio.run(run(cfg, args.requests, args.max_tokens, args.rounds, args.client))
     print(f"HTTP / in-process generated tokens/s, median of {args.rounds} rounds: {report['ratio']:.3f} "
           f"(against in-process paced as the HTTP requests arrived: {report['ratio_paced']:.3f})")  # fmt: skip
