@@ -14,7 +14,7 @@ from rollout.errors import InvalidConfigError, InvalidPromptError
 from rollout.types import Batch, Prompt
 from tests.fakes import EOS_ID, FakePool
 
-TIMEOUT = 5
+TIMEOUT = 30  # a hang guard; the first episode pays the tokenizer import (seconds on a busy machine)
 
 
 def cfg(*overrides: str):
@@ -89,6 +89,20 @@ async def test_limits_end_an_episode_with_finish_reason_length():
     groups, _, _ = await episodes(cfg("sampling.n=1", "episode.max_tokens=40"), lambda: Echo(50), [Prompt(text="a")])
     ep = groups[0].trajectories[0]
     assert ep.ok and ep.finish_reason == "length" and len(ep.prompt_token_ids) + len(ep.token_ids) <= 40
+
+
+async def test_an_episode_that_outgrows_the_context_ends_at_max_model_len_and_one_that_starts_over_it_fails_alone():
+    """No `episode.max_tokens`: `model.max_model_len` bounds the whole conversation. A first prompt
+    already over it fails its own episode, naming the episode and the limit; the others go on."""
+    groups, _, pool = await episodes(cfg("sampling.n=1", "model.max_model_len=64"), lambda: Echo(50),
+                                     [Prompt(text="a", id="fits"), Prompt(text="x" * 80, id="over")])  # fmt: skip
+    by_id = {g.prompt_id: g for g in groups}
+    ep = by_id["fits"].trajectories[0]
+    assert ep.ok and ep.finish_reason == "length" and len(ep.turns) > 1
+    assert len(ep.prompt_token_ids) + len(ep.token_ids) <= 64
+    assert all(len(r.token_ids) + r.sampling.max_tokens <= 64 for e in pool.engines for r in e.requests)
+    (over,) = by_id["over"].trajectories
+    assert not over.ok and "model.max_model_len is 64" in over.error and "first prompt" in over.error
 
 
 class Broken:
