@@ -19,6 +19,7 @@ from structlog.testing import capture_logs
 
 from rollout.config import load_config
 from rollout.engine import RolloutEngine
+from rollout.env import Step
 from rollout.generation import GenerationError, RolloutGeneration
 from rollout.types import Prompt, Trajectory
 from tests.fakes import FakeEngine, FakePool
@@ -191,6 +192,36 @@ async def test_max_lag_0_holds_back_every_step_without_a_warning(make_cfg):
                     await wait_all_tasks_blocked()
                     await engine.update_weights(STATE)
     assert bottleneck_warnings(logs) == []  # synchronous by request
+
+
+class ThreeTurns:
+    """An environment of three turns with token-id observations (no chat template needed)."""
+
+    async def reset(self, prompt):
+        return None
+
+    async def step(self, action):
+        return Step(None if action.turn == 2 else [7, 8], 1.0, action.turn == 2)
+
+
+async def test_admission_counts_episodes_not_turns(make_cfg):
+    """An episode is one group's sample however many turns it plays: admission lets in
+    `(epoch + max_lag + 1) * batch_groups` episodes, every turn of those runs, and no more start
+    until the learner takes a batch and the epoch moves."""
+    pool = FakePool(2)
+    with anyio.fail_after(TIMEOUT):
+        async with RolloutEngine(make_cfg("staleness.max_lag=0", "staleness.batch_groups=2"), pool=pool, env=ThreeTurns) as engine:
+            engine.feed(prompts(8))
+            await wait_all_tasks_blocked()
+            assert started_ids(pool) == {"q0", "q1"}
+            assert len([r for e in pool.engines for r in e.requests]) == 2 * 2 * 3  # 2 episodes x n=2 x 3 turns
+            batch = await engine.batches(groups=2)
+            assert all(len(t.turns) == 3 for g in batch.groups for t in g.trajectories)
+            await wait_all_tasks_blocked()
+            assert started_ids(pool) == {"q0", "q1"}  # taken, but max_lag 0: the next wait for an update
+            await engine.update_weights(STATE)
+            await wait_all_tasks_blocked()
+            assert started_ids(pool) == {"q0", "q1", "q2", "q3"}
 
 
 async def test_configured_batch_groups_below_the_learners_batches_is_warned_about(make_cfg):
