@@ -2,7 +2,8 @@
 
 Owns: the model's manifest (every parameter's name, shape and dtype, read from the safetensors
 headers of the model directory, no tensor loaded), the checks that reject a state dict or a
-directory that does not fit it (before any engine is touched), and the wire form of a state dict
+directory that does not fit it or holds NaN/inf (before any engine is touched; a directory is read
+one tensor at a time, `check_directory`), and the wire form of a state dict
 (`Packed`: raw bytes per tensor, which Ray's object store moves zero-copy, bfloat16 included).
 Does not own: loading into vLLM (see `vllm_policy.VLLMPolicy.commit_weights`).
 """
@@ -86,7 +87,7 @@ def pack(weights: Mapping[str, Any] | str | Path, manifest: Manifest) -> Packed 
         path = Path(weights).expanduser()
         if not path.is_dir():
             raise InvalidWeightsError(f"weights: {str(weights)!r} is not a directory")
-        check_specs(read_manifest(path), manifest, f"weights directory {path}")
+        check_directory(path, manifest)
         return os.path.abspath(path)
     import torch
 
@@ -100,6 +101,24 @@ def pack(weights: Mapping[str, Any] | str | Path, manifest: Manifest) -> Packed 
         check_finite(name, t)
     data = {n: t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy() for n, t in weights.items()}
     return Packed(specs=specs, data=data)
+
+
+def check_directory(path: Path, manifest: Manifest) -> None:
+    """The checks of a state dict, on a directory of safetensors files: its headers against the
+    model, then every floating-point tensor's values (`check_finite`). Streamed: one tensor in
+    memory at a time (safetensors maps the file and copies out the one asked for), so a checkpoint
+    larger than RAM is checked in the memory of its largest tensor; the reads also warm the page
+    cache the engines load from next. Raises InvalidWeightsError naming the file and the tensor."""
+    from safetensors import safe_open
+
+    check_specs(read_manifest(path), manifest, f"weights directory {path}")
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                try:
+                    check_finite(name, st.get_tensor(name))
+                except InvalidWeightsError as e:
+                    raise InvalidWeightsError(f"weights directory {path}: {f.name}: {e}") from None
 
 
 def tensor_spec(name: str, t: Any) -> TensorSpec:
@@ -124,7 +143,10 @@ def check_finite(name: str, t: Any) -> None:
     import torch
 
     if t.is_floating_point() and t.numel():
-        low, high = torch.aminmax(t.detach())
+        t = t.detach()
+        if t.element_size() == 1:  # float8: no aminmax kernel; float16 holds every float8 value, NaN and inf included
+            t = t.to(torch.float16)
+        low, high = torch.aminmax(t)
         if not (math.isfinite(float(low)) and math.isfinite(float(high))):
             raise InvalidWeightsError(f"weights[{name!r}]: contains NaN or inf")
 

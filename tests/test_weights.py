@@ -177,12 +177,15 @@ async def test_a_failed_or_hung_load_takes_the_engine_out_of_rotation(cfg):
                 await engine.update_weights(STATE)
 
 
-async def test_bad_weights_never_reach_the_pool(cfg):
+async def test_bad_weights_never_reach_the_pool(cfg, tmp_path):
     pool = FakePool(3)
     with anyio.fail_after(5):
         async with RolloutEngine(cfg, pool=pool) as engine:
             with pytest.raises(InvalidWeightsError, match="missing norm.weight"):
                 await engine.update_weights({"embed.weight": STATE["embed.weight"]})
+            nan = save_dir({**STATE, "norm.weight": torch.full((3,), float("nan"), dtype=torch.bfloat16)}, tmp_path / "nan")
+            with pytest.raises(InvalidWeightsError, match=r"model.safetensors: weights\['norm.weight'\]: contains NaN"):
+                await engine.update_weights(nan)
             assert not pool.shared and engine.epoch == 0
 
 
@@ -218,3 +221,21 @@ async def test_a_drain_longer_than_the_timeout_is_not_a_failed_load(cfg):
                 for e in pool.engines:
                     e.commit_gate.set()
             assert engine.epoch == 1 and not engine.weight_updates[-1].failed
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("shard", [0, 1])
+def test_pack_checks_the_values_of_a_directory(model_dir, tmp_path, bad, shard):
+    """A directory gets the value checks of a state dict, in whichever shard the bad tensor is;
+    none of its tensors is left behind and nothing is returned to load."""
+    d = tmp_path / "sharded"
+    d.mkdir()
+    shards = [{"embed.weight": STATE["embed.weight"].clone()}, {"norm.weight": STATE["norm.weight"].clone()}]
+    name = next(iter(shards[shard]))
+    shards[shard][name].view(-1)[1] = bad
+    for i, part in enumerate(shards):
+        save_file(part, str(d / f"model-{i + 1:05d}-of-00002.safetensors"))
+    with pytest.raises(InvalidWeightsError) as e:
+        pack(d, read_manifest(model_dir))
+    assert f"model-{shard + 1:05d}-of-00002.safetensors" in str(e.value) and f"{name!r}" in str(e.value)
+    assert "contains NaN or inf" in str(e.value)

@@ -15,12 +15,14 @@ import random
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import anyio
 import msgspec
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from policies.oracle import Oracle, Processing, compare
+from policies.weights import save_dir
 from rollout import Prompt, RolloutEngine
 from rollout.errors import InvalidWeightsError
 from rollout.types import Trajectory, kv_runs
@@ -250,3 +252,25 @@ async def test_bad_weights_are_rejected_before_any_engine_changes(engine):
     with pytest.raises(InvalidWeightsError, match="not a directory"):
         await engine.update_weights("/nonexistent/weights")
     assert [s.epoch for s in await engine.stats()] == before and engine.epoch == before[0]
+
+
+async def test_a_weights_directory_holding_nan_loads_nowhere(engine, tmp_path):
+    """The directory path gets the state dict's value checks: a NaN tensor in a safetensors file
+    is refused naming the file and tensor, no epoch is spent, and greedy answers do not change."""
+
+    async def greedy() -> list[list[int]]:
+        engine.feed([Prompt(token_ids=[10 + i, 11, 12, 13], id=f"nan-dir-{i}", sampling={"n": 1, "temperature": 0.0, "max_tokens": 8})
+                     for i in range(8)])  # fmt: skip
+        with anyio.fail_after(300):
+            groups = sorted([g async for g in engine.groups()], key=lambda g: g.prompt_id)
+        assert all(g.ok for g in groups), [g.error for g in groups]
+        return [g.trajectories[0].token_ids for g in groups]
+
+    before, epoch = await greedy(), engine.epoch
+    base = load_file(f"{engine.model_path}/model.safetensors")
+    name = "model.norm.weight"
+    nan = save_dir({**base, name: torch.full_like(base[name], float("nan"))}, tmp_path / "nan")
+    with pytest.raises(InvalidWeightsError, match=rf"model.safetensors: weights\['{name}'\]: contains NaN or inf"):
+        await engine.update_weights(str(nan))
+    assert engine.epoch == epoch and [s.epoch for s in await engine.stats()] == [epoch] * 2
+    assert await greedy() == before
