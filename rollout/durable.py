@@ -68,7 +68,8 @@ class DurableLog:
         self.compact_bytes = compact_bytes
         self.epoch = 0
         self.recovered: list[Group] = []
-        self.torn_bytes = 0  # cut off the end of the log when it was opened
+        self.torn_bytes = 0  # cut off the end of the log when it was opened (a torn last record)
+        self.torn_records = 0  # ... the count of those cut-offs (0 or 1 per open)
         self.failed: DurableLogError | None = None
         self.compactions = 0  # rewrites since open (not counting open's own)
         self._encoder = msgspec.msgpack.Encoder()
@@ -109,7 +110,8 @@ class DurableLog:
             self.torn_bytes, self._next_id = state.torn_bytes, state.next_id
             self.epoch = state.epoch if epoch is None else epoch
             if self.torn_bytes:
-                log.warning("durable log: torn last record cut off", path=str(self.path), bytes=self.torn_bytes)
+                self.torn_records += 1
+                log.warning("durable log: torn last record cut off", path=str(self.path), bytes=self.torn_bytes, what=state.torn)
             self._live = {id(e.group): e for e in state.live.values()}
             try:
                 self._rewrite()

@@ -4,9 +4,11 @@ Format v2: the line `rollout groups.log v2\\n`, then records `u32 length | u32 c
 u32 crc32(the two fields before) | payload`, the payload a msgpack `Record`. The header has a
 checksum of its own, so a damaged length can never pass for the end of the file. Only an
 incomplete last record is a torn write (a power cut mid-append): fewer bytes than a header, a
-verified header whose payload runs past the end, or a tail of zero bytes (a file whose new size
-reached the disk before its data reads as zeros). Anything else (a bad checksum, a record that does
-not decode, anywhere, the last record included) raises `DurableLogError` with the byte offset.
+verified header whose payload runs past the end, or zeros from some byte of the last record to the
+end of the file (a file whose new size reached the disk before its data reads as zeros: a whole
+header, or the tail of a verified header's payload). Anything else (a bad checksum, a record that
+does not decode, anywhere; a last record whose payload fails its checksum with bytes other than
+zeros at its end) raises `DurableLogError` with the byte offset (`_torn_payload` says why).
 Files without the v2 line (v1 logs, which had no header checksum) are refused, not read.
 Does not own: locking, appending, compaction (see `durable`).
 """
@@ -68,11 +70,19 @@ class LogReader:
         self.f, self.path = f, path
         self.size = os.fstat(f.fileno()).st_size
         self.end = 0
+        self.zero_filled = False  # the torn record is a verified header with a zero-filled payload tail
         self._decoder = msgspec.msgpack.Decoder(Record)
 
     @property
     def torn_bytes(self) -> int:
         return self.size - self.end
+
+    @property
+    def torn(self) -> str:
+        """What was cut off the end ("" when nothing was), for the warning."""
+        if not self.torn_bytes:
+            return ""
+        return "zero-filled payload" if self.zero_filled else "incomplete record or zeros"
 
     def __iter__(self) -> Iterator[tuple[int, int, Record]]:
         f, size = self.f, self.size
@@ -98,6 +108,9 @@ class LogReader:
                 return  # torn: a verified header whose payload never fully reached the disk
             payload = f.read(length)
             if zlib.crc32(payload) != crc:
+                if self._torn_payload(payload, pos + HEADER.size + length):
+                    self.zero_filled = True
+                    return  # torn: the header reached the disk, the end of its payload did not
                 raise self._damaged(pos, "payload checksum mismatch")
             try:
                 record = self._decoder.decode(payload)
@@ -105,6 +118,21 @@ class LogReader:
                 raise self._damaged(pos, f"not a durable-log record: {e}") from e
             yield pos, HEADER.size + length, record
             pos = self.end = pos + HEADER.size + length
+
+    def _torn_payload(self, payload: bytes, end: int) -> bool:
+        """A payload that fails its checksum is torn when it ends in zeros and only zeros follow
+        it to the end of the file; any other bytes make it damage.
+
+        Why this rule: the log writes each record with one write and fsyncs it before the next
+        (`DurableLog._write`), so only the last record can be unsynced at a crash, and file systems
+        (ext4 in its default data=ordered mode, xfs) show the blocks of a write that never reached
+        the disk as zeros. Non-zero bytes that fail the checksum were changed after they were
+        written (the medium, another writer; or stale blocks under ext4 data=writeback): the record
+        may be an fsync'd group the run promised to keep, so a person decides. A group record never
+        ends in a zero byte (msgpack of its last field, `error`, is nil or a string); an ack or
+        epoch record can, and one damaged elsewhere then reads as torn, which drops what a crash
+        before its fsync would have dropped (its groups are handed out again: at least once)."""
+        return payload.endswith(b"\0") and self._zeros_from(end)
 
     def _zeros_from(self, pos: int) -> bool:
         self.f.seek(pos)
@@ -138,7 +166,8 @@ class LogState:
     live: dict[int, LiveRecord] = field(default_factory=dict)
     epoch: int = 0
     next_id: int = 0
-    torn_bytes: int = 0
+    torn_bytes: int = 0  # cut off the end: a torn last record
+    torn: str = ""  # ... and what it was (`LogReader.torn`)
 
 
 def read_log(path: Path) -> LogState:
@@ -157,5 +186,5 @@ def read_log(path: Path) -> LogState:
                     state.live.pop(rid, None)
             else:
                 state.epoch = record.epoch
-        state.torn_bytes = reader.torn_bytes
+        state.torn_bytes, state.torn = reader.torn_bytes, reader.torn
     return state

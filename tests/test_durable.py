@@ -15,6 +15,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from structlog.testing import capture_logs
 
 from rollout.durable import LOCK_NAME, LOG_NAME, DurableLog, DurableLogError
 from rollout.grouplog import HEADER, MAGIC, AckRecord, GroupRecord, LogReader, frame
@@ -106,6 +107,54 @@ def test_a_zero_filled_tail_is_a_torn_write(tmp_path):
     assert [g.prompt_id for g in again.open()] == ["g0", "g1"]
     assert again.torn_bytes == 4096
     again.close()
+
+
+@pytest.mark.parametrize("kept", [0, 1, 30], ids=["payload-all-zeros", "one-byte-kept", "30-bytes-kept"])
+@pytest.mark.parametrize("extra", [0, 4096], ids=["at-eof", "zeros-after"])
+def test_a_zero_filled_payload_tail_of_the_last_record_is_a_torn_write(tmp_path, kept, extra):
+    """A power cut between the size update and the data write: the last record's header reached
+    the disk, its payload from some byte on reads as zeros (and so may whatever follows it)."""
+    write_log(tmp_path, 3)
+    path = tmp_path / LOG_NAME
+    last = offsets(path)[-1]
+    data = bytearray(path.read_bytes())
+    data[last + HEADER.size + kept :] = bytes(len(data) - last - HEADER.size - kept + extra)
+    path.write_bytes(bytes(data))
+    again = DurableLog(tmp_path)
+    with capture_logs() as logs:
+        assert [g.prompt_id for g in again.open()] == ["g0", "g1"]
+    assert (again.torn_bytes, again.torn_records) == (len(data) - last, 1)
+    (warning,) = [e for e in logs if e["log_level"] == "warning"]
+    assert warning["event"] == "durable log: torn last record cut off" and warning["what"] == "zero-filled payload"
+    again.append(group("g3"))  # the run goes on after the cut
+    again.close()
+    assert recovered(tmp_path) == ["g0", "g1", "g3"]
+
+
+def test_a_zero_filled_payload_tail_in_the_middle_is_an_error_at_its_offset(tmp_path):
+    """The same bytes with records after them are no crash: damage, nothing changed."""
+    write_log(tmp_path, 10)
+    path = tmp_path / LOG_NAME
+    at, end = offsets(path)[3:5]
+    data = bytearray(path.read_bytes())
+    data[at + HEADER.size + 10 : end] = bytes(end - at - HEADER.size - 10)
+    path.write_bytes(bytes(data))
+    with pytest.raises(DurableLogError, match=f"record at byte {at} is damaged \\(payload checksum mismatch\\)"):
+        DurableLog(tmp_path).open()
+    assert path.read_bytes() == data
+
+
+def test_a_last_record_with_a_non_zero_garbage_tail_is_an_error(tmp_path):
+    """Bytes that are not zeros and fail the checksum were changed after they were written (a
+    crash leaves zeros): the record may be a group the run promised to keep, so a person decides."""
+    write_log(tmp_path, 3)
+    path = tmp_path / LOG_NAME
+    last = offsets(path)[-1]
+    data = bytearray(path.read_bytes())
+    data[last + HEADER.size + 10 :] = b"\x5a" * (len(data) - last - HEADER.size - 10)
+    path.write_bytes(bytes(data))
+    with pytest.raises(DurableLogError, match=f"record at byte {last} is damaged \\(payload checksum mismatch\\)"):
+        DurableLog(tmp_path).open()
 
 
 @pytest.mark.parametrize("field", [0, 5, 9], ids=["length", "payload-crc", "header-crc"])
