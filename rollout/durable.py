@@ -70,6 +70,7 @@ class DurableLog:
         self.recovered: list[Group] = []
         self.torn_bytes = 0  # cut off the end of the log when it was opened (a torn last record)
         self.torn_records = 0  # ... the count of those cut-offs (0 or 1 per open)
+        self.torn = ""  # ... and what was cut off (`LogReader.torn`), as the warning says
         self.failed: DurableLogError | None = None
         self.compactions = 0  # rewrites since open (not counting open's own)
         self._encoder = msgspec.msgpack.Encoder()
@@ -107,7 +108,7 @@ class DurableLog:
                 state = read_log(self.path)
             except OSError as e:
                 raise self._error(f"cannot read {LOG_NAME}", e) from e
-            self.torn_bytes, self._next_id = state.torn_bytes, state.next_id
+            self.torn_bytes, self.torn, self._next_id = state.torn_bytes, state.torn, state.next_id
             self.epoch = state.epoch if epoch is None else epoch
             if self.torn_bytes:
                 self.torn_records += 1
