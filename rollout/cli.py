@@ -180,13 +180,18 @@ def _validate(cfg: Config, args: argparse.Namespace) -> int:
     from policies.tiny import resolve_model_path
     from policies.vllm_args import checked_engine_args
     from rollout.env import load_env
+    from rollout.prompts import ModelLimits, sampling_problem
     from rollout.rewards import load_reward
 
     if cfg.prompts.source == "jsonl" and not Path(cfg.prompts.path or "").is_file():
         raise InvalidConfigError(f"prompts.path: no such file {cfg.prompts.path!r}")
     load_reward(cfg.reward)
     load_env(cfg.env, cfg.env_args)
-    checked_engine_args(cfg, str(resolve_model_path(cfg.model.path, cfg.model.seed)))
+    model_path = str(resolve_model_path(cfg.model.path, cfg.model.seed))
+    limits = ModelLimits.from_model_dir(model_path, cfg.model.max_model_len, cfg.engines.max_inflight_per_engine)
+    if (bad := sampling_problem(cfg.sampling, limits.vocab_size)) is not None:
+        raise InvalidConfigError(f"sampling.{bad}")
+    checked_engine_args(cfg, model_path)
     print(dump_config(cfg), end="")
     print(f"{args.config}: ok")
     return 0

@@ -314,7 +314,7 @@ def readable_validation_error(e: msgspec.ValidationError) -> str:
         key = f"{where}.{missing.group(1)}" if where else missing.group(1)
         return f"{key}: required key is missing"
     # __post_init__ errors come as "field: reason" of the struct at `where`.
-    field = re.match(r"^([\w.]+): (.*)$", what, re.S)
+    field = re.match(r"^([\w.]+(?:\[\d+\])?): (.*)$", what, re.S)  # "stop[1]: ..." names an item
     if field:
         key = f"{where}.{field.group(1)}" if where else field.group(1)
         return f"{key}: {field.group(2)}"

@@ -61,6 +61,16 @@ def effective_sampling(base: Sampling, prompt: Prompt) -> Sampling:
         raise InvalidPromptError(f"prompt {prompt.id!r}: sampling.{readable_validation_error(e)}") from e
 
 
+def sampling_problem(sampling: Sampling, vocab_size: int) -> str | None:
+    """Why `sampling` cannot run on a model of `vocab_size` tokens ("stop_token_ids[1]: ..."), or
+    None. The checks that need the model; `Sampling` checks the rest itself. Used for each prompt
+    and for the config (`rollout validate`)."""
+    for i, t in enumerate(sampling.stop_token_ids):
+        if t >= vocab_size:  # vLLM indexes the logits with them (min_tokens): one outside would crash the engine
+            return f"stop_token_ids[{i}]: {t} outside the vocabulary (vocab size {vocab_size})"
+    return None
+
+
 def check_prompt(prompt: Prompt, sampling: Sampling, limits: ModelLimits) -> None:
     """Raise InvalidPromptError with the reason if the prompt cannot run as given."""
     if (bad := not_utf8_in(msgspec.structs.asdict(prompt), "")) is not None:
@@ -68,9 +78,8 @@ def check_prompt(prompt: Prompt, sampling: Sampling, limits: ModelLimits) -> Non
     name = f"prompt {prompt.id!r}"
     if sampling.n > limits.max_n:
         raise InvalidPromptError(f"{name}: sampling.n {sampling.n} exceeds engines.max_inflight_per_engine {limits.max_n}")
-    bad_stop = [t for t in sampling.stop_token_ids if not t < limits.vocab_size]
-    if bad_stop:  # vLLM indexes the logits with them (min_tokens): one outside the vocabulary would crash the engine
-        raise InvalidPromptError(f"{name}: sampling.stop_token_ids: {bad_stop[0]} outside the vocabulary [0, {limits.vocab_size})")
+    if (bad := sampling_problem(sampling, limits.vocab_size)) is not None:
+        raise InvalidPromptError(f"{name}: sampling.{bad}")
     if prompt.session is not None and sampling.n != 1:
         raise InvalidPromptError(f"{name}: a session continues one conversation: sampling.n must be 1, got {sampling.n}")
     if (prompt.token_ids is None) == (prompt.text is None):

@@ -89,6 +89,7 @@ def test_dump_round_trips():
         ),
         (["model.dtype=fp8"], "model.dtype:"),
         (["sampling.stop_token_ids=[-1]"], "sampling.stop_token_ids[0]:"),
+        (["sampling.stop=['x', '']"], "sampling.stop[1]: empty"),
         (["queue=3"], "queue: expected `object`"),
         (["model.path=x", "model.path.y=1"], "model.path: is not a mapping"),
         (["sampling.n=[1"], "sampling.n: cannot parse override value"),
@@ -183,3 +184,15 @@ def test_bad_speculative_settings_name_the_key(overrides, expected):
     with pytest.raises(InvalidConfigError) as e:
         load_config(None, overrides)
     assert str(e.value).startswith(expected), str(e.value)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [("sampling.stop_token_ids=[2, 260]", "sampling.stop_token_ids[1]: 260 outside the vocabulary (vocab size 260)"),
+     ("sampling.stop=['']", "sampling.stop[0]: empty")],
+)  # fmt: skip
+def test_validate_checks_stop_conditions_against_the_model(override, message, capsys):
+    from rollout.cli import main
+
+    assert main(["validate", "configs/tiny.yaml", "-o", override]) == 2  # before: "ok"
+    assert message in capsys.readouterr().err

@@ -56,6 +56,8 @@ def test_check_prompt_uses_the_given_sampling():
     check_prompt(prompt, Sampling(max_tokens=24), LIMITS)
     with pytest.raises(InvalidPromptError, match="max_tokens 25 exceed"):
         check_prompt(prompt, Sampling(max_tokens=25), LIMITS)
+    with pytest.raises(InvalidPromptError, match=r"^prompt 'a': sampling.stop_token_ids\[1\]: 260 outside the vocabulary \(vocab size 260\)"):
+        check_prompt(prompt, Sampling(max_tokens=8, stop_token_ids=[2, 260]), LIMITS)
 
 
 def test_effective_sampling_without_overrides_is_the_base():
@@ -83,6 +85,7 @@ def test_effective_sampling_applies_overrides():
         ({"n": "2"}, "sampling.n:"),
         ({"min_tokens": 200}, "sampling.min_tokens: 200 exceeds max_tokens 128"),
         ({"stop_token_ids": [-1]}, r"sampling.stop_token_ids\[0\]:"),
+        ({"stop": ["x", ""]}, r"sampling.stop\[1\]: empty"),
     ],
 )
 def test_effective_sampling_bad_overrides(override, field):
