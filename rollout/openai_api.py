@@ -9,13 +9,17 @@ bodies, including what NeMo Gym and Megatron-RL read on every message (`prompt_t
 (`return_tokens_as_token_ids`, `return_token_ids`). Multi-turn prefix guarantee: an assistant
 message that carries `prompt_token_ids` + `generation_token_ids` (or `required_prefix_token_ids`)
 replaces the re-rendered conversation up to it, so a turn's prompt starts with exactly the ids
-the turn before ran. Unknown fields are ignored.
-Does not own: HTTP, auth, limits (`rollout.server`), rendering (`rollout.chat`).
+the turn before ran. Unknown fields are ignored. The text returned is what vLLM's server returns:
+a stop string, and a stop id's text, are cut from it (`visible_text`); the token ids keep every
+token. `n` choices on completions and generate are the samples of one group.
+Does not own: HTTP, auth, limits, reading bodies (`rollout.server`, `rollout.server_io`),
+rendering (`rollout.chat`).
 """
 
 from __future__ import annotations
 
 import math
+import re
 import time
 import uuid
 from typing import Any
@@ -25,7 +29,7 @@ import msgspec
 from rollout.chat import ChatRenderer
 from rollout.export import to_megatron
 from rollout.tool_calls import parse_tool_calls
-from rollout.types import Trajectory
+from rollout.types import Trajectory, not_utf8
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -33,9 +37,10 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 class ApiError(Exception):
     """An error in OpenAI's shape: HTTP status, message, the parameter it is about."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None):  # fmt: skip
         super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.status, self.message, self.param, self.kind, self.headers = status, message, param, kind, headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
@@ -53,16 +58,64 @@ class Call(msgspec.Struct):
     as_token_ids: bool = False  # return_tokens_as_token_ids
     return_token_ids: bool = False
     tools: bool = False
+    ids_param: str = "messages"  # the field the prompt's ids came from, named by errors about them
+    where: str = ""  # where sampling fields sit: "" (top level) or "sampling_params."
+    stop: list[str] = msgspec.field(default_factory=list)  # effective stop strings and ids (the server fills them)
+    stop_ids: list[int] = msgspec.field(default_factory=list)
+
+    def param_of(self, message: str) -> str:
+        """The request field an engine check's message (`InvalidPromptError`) is about."""
+        if (m := re.search(r"sampling\.(\w+)", message)) is not None:
+            return self.where + m.group(1)
+        return "max_tokens" if "+ max_tokens" in message else self.ids_param
 
 
 def decode(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object whose strings are valid UTF-8, nested at most MAX_DEPTH deep."""
     try:
         data = msgspec.json.decode(body)
     except msgspec.DecodeError as e:
         raise ApiError(400, f"malformed JSON: {e}") from e
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the request body is not valid UTF-8: byte {e.start}: {e.reason}") from e
+    except RecursionError as e:  # msgspec's own depth limit (about 1000)
+        raise ApiError(400, f"the request body is nested deeper than {MAX_DEPTH} levels") from e
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    if (problem := _unfit(data)) is not None:
+        raise ApiError(400, problem[1], problem[0] or None)
     return data
+
+
+MAX_DEPTH = 64  # JSON nesting a request may have: templates, tool schemas and our own walks recurse
+
+
+def _unfit(data: dict[str, Any]) -> tuple[str, str] | None:
+    """(top-level field, reason) of the first value nested deeper than MAX_DEPTH, or string (key or
+    value) that is not valid UTF-8 (a lone surrogate sent as `\\ud800`); None when all fit.
+    Iterative, so that no depth makes it recurse."""
+    stack: list[tuple[Any, int, str, str]] = [(v, 2, k, k) for k, v in data.items()]
+    for key in data:
+        if (reason := not_utf8(key)) is not None:
+            return "", f"a key of the request body {reason}"
+    while stack:
+        value, depth, field, where = stack.pop()
+        if isinstance(value, str):
+            if (reason := not_utf8(value)) is not None:
+                return field, f"{where}: {reason}"
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth > MAX_DEPTH:
+            return field, f"{field}: nested deeper than {MAX_DEPTH} levels"
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if (reason := not_utf8(key)) is not None:
+                    return field, f"{where}: a key {reason}"
+                stack.append((item, depth + 1, field, f"{where}.{key}"))
+        else:
+            stack.extend((item, depth + 1, field, f"{where}[{i}]") for i, item in enumerate(value) if type(item) is not int)
+    return None
 
 
 def chat(data: dict[str, Any], renderer: ChatRenderer | None, session: str | None) -> Call:
@@ -74,8 +127,8 @@ def chat(data: dict[str, Any], renderer: ChatRenderer | None, session: str | Non
             raise ApiError(400, f"messages[{i}].role: expected one of {', '.join(ROLES)}", f"messages[{i}].role")
         if not isinstance(m.get("content", ""), (str, list, type(None))):
             raise ApiError(400, f"messages[{i}].content: expected a string or a list of parts", f"messages[{i}].content")
-    if int(data.get("n", 1) or 1) != 1:
-        raise ApiError(400, "n: only n=1 is served (each choice is one sample with its own epochs)", "n")
+    if _n(data, "") != 1:  # a conversation's turn continues one session: one sample
+        raise ApiError(400, "n: only n=1 is served on chat (a turn continues one conversation; /v1/completions serves n)", "n")
     tools = data.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise ApiError(400, "tools: expected a list", "tools")
@@ -115,12 +168,17 @@ def completion(data: dict[str, Any], renderer: ChatRenderer | None) -> Call:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
-        ids = _need(renderer).encode(prompt)
+        try:
+            ids = _need(renderer).encode(prompt)
+        except ApiError as e:  # over the context before tokenizing (`server_io.ServedChat`)
+            e.param = "prompt"
+            raise
     elif isinstance(prompt, list) and prompt:
         ids = _ids(prompt, "prompt")
     else:
         raise ApiError(400, "prompt: required, a non-empty string or list of token ids", "prompt")
-    return Call(ids, sampling(data), logprobs=data.get("logprobs") is not None, return_token_ids=bool(data.get("return_token_ids")))
+    return Call(ids, {**sampling(data), "n": _n(data, "")}, logprobs=data.get("logprobs") is not None,
+                return_token_ids=bool(data.get("return_token_ids")), ids_param="prompt")  # fmt: skip
 
 
 def generate(data: dict[str, Any]) -> Call:
@@ -129,7 +187,8 @@ def generate(data: dict[str, Any]) -> Call:
     params = data.get("sampling_params", {})
     if not isinstance(params, dict):
         raise ApiError(400, "sampling_params: expected an object", "sampling_params")
-    return Call(ids, sampling(params, "sampling_params."), logprobs=True, as_token_ids=True, return_token_ids=True)
+    return Call(ids, {**sampling(params, "sampling_params."), "n": _n(params, "sampling_params.")}, logprobs=True, as_token_ids=True,
+                return_token_ids=True, ids_param="token_ids", where="sampling_params.")  # fmt: skip
 
 
 def sampling(data: dict[str, Any], where: str = "") -> dict[str, Any]:
@@ -159,53 +218,83 @@ def sampling(data: dict[str, Any], where: str = "") -> dict[str, Any]:
     return out
 
 
-def chat_response(call: Call, traj: Trajectory, model: str, chat: ChatRenderer | None, parser: str) -> dict[str, Any]:
-    text = chat.decode(traj.token_ids) if chat is not None else ""
+def chat_response(call: Call, trajs: list[Trajectory], model: str, chat: ChatRenderer | None, parser: str) -> dict[str, Any]:
+    (traj,) = trajs  # chat serves n=1
+    text = visible_text(chat, traj.token_ids, traj.finish_reason, call.stop, call.stop_ids)
     content, tool_calls = parse_tool_calls(text, parser) if call.tools else (text, [])
     message: dict[str, Any] = {"role": "assistant", "content": content, **token_fields(traj)}
     if tool_calls:
         message["tool_calls"] = tool_calls
     choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": "tool_calls" if tool_calls else finish(traj),
                               "logprobs": {"content": logprob_items(traj, call.as_token_ids, chat)} if call.logprobs else None}  # fmt: skip
-    body = _envelope("chat.completion", model, traj, [choice])
+    body = _envelope("chat.completion", model, trajs, [choice])
     if call.return_token_ids:
         body["prompt_token_ids"] = list(traj.prompt_token_ids)
         choice["token_ids"] = list(traj.token_ids)
     return body
 
 
-def completion_response(call: Call, traj: Trajectory, model: str, chat: ChatRenderer | None) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "text": chat.decode(traj.token_ids) if chat is not None else "",
-                              "finish_reason": finish(traj), "logprobs": None, **token_fields(traj)}  # fmt: skip
-    if call.logprobs:
-        choice["logprobs"] = {"tokens": [f"token_id:{t}" for t in traj.token_ids], "token_logprobs": list(traj.logprobs)}
-    body = _envelope("text_completion", model, traj, [choice])
+def completion_response(call: Call, trajs: list[Trajectory], model: str, chat: ChatRenderer | None) -> dict[str, Any]:
+    choices = []
+    for i, traj in enumerate(trajs):
+        choice: dict[str, Any] = {"index": i, "text": visible_text(chat, traj.token_ids, traj.finish_reason, call.stop, call.stop_ids),
+                                  "finish_reason": finish(traj), "logprobs": None, **token_fields(traj)}  # fmt: skip
+        if call.logprobs:
+            choice["logprobs"] = {"tokens": [f"token_id:{t}" for t in traj.token_ids], "token_logprobs": list(traj.logprobs)}
+        if call.return_token_ids:
+            choice["token_ids"] = list(traj.token_ids)
+        choices.append(choice)
+    body = _envelope("text_completion", model, trajs, choices)
     if call.return_token_ids:
-        body["prompt_token_ids"] = list(traj.prompt_token_ids)
-        choice["token_ids"] = list(traj.token_ids)
+        body["prompt_token_ids"] = list(trajs[0].prompt_token_ids)
     return body
+
+
+def visible_text(chat: ChatRenderer | None, ids: list[int], finish_reason: str, stop: list[str], stop_ids: list[int]) -> str:
+    """The text vLLM's server returns for a sample's ids (`include_stop_str_in_output` false): a
+    turn ended by a stop id leaves that token's text out; one ended by a stop string ends before
+    the stop string its last token completed (the earliest ending, the first listed on a tie, as
+    vLLM's `check_stop_strings` picks), whatever else that token holds cut with it."""
+    if chat is None:
+        return ""
+    if finish_reason != "stop" or not ids:
+        return chat.decode(ids)
+    if ids[-1] in stop_ids:
+        return chat.decode(ids[:-1])
+    text = chat.decode(ids)
+    if not stop:
+        return text
+    before = len(chat.decode(ids[:-1]))  # the text the last token added starts here
+    best: tuple[int, int] | None = None  # (end, start) of the stop string the last token completed
+    for s in stop:
+        at = text.find(s, max(0, before - len(s) + 1))
+        if at != -1 and (best is None or at + len(s) < best[0]):
+            best = (at + len(s), at)
+    return text if best is None else text[: best[1]]
 
 
 def events(body: dict[str, Any], usage: bool) -> bytes:
-    """A finished chat or text completion as OpenAI's stream of server-sent events: the whole
-    answer and its token fields in one chunk (the engine hands over a turn when it ends), the
-    finish reason in the next, the usage last if asked (`stream_options.include_usage`), [DONE]."""
+    """A finished chat or text completion as OpenAI's stream of server-sent events: per choice, the
+    whole answer and its token fields in one chunk (the engine hands over a turn when it ends),
+    the finish reason in the next; the usage last if asked (`stream_options.include_usage`), [DONE]."""
     chat = body["object"] == "chat.completion"
     head = {"id": body["id"], "object": "chat.completion.chunk" if chat else "text_completion", "created": body["created"],
             "model": body["model"]}  # fmt: skip
-    (choice,) = body["choices"]
-    if chat:
-        delta = {**choice["message"]}
-        if "tool_calls" in delta:
-            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(delta["tool_calls"])]
-        first = {"index": 0, "delta": delta, "logprobs": choice["logprobs"], "finish_reason": None}
-        if "token_ids" in choice:
-            first["token_ids"] = choice["token_ids"]
-        last = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]}
-    else:
-        first = {**choice, "finish_reason": None}
-        last = {"index": 0, "text": "", "logprobs": None, "finish_reason": choice["finish_reason"]}
-    chunks = [{**head, "choices": [first]}, {**head, "choices": [last]}]
+    chunks = []
+    for choice in body["choices"]:
+        i = choice["index"]
+        if chat:
+            delta = {**choice["message"]}
+            if "tool_calls" in delta:
+                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(delta["tool_calls"])]
+            first = {"index": i, "delta": delta, "logprobs": choice["logprobs"], "finish_reason": None}
+            if "token_ids" in choice:
+                first["token_ids"] = choice["token_ids"]
+            last = {"index": i, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]}
+        else:
+            first = {**choice, "finish_reason": None}
+            last = {"index": i, "text": "", "logprobs": None, "finish_reason": choice["finish_reason"]}
+        chunks += [{**head, "choices": [first]}, {**head, "choices": [last]}]
     if "prompt_token_ids" in body:
         chunks[0]["prompt_token_ids"] = body["prompt_token_ids"]
     if usage:
@@ -223,11 +312,13 @@ def streamed(data: dict[str, Any]) -> tuple[bool, bool]:
     return bool(stream), bool(options.get("include_usage"))
 
 
-def generate_response(traj: Trajectory, request_id: str) -> dict[str, Any]:
-    items = [{"token": f"token_id:{t}", "logprob": lp} for t, lp in zip(traj.token_ids, traj.logprobs)]
-    choice = {"index": 0, "token_ids": list(traj.token_ids), "finish_reason": finish(traj), "logprobs": {"content": items},
-              **token_fields(traj)}  # fmt: skip
-    return {"request_id": request_id, "prompt_token_ids": list(traj.prompt_token_ids), "choices": [choice]}
+def generate_response(trajs: list[Trajectory], request_id: str) -> dict[str, Any]:
+    choices = []
+    for i, traj in enumerate(trajs):
+        items = [{"token": f"token_id:{t}", "logprob": lp} for t, lp in zip(traj.token_ids, traj.logprobs)]
+        choices.append({"index": i, "token_ids": list(traj.token_ids), "finish_reason": finish(traj), "logprobs": {"content": items},
+                        **token_fields(traj)})  # fmt: skip
+    return {"request_id": request_id, "prompt_token_ids": list(trajs[0].prompt_token_ids), "choices": choices}
 
 
 def token_fields(traj: Trajectory) -> dict[str, Any]:
@@ -258,11 +349,20 @@ def finish(traj: Trajectory) -> str:
     return "length" if traj.finish_reason == "length" else "stop"
 
 
-def _envelope(kind: str, model: str, traj: Trajectory, choices: list[dict[str, Any]]) -> dict[str, Any]:
-    p, g = len(traj.prompt_token_ids), len(traj.token_ids)
+def _envelope(kind: str, model: str, trajs: list[Trajectory], choices: list[dict[str, Any]]) -> dict[str, Any]:
+    p, g = len(trajs[0].prompt_token_ids), sum(len(t.token_ids) for t in trajs)
     return {"id": f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{uuid.uuid4().hex}", "object": kind,
             "created": int(time.time()), "model": model, "choices": choices,
             "usage": {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}}  # fmt: skip
+
+
+def _n(data: dict[str, Any], where: str) -> int:
+    n = data.get("n", 1)
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ApiError(400, f"{where}n: expected an integer >= 1, got {n!r}", where + "n")
+    return n
 
 
 def _need(renderer: ChatRenderer | None) -> ChatRenderer:

@@ -7,79 +7,92 @@ session (the `X-Session-Id` header, `session_id` in the body, or found from the 
 assistant message carries): each turn runs on the engine of the turn before and reuses its KV.
 Turns sent with an `episode_id` are kept; `POST /v1/episodes/{id}/reward` closes the episode and
 hands it to the learner's queue as one training sample (`engine.batches()` trains on it).
-Owns: HTTP (FastAPI on uvicorn), bearer auth (`--api-key`), the body size limit, overload (429
-past `serve.max_concurrency` requests in flight, never unbounded memory), client disconnects
-(abort the engine request), the error shape (`openai_api.ApiError`), Prometheus `/metrics`,
-`stream: true` (server-sent events in OpenAI's chunk format, sent when the turn ends).
-Does not own: the wire format (`rollout.openai_api`), scheduling (`rollout.scheduler`).
+Owns: the routes (FastAPI on uvicorn), overload (429 with `Retry-After` past
+`serve.max_concurrency` requests in flight, never unbounded memory), client disconnects (abort
+the engine request), the error shape (`openai_api.ApiError`; whatever a request holds, an error
+of its own, never a 500 or a stopped server), `stream: true` (server-sent events in OpenAI's chunk
+format, sent when the turn ends), sessions, and episodes kept until rewarded (a reward answered
+429 keeps its episode for the retry). `seed`: a seeded request runs under one fixed prompt id,
+so the same seed, request and weights give the same tokens (the per-request vLLM seed is derived
+from the seed and the prompt id).
+Does not own: the wire format (`rollout.openai_api`), reading bodies off the loop, listening,
+auth, metrics (`rollout.server_io`), scheduling (`rollout.scheduler`).
 """
 
 # No `from __future__ import annotations`: FastAPI reads the endpoints' annotations (the local
 # `Request` import) when they are defined.
-import contextlib
 import hashlib
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import anyio
 import msgspec
 
 from rollout import openai_api as api
+from rollout import server_io as io
 from rollout.config import ServeConfig
 from rollout.episodes import assemble
 from rollout.errors import EngineClosedError, EngineDeadError, InvalidPromptError, RetryableError
 from rollout.log import get_logger
-from rollout.types import Group, Prompt, Trajectory
+from rollout.types import Group, Prompt, Trajectory, printable
 from rollout.types import Request as EngineRequest  # `Request` is FastAPI's here
 
 log = get_logger(__name__)
 MAX_KEPT = 65536  # sessions found by token ids, episodes collecting turns: the oldest forgotten first
+SEEDED = "http-seeded"  # the prompt id of every request with a `seed`: its vLLM seed depends on the seed alone
+RETRY_AFTER = {"Retry-After": "1"}  # seconds; the OpenAI SDK waits this long before its retry
 
 
 class Server:
     """The app and its uvicorn server, on the engine's event loop (`start`, `stop`)."""
 
     def __init__(self, engine: Any, cfg: ServeConfig, api_key: str | None = None):
-        from rollout.chat import chat_renderer
-
+        """Raises InvalidConfigError for an API key HTTP cannot carry."""
         self.engine = engine
         self.cfg = cfg
-        self.api_key = api_key if api_key is not None else cfg.api_key
-        self.chat = chat_renderer(engine.model_path)
-        self.model = cfg.model_name or engine.cfg.model.path
+        self.api_key = io.check_api_key(api_key if api_key is not None else cfg.api_key)
         self.max_model_len = engine.cfg.model.max_model_len
+        self.chat = io.served_chat(engine.model_path, self.max_model_len)
+        self.model = cfg.model_name or engine.cfg.model.path
         self.by_ids: OrderedDict[bytes, str] = OrderedDict()  # hash of a turn's prompt + generation -> session
         self.episodes: OrderedDict[str, list[Trajectory]] = OrderedDict()
         self.inflight = 0
         self.url = ""
         self._server: Any = None
         self._done = anyio.Event()
-        self._stats = _Stats(engine)
+        self._stats = io.Stats(engine)
+        self._prepare = io.Preparer()
         self.app = self._app()
 
     async def start(self, tg: Any, host: str | None = None, port: int | None = None) -> str:
-        """Listen (on `serve.host`/`serve.port` unless given; port 0: a free one); returns the URL."""
+        """Listen (on `serve.host`/`serve.port` unless given; port 0: a free one); returns the URL.
+        Raises OSError naming the address when it cannot listen; the engine is untouched."""
         import uvicorn
 
-        config = uvicorn.Config(self.app, host=host or self.cfg.host, port=self.cfg.port if port is None else port,
-                                log_level="warning", lifespan="off", access_log=False)  # fmt: skip
-        self._server = _uvicorn(config)
+        host, port = host or self.cfg.host, self.cfg.port if port is None else port
+        sock = io.listen(host, port)  # bound here: uvicorn's own bind calls sys.exit, which would end the engine's task group
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False)
+        self._server = io.uvicorn_server(config)
 
         async def run() -> None:
             try:
-                await self._server.serve()
+                await self._server.serve(sockets=[sock])
+            except (Exception, SystemExit) as e:  # the server's failure is its own: the engine serves its other callers
+                log.error("serve: the HTTP server stopped", address=f"{host}:{port}", error=repr(e))
             finally:
+                sock.close()
                 self._done.set()
 
         tg.start_soon(run)
         while not self._server.started:
             if self._done.is_set():
-                raise OSError(f"serve: cannot listen on {config.host}:{config.port}")
+                raise OSError(f"serve: cannot listen on {host}:{port}")
             await anyio.sleep(0.02)
-        sock = self._server.servers[0].sockets[0].getsockname()
-        self.url = f"http://{sock[0]}:{sock[1]}"
+        name = sock.getsockname()
+        self.url = f"http://{name[0]}:{name[1]}"
         return self.url
 
     async def stop(self) -> None:
@@ -96,58 +109,69 @@ class Server:
 
         app = FastAPI(title="rollout", docs_url=None, redoc_url=None, openapi_url=None)
         if self.api_key:
-            app.add_middleware(_ApiKey, key=self.api_key)
+            app.add_middleware(io.ApiKey, key=self.api_key)
 
-        async def handle(request: Request, work: Any, streams: bool = False) -> Any:
+        async def handle(request: Request, parse: Callable[[dict[str, Any]], Any], work: Any, streams: bool = False) -> Any:
+            """1) read the body (size limit) 2) admit it (429 past max_concurrency) 3) decode and
+            `parse` it, off the loop when large 4) `work` on the parsed request 5) reply."""
             started = time.perf_counter()
-            status = 200
+            status, call = 200, None
             try:
-                data = api.decode(await self._body(request))
-                stream, usage = api.streamed(data) if streams else (False, False)
+                body = await io.read_body(request, self.cfg.max_body_bytes)
                 if self.inflight >= self.cfg.max_concurrency:
-                    raise api.ApiError(429, f"busy: {self.inflight} requests in flight (serve.max_concurrency)", kind="rate_limit_error")
+                    raise api.ApiError(429, f"busy: {self.inflight} requests in flight (serve.max_concurrency)", kind="rate_limit_error",
+                                       headers=RETRY_AFTER)  # fmt: skip
                 self.inflight += 1
                 try:
-                    body = await work(request, data)
-                    return Response(api.events(body, usage), media_type="text/event-stream") if stream else _json(body)
+                    data, call, (stream, usage) = await self._prepare.run(body, lambda b: self._parse(b, parse, streams))
+                    reply = await work(request, data, call)
+                    return Response(api.events(reply, usage), media_type="text/event-stream") if stream else io.json_response(reply)
                 finally:
                     self.inflight -= 1
             except api.ApiError as e:
                 status = e.status
-                return _error(e)
-            except InvalidPromptError as e:
+                return io.error(e)
+            except InvalidPromptError as e:  # the engine's own checks: the field named as ours are
                 status = 400
-                return _error(api.ApiError(400, str(e)))
+                return io.error(api.ApiError(400, str(e), call.param_of(str(e)) if isinstance(call, api.Call) else None))
             except (EngineDeadError, EngineClosedError) as e:
                 status = 503
-                return _error(api.ApiError(503, f"engine unavailable: {e}", kind="service_unavailable"))
+                return io.error(api.ApiError(503, f"engine unavailable: {e}", kind="service_unavailable"))
+            except Exception as e:  # a defect: answered in OpenAI's shape, logged, the server serves on
+                status = 500
+                log.exception("serve: request failed", path=request.url.path)
+                return io.error(api.ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"))
             finally:
                 self._stats.request(request.url.path, status, time.perf_counter() - started)
 
+        def session_of(request: Request) -> Callable[[dict[str, Any]], api.Call]:
+            return lambda data: api.chat(data, self.chat, request.headers.get("x-session-id") or api._str(data, "session_id"))
+
         @app.post("/v1/chat/completions")
         async def chat(request: Request) -> Any:
-            return await handle(request, self._chat, streams=True)
+            return await handle(request, session_of(request), self._chat, streams=True)
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Any:
-            return await handle(request, self._completion, streams=True)
+            return await handle(request, lambda data: api.completion(data, self.chat), self._completion, streams=True)
 
         @app.post("/inference/v1/generate")
         async def generate(request: Request) -> Any:
-            return await handle(request, self._generate)
+            return await handle(request, api.generate, self._generate)
 
         @app.post("/tokenize")
         async def tokenize(request: Request) -> Any:
-            async def work(request: Request, data: dict[str, Any]) -> dict[str, Any]:
-                self._check_model(data)
-                ids = api.chat(data, self.chat, None).prompt_ids if "messages" in data else api.completion(data, self.chat).prompt_ids
-                return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+            def parse(data: dict[str, Any]) -> api.Call:
+                return api.chat(data, self.chat, None) if "messages" in data else api.completion(data, self.chat)
 
-            return await handle(request, work)
+            async def work(request: Request, data: dict[str, Any], call: api.Call) -> dict[str, Any]:
+                return {"count": len(call.prompt_ids), "max_model_len": self.max_model_len, "tokens": call.prompt_ids}
+
+            return await handle(request, parse, work)
 
         @app.post("/v1/episodes/{episode_id}/reward")
         async def reward(request: Request, episode_id: str) -> Any:
-            return await handle(request, lambda r, data: self._reward(episode_id, data))
+            return await handle(request, lambda data: None, lambda r, data, call: self._reward(episode_id, data))
 
         @app.get("/v1/models")
         async def models() -> Any:
@@ -157,7 +181,7 @@ class Server:
         @app.get("/health")
         async def health() -> Any:
             alive = any(load.healthy for load in self.engine._live_scheduler().runner.loads)
-            return _json({"status": "ok" if alive else "no engine"}, 200 if alive else 503)
+            return io.json_response({"status": "ok" if alive else "no engine"}, 200 if alive else 503)
 
         @app.get("/metrics")
         async def metrics() -> Any:
@@ -165,57 +189,56 @@ class Server:
 
         @app.exception_handler(404)
         async def not_found(request: Request, exc: Any) -> Response:
-            return _error(api.ApiError(404, f"no route {request.method} {request.url.path}", kind="not_found_error"))
+            return io.error(api.ApiError(404, f"no route {request.method} {request.url.path}", kind="not_found_error"))
+
+        @app.exception_handler(405)
+        async def not_allowed(request: Request, exc: Any) -> Response:
+            return io.error(api.ApiError(405, f"{request.method} is not served on {request.url.path}", kind="invalid_request_error"))
 
         return app
 
-    async def _body(self, request: Any) -> bytes:
-        limit = self.cfg.max_body_bytes
-        if int(request.headers.get("content-length") or 0) > limit:
-            raise api.ApiError(413, f"request body over serve.max_body_bytes={limit}")
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise api.ApiError(413, f"request body over serve.max_body_bytes={limit}")
-        return bytes(body)
+    def _parse(self, body: bytes, parse: Callable[[dict[str, Any]], Any], streams: bool) -> tuple[dict[str, Any], Any, tuple[bool, bool]]:
+        """The body decoded and checked, and the request it makes (`parse`): the CPU-heavy part of a
+        request (JSON, rendering, tokenizing), run where `Preparer` says."""
+        data = api.decode(body)
+        self._check_model(data)
+        return data, parse(data), api.streamed(data) if streams else (False, False)
 
     def _check_model(self, data: dict[str, Any]) -> None:
         model = data.get("model")
         if model is not None and model != self.model:
-            raise api.ApiError(404, f"model {model!r} does not exist; this server serves {self.model!r}", "model", "not_found_error")
+            raise api.ApiError(404, f"model {printable(model)!r} does not exist; this server serves {self.model!r}", "model",
+                               "not_found_error")  # fmt: skip
 
     # -- endpoints -----------------------------------------------------------------------------
 
-    async def _chat(self, request: Any, data: dict[str, Any]) -> dict[str, Any]:
-        self._check_model(data)
-        call = api.chat(data, self.chat, request.headers.get("x-session-id") or api._str(data, "session_id"))
+    async def _chat(self, request: Any, data: dict[str, Any], call: api.Call) -> dict[str, Any]:
         call.episode = call.episode or request.headers.get("x-episode-id")
-        traj = await self._run(request, call)
-        return api.chat_response(call, traj, self.model, self.chat, self.cfg.tool_parser)
+        trajs = await self._run(request, call)
+        return api.chat_response(call, trajs, self.model, self.chat, self.cfg.tool_parser)
 
-    async def _completion(self, request: Any, data: dict[str, Any]) -> dict[str, Any]:
-        self._check_model(data)
-        call = api.completion(data, self.chat)
+    async def _completion(self, request: Any, data: dict[str, Any], call: api.Call) -> dict[str, Any]:
         return api.completion_response(call, await self._run(request, call), self.model, self.chat)
 
-    async def _generate(self, request: Any, data: dict[str, Any]) -> dict[str, Any]:
-        self._check_model(data)
-        call = api.generate(data)
-        request_id = str(data.get("request_id") or uuid.uuid4().hex)
+    async def _generate(self, request: Any, data: dict[str, Any], call: api.Call) -> dict[str, Any]:
+        request_id = printable(data.get("request_id") or uuid.uuid4().hex)
         return api.generate_response(await self._run(request, call), request_id)
 
-    async def _run(self, request: Any, call: api.Call) -> Trajectory:
-        """One prompt through the engine; the client going away aborts it."""
+    async def _run(self, request: Any, call: api.Call) -> list[Trajectory]:
+        """One prompt (its `n` samples) through the engine; the client going away aborts it."""
         room = self.max_model_len - len(call.prompt_ids)
         if room < 1 or call.sampling.get("max_tokens", 1) > room:
             asked = len(call.prompt_ids) + call.sampling.get("max_tokens", 0)
             raise api.ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                                    f"{asked} tokens ({len(call.prompt_ids)} in the messages).", "messages")  # fmt: skip
-        call.sampling.setdefault("max_tokens", min(self.engine.cfg.sampling.max_tokens, room))
+                                    f"{asked} tokens ({len(call.prompt_ids)} in the messages).", call.ids_param)  # fmt: skip
+        base = self.engine.cfg.sampling
+        call.sampling.setdefault("max_tokens", min(base.max_tokens, room))
         call.sampling.setdefault("min_tokens", 0)
-        session = call.session or self._session_of(call.prompt_ids, call.prefix)
-        prompt = Prompt(token_ids=call.prompt_ids, sampling=call.sampling, session=session, id=f"http-{uuid.uuid4().hex[:12]}")
+        call.stop, call.stop_ids = call.sampling.get("stop", list(base.stop)), call.sampling.get("stop_token_ids", list(base.stop_token_ids))
+        single = call.sampling.get("n", 1) == 1  # a session continues one conversation: n samples start none
+        session = (call.session or self._session_of(call.prompt_ids, call.prefix)) if single else None
+        pid = SEEDED if call.sampling.get("seed") is not None else f"http-{uuid.uuid4().hex[:12]}"
+        prompt = Prompt(token_ids=call.prompt_ids, sampling=call.sampling, session=session, id=pid)
         submission = self.engine.submit([prompt], train=False)
         failure: Exception | None = None
         groups: list[Group] | None = None
@@ -239,13 +262,14 @@ class Server:
             raise api.ApiError(499, "the client closed the request", kind="client_closed_request")
         (group,) = groups
         if group.error is not None or not group.trajectories:
-            raise api.ApiError(400, group.error or "no sample came back")
-        traj = group.trajectories[0]
-        if not traj.ok:
-            raise api.ApiError(500, f"generation failed: {traj.error}", kind="server_error")
-        self._remember(session, traj, call.episode)
-        self._stats.tokens(len(traj.prompt_token_ids), len(traj.token_ids))
-        return traj
+            raise api.ApiError(400, group.error or "no sample came back", call.param_of(group.error or ""))
+        for traj in group.trajectories:
+            if not traj.ok:
+                raise api.ApiError(500, f"generation failed: {traj.error}", kind="server_error")
+            self._stats.tokens(len(traj.prompt_token_ids), len(traj.token_ids))
+        if session is not None:
+            self._remember(session, group.trajectories[0], call.episode)
+        return group.trajectories
 
     def _session_of(self, ids: list[int], prefix: int) -> str:
         """The session of the turn whose ids (an assistant message's, `prefix` of them) start this
@@ -261,21 +285,22 @@ class Server:
         if episode is not None:
             turns = self.episodes.get(episode) or []
             turns.append(traj)
-            _put(self.episodes, episode, turns)
+            self._stats.episodes_forgotten.inc(_put(self.episodes, episode, turns))
 
     async def _reward(self, episode_id: str, data: dict[str, Any]) -> dict[str, Any]:
-        """Close an episode: its turns become one trajectory, rewarded, handed to the learner."""
+        """Close an episode: its turns become one trajectory, rewarded, handed to the learner. A full
+        learner's queue (429) leaves the episode as it was, for the client's retry."""
         value = data.get("reward")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
             raise api.ApiError(400, "reward: expected a finite number", "reward")
         turns = self.episodes.pop(episode_id, None)
         if not turns:
-            raise api.ApiError(404, f"episode {episode_id!r}: no turns were served with this episode_id", kind="not_found_error")
+            raise api.ApiError(404, f"episode {printable(episode_id)!r}: no turns were served with this episode_id", kind="not_found_error")
         observations = []
         for a, b in zip(turns, turns[1:]):
             before = a.prompt_token_ids + a.token_ids
             if b.prompt_token_ids[: len(before)] != before:
-                raise api.ApiError(409, f"episode {episode_id!r}: a turn does not continue the one before token for token")
+                raise api.ApiError(409, f"episode {printable(episode_id)!r}: a turn does not continue the one before token for token")
             observations.append(b.prompt_token_ids[len(before) :])
         request = EngineRequest(episode_id, episode_id, 0, self.engine.cfg.sampling, token_ids=turns[0].prompt_token_ids)
         episode = assemble(request, turns, observations, "stop", None)
@@ -284,91 +309,22 @@ class Server:
         try:
             await self.engine.hand_in(group)
         except RetryableError as e:
-            raise api.ApiError(429, str(e), kind="rate_limit_error") from e
+            kept = turns + self.episodes.get(episode_id, [])  # kept for the retry, before any turn sent meanwhile
+            self._stats.episodes_forgotten.inc(_put(self.episodes, episode_id, kept))
+            raise api.ApiError(429, str(e), kind="rate_limit_error", headers=RETRY_AFTER) from e
         return {"episode_id": episode_id, "turns": len(turns), "tokens": len(episode.token_ids), "reward": episode.reward}
-
-
-def _uvicorn(config: Any) -> Any:
-    """uvicorn's server without its signal handlers: the engine's own handling of Ctrl-C and
-    SIGTERM shuts everything down, this server included."""
-    import uvicorn
-
-    class Quiet(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self) -> Any:
-            yield
-
-    return Quiet(config)
-
-
-class _Stats:
-    """Prometheus figures of the server, and the engine's (`rollout.metrics`), for `GET /metrics`."""
-
-    def __init__(self, engine: Any):
-        from prometheus_client import CollectorRegistry, Counter, Histogram
-
-        self.engine = engine
-        self.registry = CollectorRegistry()
-        self.requests = Counter("rollout_http_requests", "HTTP requests by path and status", ["path", "status"], registry=self.registry)
-        self.latency = Histogram("rollout_http_latency_seconds", "HTTP request latency", ["path"], registry=self.registry,
-                                 buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))  # fmt: skip
-        self.prompt_tokens = Counter("rollout_http_prompt_tokens", "prompt tokens served", registry=self.registry)
-        self.generated = Counter("rollout_http_generated_tokens", "tokens generated for HTTP requests", registry=self.registry)
-        self._engine_registered = False
-
-    def request(self, path: str, status: int, seconds: float) -> None:
-        self.requests.labels(path, str(status)).inc()
-        self.latency.labels(path).observe(seconds)
-
-    def tokens(self, prompt: int, generated: int) -> None:
-        self.prompt_tokens.inc(prompt)
-        self.generated.inc(generated)
-
-    async def exposition(self) -> str:
-        from prometheus_client import generate_latest
-
-        from rollout.metrics import _Collector
-
-        metrics = self.engine._metrics
-        if metrics is not None:
-            await metrics.refresh()
-            if not self._engine_registered:
-                self.registry.register(_Collector(metrics))
-                self._engine_registered = True
-        return generate_latest(self.registry).decode()
-
-
-class _ApiKey:
-    """Bearer auth as plain ASGI middleware (Starlette's `BaseHTTPMiddleware` costs a task group
-    and two memory streams per request)."""
-
-    def __init__(self, app: Any, key: str):
-        self.app, self.expected = app, f"Bearer {key}".encode("latin-1")
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and dict(scope["headers"]).get(b"authorization") != self.expected:
-            reply = _error(api.ApiError(401, "missing or wrong API key (Authorization: Bearer ...)", kind="authentication_error"))
-            return await reply(scope, receive, send)
-        await self.app(scope, receive, send)
-
-
-def _json(body: Any, status: int = 200) -> Any:
-    """A JSON response encoded by msgspec (several times faster than `json.dumps` on token id lists)."""
-    from fastapi.responses import Response
-
-    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
-
-
-def _error(e: api.ApiError) -> Any:
-    return _json(e.body(), e.status)
 
 
 def _key(ids: list[int]) -> bytes:
     return hashlib.blake2b(msgspec.msgpack.encode(ids), digest_size=16).digest()
 
 
-def _put(store: OrderedDict, key: Any, value: Any) -> None:
+def _put(store: OrderedDict, key: Any, value: Any) -> int:
+    """Store `value` as the newest; returns how many of the oldest were forgotten past MAX_KEPT."""
     store[key] = value
     store.move_to_end(key)
+    forgotten = 0
     while len(store) > MAX_KEPT:
         store.popitem(last=False)
+        forgotten += 1
+    return forgotten

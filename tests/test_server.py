@@ -149,6 +149,10 @@ async def test_stream_true_is_answered_as_server_sent_events_the_sdk_reads():
         (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10000}).encode(), 400, "maximum context length"),
         (json.dumps({"messages": [{"role": "user", "content": "x" * 400}]}).encode(), 400, "maximum context length"),
         (json.dumps({"messages": [{"role": "user", "content": "x"}], "n": 3}).encode(), 400, "n: only n=1"),
+        (b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, "not valid UTF-8"),
+        (b"[" * 100_000 + b"]" * 100_000, 400, "nested deeper than"),
+        (b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "nested deeper than"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "tools": ' + b"[" * 200 + b"]" * 200 + b"}", 400, "nested deeper than"),
     ],
 )
 async def test_errors_are_openai_shaped_and_name_the_field(body, status, needle):
@@ -176,7 +180,7 @@ async def test_api_key_body_limit_and_overload():
             while s.server.inflight < 1:
                 await anyio.sleep(0.01)
             r = await s.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "b"}]}, headers=auth)
-            assert r.status_code == 429 and "max_concurrency" in r.json()["error"]["message"]
+            assert r.status_code == 429 and "max_concurrency" in r.json()["error"]["message"] and r.headers["retry-after"] == "1"
             for g in gate:
                 g.set()
 
