@@ -5,8 +5,8 @@ u32 crc32(the two fields before) | payload`, the payload a msgpack `Record`. The
 checksum of its own, so a damaged length can never pass for the end of the file. Only an
 incomplete last record is a torn write (a power cut mid-append): fewer bytes than a header, a
 verified header whose payload runs past the end, or zeros from some byte of the last record to the
-end of the file (a file whose new size reached the disk before its data reads as zeros: a whole
-header, or the tail of a verified header's payload). Anything else (a bad checksum, a record that
+end of the file (a file whose new size reached the disk before its data reads as zeros: the
+tail of a header, or of a verified header's payload). Anything else (a bad checksum, a record that
 does not decode, anywhere; a last record whose payload fails its checksum with bytes other than
 zeros at its end) raises `DurableLogError` with the byte offset (`_torn_payload` says why).
 Files without the v2 line (v1 logs, which had no header checksum) are refused, not read.
@@ -101,8 +101,8 @@ class LogReader:
                 return  # torn: part of a header
             length, crc, head_crc = HEADER.unpack(head)
             if zlib.crc32(head[:8]) != head_crc:
-                if self._zeros_from(pos):
-                    return  # torn: the file's new size reached the disk, its data did not
+                if self._zeros_from(pos + HEADER.size - 1):
+                    return  # torn: the file's new size reached the disk, its data (from some byte of this header on) did not
                 raise self._damaged(pos, "header checksum mismatch")
             if pos + HEADER.size + length > size:
                 return  # torn: a verified header whose payload never fully reached the disk

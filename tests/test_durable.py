@@ -108,11 +108,11 @@ def test_a_zero_filled_tail_is_a_torn_write(tmp_path):
     again.close()
 
 
-@pytest.mark.parametrize("kept", [0, 1, 30], ids=["payload-all-zeros", "one-byte-kept", "30-bytes-kept"])
+@pytest.mark.parametrize("kept", [-5, 0, 1, 30], ids=["header-tail", "payload-all-zeros", "one-byte-kept", "30-bytes-kept"])
 @pytest.mark.parametrize("extra", [0, 4096], ids=["at-eof", "zeros-after"])
 def test_a_zero_filled_payload_tail_of_the_last_record_is_a_torn_write(tmp_path, kept, extra):
-    """A power cut between the size update and the data write: the last record's header reached
-    the disk, its payload from some byte on reads as zeros (and so may whatever follows it)."""
+    """A power cut between the size update and the data write: the last record reached the disk
+    up to some byte of its header or payload, the rest reads as zeros (and so may what follows)."""
     write_log(tmp_path, 3)
     path = tmp_path / LOG_NAME
     last = offsets(path)[-1]
@@ -121,7 +121,8 @@ def test_a_zero_filled_payload_tail_of_the_last_record_is_a_torn_write(tmp_path,
     path.write_bytes(bytes(data))
     again = DurableLog(tmp_path)
     assert [g.prompt_id for g in again.open()] == ["g0", "g1"]
-    assert (again.torn_bytes, again.torn_records, again.torn) == (len(data) - last, 1, "zero-filled payload")
+    what = "zero-filled payload" if kept >= 0 else "incomplete record or zeros"
+    assert (again.torn_bytes, again.torn_records, again.torn) == (len(data) - last, 1, what)
     again.append(group("g3"))  # the run goes on after the cut
     again.close()
     assert recovered(tmp_path) == ["g0", "g1", "g3"]
