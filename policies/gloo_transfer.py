@@ -1,0 +1,309 @@
+"""The `gloo` weight-transfer backend: vLLM's `WeightTransferEngine` / `TrainerWeightTransferEngine`
+on CPU, so CPU engines take the same path as vLLM's own `nccl` and `ipc` backends on GPUs.
+
+Owns: `GlooWeightTransferEngine` (inside each vLLM worker), `GlooTrainerWeightTransferEngine` (in
+the learner), their init and update infos, `StateDictSource` (a state dict as vLLM's
+`WeightSource`, with a name map) and `register`, which puts both engines in vLLM's factories under
+"gloo". `register` runs in every vLLM engine and worker process through the
+`vllm.general_plugins` entry point (pyproject.toml), and on import of this module in the learner.
+A round, as vLLM's NCCL backend does it, with two additions: 1) the trainer calls
+`start_weight_update`, then `update_weights` (names, dtypes, shapes) in a thread; 2) each worker
+says in the rendezvous store that it is receiving, and the trainer broadcasts only once every
+worker has, so a round the engines refuse (bad metadata, an engine that cannot start) fails at
+once with their error instead of leaving a broadcast pending; 3) buckets of `bucket_bytes`, cut
+from the metadata alike on both sides, one `ProcessGroupGloo` broadcast each; each worker feeds
+the tensors to `model.load_weights` inside vLLM's layerwise reload (`start_weight_update` /
+`finish_weight_update`, as vLLM's NCCL backend); 4) `finish_weight_update`.
+Does not own: the two-phase guarantee and epochs (`rollout.weight_sync`, `rollout.updates`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    ParamMeta,
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    WeightSource,
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+BACKEND = "gloo"
+DEFAULT_BUCKET_BYTES = 64 << 20
+
+
+def register() -> None:
+    """Put the gloo engines in vLLM's factories (idempotent: vLLM loads plugins in every process)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    for factory, cls in ((WeightTransferEngineFactory, "GlooWeightTransferEngine"), (WeightTransferTrainerFactory, "GlooTrainerWeightTransferEngine")):
+        if BACKEND not in factory._registry:  # vLLM's registries refuse a second registration
+            factory.register_engine(BACKEND, __name__, cls)
+
+
+@dataclass(kw_only=True)
+class GlooInitInfo(WeightTransferInitInfo):
+    """Worker side: where the trainer's store is, and this worker's place in the group."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    session: str = "rollout"
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    timeout_s: float = 300.0
+
+
+@dataclass
+class GlooUpdateInfo(WeightTransferUpdateInfo):
+    """One round: what the trainer sends, in order (vLLM's NCCL update info, plus the round)."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    round: int = 0
+
+
+@dataclass
+class GlooTrainerInitInfo(TrainerInitInfo):
+    """Trainer side. `world_size`: 1 + every model worker of every engine (`client.world_size()`
+    of rollout's client). `master_port` 0: a free port."""
+
+    backend: ClassVar[str] = BACKEND
+
+    world_size: int
+    master_address: str = "127.0.0.1"
+    master_port: int = 0
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    timeout_s: float = 300.0
+
+
+def buckets(names: list[str], dtypes: list[str], shapes: list[list[int]], bucket_bytes: int) -> list[list[tuple[str, torch.dtype, list[int], int]]]:
+    """The round's tensors cut into buckets of at most `bucket_bytes` (a larger tensor alone):
+    (name, dtype, shape, bytes) each. Both sides cut alike from the same metadata."""
+    out: list[list[Any]] = [[]]
+    used = 0
+    for name, dtype_name, shape in zip(names, dtypes, shapes):
+        dtype = getattr(torch, dtype_name)
+        nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+        if out[-1] and used + nbytes > bucket_bytes:
+            out.append([])
+            used = 0
+        out[-1].append((name, dtype, list(shape), nbytes))
+        used += nbytes
+    return [b for b in out if b]
+
+
+def _group(address: str, port: int, session: str, rank: int, world: int, timeout_s: float, master: bool = False) -> tuple[Any, Any]:
+    """(store, ProcessGroupGloo): a standalone group over the trainer's TCPStore, never vLLM's."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(address, port, None, master, timeout=timeout, wait_for_workers=False)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+    return store, dist.ProcessGroupGloo(dist.PrefixStore(f"{session}/", store), rank, world, opts)
+
+
+def _broadcast(pg: Any, buf: torch.Tensor) -> None:
+    import torch.distributed as dist
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    pg.broadcast([buf], opts).wait()
+
+
+class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
+    """Worker side: joins the trainer's gloo group, receives each round's buckets, loads them
+    inside vLLM's layerwise reload (so CPU kernels are repacked at `finish_weight_update`)."""
+
+    init_info_cls = GlooInitInfo
+    update_info_cls = GlooUpdateInfo
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.info: GlooInitInfo | None = None
+        self.store: Any = None
+        self.pg: Any = None
+        self.rank = 0
+
+    def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        self.shutdown()
+        p = self.parallel_config
+        self.rank = p.data_parallel_index * p.world_size + p.rank + init_info.rank_offset
+        self.store, self.pg = _group(init_info.master_address, init_info.master_port, init_info.session, self.rank,
+                                     init_info.world_size, init_info.timeout_s)  # fmt: skip
+        self.info = init_info
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+        if self.pg is None or self.info is None:
+            raise RuntimeError("gloo weight transfer not initialized: call init_weight_transfer_engine first")
+        self.store.set(f"{self.info.session}/ready/{update_info.round}/{self.rank}", b"")
+        cut = buckets(update_info.names, update_info.dtype_names, update_info.shapes, self.info.bucket_bytes)
+        for k, bucket in enumerate(cut):
+            buf = torch.empty(sum(b[3] for b in bucket), dtype=torch.uint8)  # fresh: the reload keeps views until a layer is whole
+            try:
+                _broadcast(self.pg, buf)
+            except Exception as e:
+                names = bucket[0][0] if len(bucket) == 1 else f"{bucket[0][0]} .. {bucket[-1][0]}"
+                raise RuntimeError(f"gloo transfer: bucket {k + 1}/{len(cut)} ({names}): {type(e).__name__}: {e}") from e
+            views, at = [], 0
+            for name, dtype, shape, nbytes in bucket:
+                views.append((name, buf[at : at + nbytes].view(dtype).view(shape)))
+                at += nbytes
+            self.model.load_weights(views)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))  # CPU: nothing to synchronize
+
+    def shutdown(self) -> None:
+        if self.pg is not None and hasattr(self.pg, "shutdown"):
+            try:
+                self.pg.shutdown()
+            except Exception:  # a group broken by a dead peer has nothing left to close
+                pass
+        self.pg = self.store = self.info = None
+
+
+class StateDictSource(WeightSource):
+    """A state dict as vLLM's `WeightSource`. `name_map(trainer name) -> HF name | None` (None
+    leaves the tensor out): a sharded or renamed learner's hook. `update(weights)` swaps in the
+    next step's tensors (same names, shapes and dtypes)."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], name_map: Callable[[str], str | None] | None = None):
+        self.name_map = name_map
+        self.update(weights)
+
+    def update(self, weights: Mapping[str, torch.Tensor]) -> None:
+        pairs = [(self.name_map(k) if self.name_map else k, v) for k, v in weights.items()]
+        self.pairs = [(k, v) for k, v in pairs if k is not None]
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(k, v.dtype, tuple(v.shape)) for k, v in self.pairs]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from vllm.distributed.weight_transfer.base import materialize_full_tensor
+
+        for k, v in self.pairs:
+            yield k, materialize_full_tensor(v)
+
+
+class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
+    """Trainer side: hosts the rendezvous store, is rank 0 of the group, drives the round through
+    any `VLLMWeightSyncClient` (rollout's, vLLM's Ray or HTTP one). Non-sender ranks of a sharded
+    learner only iterate the source (its gathers are collectives), as with vLLM's NCCL backend."""
+
+    init_info_cls = GlooTrainerInitInfo
+
+    def __init__(self, *, client: Any, source: WeightSource | None = None, is_sender: bool = True, info: GlooTrainerInitInfo | None = None):
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.info = info
+        self.store: Any = None
+        self.pg: Any = None
+        self.session = f"rollout-gloo-{uuid.uuid4().hex[:8]}"
+        self.round = 0
+
+    @classmethod
+    def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client: Any, source: WeightSource | None = None) -> GlooTrainerWeightTransferEngine:
+        if source is None:
+            raise ValueError("gloo trainer weight transfer requires a WeightSource")
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info)
+        if not engine.is_sender:
+            return engine
+        import torch.distributed as dist
+
+        i = init_info
+        store = dist.TCPStore(i.master_address, i.master_port, None, True, timeout=datetime.timedelta(seconds=i.timeout_s), wait_for_workers=False)
+        worker = GlooInitInfo(master_address=i.master_address, master_port=store.port, rank_offset=1, world_size=i.world_size,
+                              session=engine.session, bucket_bytes=i.bucket_bytes, timeout_s=i.timeout_s)  # fmt: skip
+        exe = ThreadPoolExecutor(max_workers=1)
+        try:  # the workers wait inside init for the group's rendezvous, and so does rank 0
+            joined = exe.submit(_group, i.master_address, store.port, engine.session, 0, i.world_size, i.timeout_s)
+            client.init_weight_transfer_engine(asdict(worker))
+            _, engine.pg = joined.result()
+        finally:
+            exe.shutdown(wait=False)
+        engine.store = store
+        return engine
+
+    def send_weights(self) -> None:
+        assert self.source is not None and self.info is not None
+        meta = self.source.metadata()
+        if not self.is_sender:
+            for _ in self.source:  # stay in the learner's own collectives (FSDP gathers)
+                pass
+            return
+        self.round += 1
+        info = GlooUpdateInfo([m.name for m in meta], [str(m.dtype).removeprefix("torch.") for m in meta], [list(m.shape) for m in meta], self.round)
+        self.client.start_weight_update()
+        exe = ThreadPoolExecutor(max_workers=1)
+        try:
+            receiving = exe.submit(self.client.update_weights, asdict(info))
+            self._wait_ready(receiving)
+            self._send(meta, info)
+            receiving.result()
+        finally:
+            exe.shutdown(wait=False)  # a failed broadcast leaves the workers' call to fail on their own timeout
+        self.client.finish_weight_update()
+
+    def _wait_ready(self, receiving: Future) -> None:
+        """Until every worker said it receives; raises the engines' error as soon as the call fails."""
+        assert self.info is not None
+        keys = [f"{self.session}/ready/{self.round}/{r}" for r in range(1, self.info.world_size)]
+        deadline = time.monotonic() + self.info.timeout_s
+        while keys:
+            if receiving.done():
+                receiving.result()  # raises the engines' error
+                raise RuntimeError("the engines' update_weights returned before every worker received the weights")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"gloo transfer: {len(keys)} workers not receiving within {self.info.timeout_s:g} s")
+            try:
+                self.store.wait(keys[:1], datetime.timedelta(milliseconds=50))
+                keys.pop(0)
+            except Exception as e:  # torch raises on timeout; anything else is a dead store
+                if "timeout" not in str(e).lower() and "timed out" not in str(e).lower():
+                    raise
+
+    def _send(self, meta: list[ParamMeta], info: GlooUpdateInfo) -> None:
+        assert self.info is not None and self.source is not None
+        it = iter(self.source)
+        for bucket in buckets(info.names, info.dtype_names, info.shapes, self.info.bucket_bytes):
+            parts = []
+            for name, dtype, shape, _ in bucket:
+                got, t = next(it)
+                if got != name or t.dtype != dtype or list(t.shape) != shape:
+                    raise ValueError(f"WeightSource yielded {got!r} {t.dtype} {list(t.shape)}, metadata() declared {name!r} {dtype} {shape}")
+                parts.append(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8))
+            _broadcast(self.pg, torch.cat(parts) if len(parts) > 1 else parts[0])
+
+    def shutdown(self) -> None:
+        if self.pg is not None and hasattr(self.pg, "shutdown"):
+            try:
+                self.pg.shutdown()
+            except Exception:
+                pass
+        self.pg = self.store = None
+
+
+register()

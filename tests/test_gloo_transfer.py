@@ -1,0 +1,184 @@
+"""The gloo weight-transfer backend without engines: vLLM's factories build both sides, a trainer
+sends to two workers (plain torch modules, in threads of this process) through a small client
+with vLLM's four calls. Bytes arrive exact, in buckets; a round the workers refuse fails at once
+in the trainer; a trainer gone mid-transfer and a trainer that never sends fail each worker within
+its timeout, naming the bucket and its tensors.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from policies.gloo_transfer import GlooTrainerInitInfo, GlooWeightTransferEngine, StateDictSource, buckets
+
+
+class Module(torch.nn.Module):
+    """Stands in for vLLM's model: `load_weights` copies by name and records what it got."""
+
+    def __init__(self, weights: dict[str, torch.Tensor]):
+        super().__init__()
+        self.w = {k: torch.zeros_like(v) for k, v in weights.items()}
+        self.loaded: list[str] = []
+
+    def load_weights(self, pairs):
+        for name, t in pairs:
+            self.w[name].copy_(t)
+            self.loaded.append(name)
+
+
+class Worker(GlooWeightTransferEngine):
+    """vLLM's layerwise reload needs a vLLM model: here start/finish only record the calls."""
+
+    def start_weight_update(self) -> None:
+        self.model.loaded.clear()
+
+    def finish_weight_update(self) -> None:
+        pass
+
+
+def worker(rank: int, weights) -> Worker:
+    cfg = types.SimpleNamespace(parallel_config=types.SimpleNamespace(data_parallel_index=0, world_size=1, rank=0), model_config=None)
+    return Worker(types.SimpleNamespace(backend="gloo"), cfg, torch.device("cpu"), Module(weights))
+
+
+class Client:
+    """vLLM's `VLLMWeightSyncClient` over in-process workers, each at its own rank, as rollout's
+    client fans out to engines; `refuse` makes update_weights fail before any worker receives."""
+
+    def __init__(self, workers):
+        self.workers, self.refuse, self.pool = workers, None, ThreadPoolExecutor(len(workers))
+
+    def _all(self, fn):
+        for f in [self.pool.submit(fn, k, w) for k, w in enumerate(self.workers)]:
+            f.result()
+
+    def init_weight_transfer_engine(self, info):
+        self._all(lambda k, w: w.init_transfer_engine(w.parse_init_info({**info, "rank_offset": info["rank_offset"] + k})))
+
+    def start_weight_update(self):
+        self._all(lambda k, w: w.start_weight_update())
+
+    def update_weights(self, info):
+        if self.refuse:
+            raise ValueError(self.refuse)
+        self._all(lambda k, w: w.update_weights(info))
+
+    def finish_weight_update(self, weight_version=None):
+        self._all(lambda k, w: w.finish_weight_update())
+
+
+def weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model.embed.weight": torch.randn(64, 32, generator=g),
+        "model.layers.0.w": torch.randn(32, 32, generator=g).to(torch.bfloat16),
+        "model.layers.0.b": torch.randn(32, generator=g),
+        "model.norm.weight": torch.randn(32, generator=g),
+    }
+
+
+def setup(timeout_s: float = 30.0, bucket_bytes: int = 3000):
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    w0 = weights(0)
+    client = Client([worker(r, w0) for r in range(2)])
+    source = StateDictSource(w0)
+    init = GlooTrainerInitInfo(world_size=3, rank=0, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+    return WeightTransferTrainerFactory.trainer_init(init, client=client, source=source), client, source
+
+
+def test_buckets_cut_alike_and_keep_large_tensors_whole():
+    cut = buckets(["a", "b", "c"], ["float32", "bfloat16", "float32"], [[10], [1000], [3]], 100)
+    assert [[n for n, *_ in b] for b in cut] == [["a"], ["b"], ["c"]]
+    assert [sum(x[3] for x in b) for b in cut] == [40, 2000, 12]
+
+
+def test_the_trainer_sends_exact_bytes_to_every_worker_round_after_round():
+    trainer, client, source = setup()
+    for seed in (1, 2):
+        w = weights(seed)
+        source.update(w)
+        trainer.send_weights()
+        for wk in client.workers:
+            assert wk.model.loaded == list(w) and all(torch.equal(wk.model.w[k], v) for k, v in w.items())
+    trainer.shutdown()
+
+
+def test_a_refused_round_fails_in_the_trainer_at_once():
+    trainer, client, source = setup(timeout_s=300)
+    client.refuse = "unknown model.extra.weight"
+    with pytest.raises(ValueError, match="unknown model.extra.weight"):
+        trainer.send_weights()  # no broadcast was started: it cannot wait out the 300 s
+    client.refuse = None
+    trainer.send_weights()  # and the group still works
+    trainer.shutdown()
+
+
+TRAINER = """
+import os, sys, torch
+from policies.gloo_transfer import _broadcast, _group
+store, pg = _group("127.0.0.1", int(sys.argv[1]), "t", 0, 2, 30.0, master=False)
+_broadcast(pg, torch.zeros(int(sys.argv[2]), dtype=torch.uint8))  # the first bucket, then the process dies
+os._exit(1)
+"""
+
+
+def test_a_learner_gone_mid_transfer_fails_the_worker_naming_the_bucket():
+    """The learner's process dies after its first bucket: the worker fails at the second, naming
+    it and its tensors, well within its timeout (the sockets close; nothing waits the 30 s out)."""
+    import subprocess
+    import sys
+    import time
+
+    import torch.distributed as dist
+
+    from policies.gloo_transfer import GlooInitInfo
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)  # stands for the learner's
+    w = weights(0)
+    names = list(w)
+    cut = buckets(names, [str(v.dtype).removeprefix("torch.") for v in w.values()], [list(v.shape) for v in w.values()], 3000)
+    assert len(cut) >= 2
+    child = subprocess.Popen([sys.executable, "-c", TRAINER, str(store.port), str(sum(x[3] for x in cut[0]))])
+    wk = worker(0, w)
+    wk.init_transfer_engine(GlooInitInfo(master_address="127.0.0.1", master_port=store.port, rank_offset=1, world_size=2, session="t",
+                                         bucket_bytes=3000, timeout_s=30.0))  # fmt: skip
+    wk.start_weight_update()
+    t0 = time.monotonic()
+    info = {"names": names, "dtype_names": [str(v.dtype).removeprefix("torch.") for v in w.values()], "shapes": [list(v.shape) for v in w.values()]}
+    with pytest.raises(RuntimeError, match=r"gloo transfer: bucket 2/\d+ \(model.layers.0.w"):
+        wk.update_weights(info)
+    assert time.monotonic() - t0 < 25
+    assert child.wait(30) == 1
+    wk.shutdown()
+
+
+def test_a_transfer_that_hangs_fails_the_worker_at_its_timeout():
+    """A learner that joined but never sends: the worker gives up after the group's timeout."""
+    import time
+
+    from policies.gloo_transfer import GlooInitInfo, _group
+
+    w = weights(0)
+    wk = worker(0, w)
+    host: list = []
+    t = threading.Thread(target=lambda: host.append(_group("127.0.0.1", port, "h", 0, 2, 3.0, master=True)))
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    t.start()
+    wk.init_transfer_engine(GlooInitInfo(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2, session="h", timeout_s=3.0))
+    t.join()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"gloo transfer: bucket 1/1 \(model.embed.weight .. model.norm.weight\)"):
+        wk.update_weights({"names": list(w), "dtype_names": [str(v.dtype).removeprefix("torch.") for v in w.values()],
+                           "shapes": [list(v.shape) for v in w.values()]})  # fmt: skip
+    assert 2 < time.monotonic() - t0 < 20
+    wk.shutdown()
