@@ -144,6 +144,7 @@ class RolloutEngine:
             for server in self._servers:
                 await server.stop()
         self._closed = True
+        self._updates.close()  # an update in flight ends with EngineClosedError; nothing restarts any more
         if self._scheduler is not None:
             self._scheduler.fail(EngineClosedError("the engine was shut down"))
         clean = False

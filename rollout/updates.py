@@ -27,7 +27,7 @@ from typing import Any
 import anyio
 
 from rollout.config import Config
-from rollout.errors import EngineDeadError, InvalidWeightsError, WeightSyncError
+from rollout.errors import EngineClosedError, EngineDeadError, InvalidWeightsError, WeightSyncError
 from rollout.log import get_logger
 from rollout.types import UpdateStats
 
@@ -56,6 +56,7 @@ class WeightUpdates:
         self._tg: Any = None
         self._durable: Any = None
         self._start_epoch = 0
+        self._closed = False  # the engine is shutting down: updates end with EngineClosedError, nothing restarts
 
     def bind(self, scheduler: Any, pool: Any, model_path: str, tg: Any, durable: Any = None, start_epoch: int = 0) -> None:
         """The running scheduler, engine pool, model directory, the task group restarts run in, the
@@ -64,12 +65,27 @@ class WeightUpdates:
         self._scheduler, self._pool, self._model_path, self._tg = scheduler, pool, model_path, tg
         self._durable, self._start_epoch = durable, start_epoch
 
+    def close(self) -> None:
+        """The engine is shutting down: an update in flight, or waiting for the lock, raises
+        EngineClosedError (its engines are going away), and no engine is restarted."""
+        self._closed = True
+
     async def update(self, weights: Any) -> int:
         """`RolloutEngine.update_weights`: see there."""
+        try:
+            return await self._update(weights)
+        except Exception as e:
+            if self._closed:
+                raise EngineClosedError(f"the engine was shut down during this weight update ({type(e).__name__}: {e})") from e
+            raise
+
+    async def _update(self, weights: Any) -> int:
         from policies.weights import fingerprint, pack, read_manifest
 
         pool = self._pool
         async with self.lock:
+            if self._closed:
+                raise EngineClosedError("the engine was shut down before this weight update began")
             t0 = time.perf_counter()
             if self._manifest is None:
                 self._manifest = await anyio.to_thread.run_sync(read_manifest, self._model_path)
@@ -284,7 +300,7 @@ class WeightUpdates:
     def restart_later(self, i: int) -> bool:
         """The scheduler lost engine `i`: restart it in the background, unless it used up its restarts."""
         n = self._restarts.get(i, 0)
-        if n >= self.cfg.engines.max_restarts or not hasattr(self._pool, "restart"):
+        if self._closed or n >= self.cfg.engines.max_restarts or not hasattr(self._pool, "restart"):
             return False
         self._restarts[i] = n + 1
         self._tg.start_soon(self._restart, i, n + 1)

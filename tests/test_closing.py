@@ -1,0 +1,71 @@
+"""An engine that closes with a weight update in flight: the update ends with EngineClosedError,
+nothing is restarted, the pool is shut down (fake engines: the race is the driver's, not vLLM's)."""
+
+from __future__ import annotations
+
+import anyio
+import msgspec
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from rollout.config import load_config
+from rollout.engine import RolloutEngine
+from rollout.errors import EngineClosedError, EngineDeadError
+from tests.fakes import FakeEngine, FakePool
+
+STATE = {"embed.weight": torch.arange(12, dtype=torch.float32).reshape(4, 3)}
+
+
+class DyingEngine(FakeEngine):
+    """As a Ray engine is at shutdown: a load in flight fails once its actor is gone."""
+
+    async def commit_weights(self, epoch: int) -> dict[str, float]:
+        if self.commit_gate is not None:
+            await self.commit_gate.wait()
+        if self.dead:
+            raise EngineDeadError(f"engine {self.engine_id} was shut down")
+        return await super().commit_weights(epoch)
+
+
+class Pool(FakePool):
+    async def shutdown(self) -> None:
+        for e in self.engines:
+            e.dead = True
+            if e.commit_gate is not None:
+                e.commit_gate.set()
+        await super().shutdown()
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    (tmp_path / "config.json").write_text('{"vocab_size": 260}')
+    save_file(STATE, str(tmp_path / "model.safetensors"))
+    cfg = load_config(None, ["engines.count=2", "logging.level=error", "engines.max_restarts=3"])
+    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=str(tmp_path)))
+
+
+@pytest.mark.parametrize("phase", ["loading", "waiting for the lock"])
+async def test_an_update_in_flight_when_the_engine_closes_gets_engine_closed_error(cfg, phase):
+    pool = Pool([DyingEngine(0), DyingEngine(1)])
+    for e in pool.engines:
+        e.commit_gate = anyio.Event()  # the load hangs until the pool shuts down
+    errors: list[BaseException] = []
+
+    async def update(engine: RolloutEngine) -> None:
+        try:
+            await engine.update_weights(STATE)
+        except BaseException as e:
+            errors.append(e)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            async with RolloutEngine(cfg, pool=pool) as engine:
+                tg.start_soon(update, engine)
+                if phase == "waiting for the lock":
+                    tg.start_soon(update, engine)
+                while not all(e.staged for e in pool.engines):
+                    await anyio.sleep(0)  # the fakes' own state: the first update is loading
+    assert len(errors) == (2 if phase == "waiting for the lock" else 1)
+    assert all(isinstance(e, EngineClosedError) for e in errors), errors
+    assert "shut down" in str(errors[0]) and pool.shutdown_calls == 1 and pool.restarts == []
