@@ -11,8 +11,11 @@ One instance per episode (`env: "package.module:Class"`, built with `env_args`, 
 passed in code). An observation is text (a user message), a `{"role": ..., "content": ...}`
 message (`"tool"` for a tool's answer), a list of such messages, or token ids (used as they are);
 None ends nothing by itself (only `done` does). `step` gets the model's turn as an `Action`.
-What an environment returns is checked here (`as_step`, `as_messages`); anything else, an
-exception or a step slower than `episode.step_timeout_s` fails that episode only, with the reason.
+What an environment returns is checked here, field by field (`as_step`, `as_messages`: a reward
+that is not a finite real number, a `done` that is not a bool, a message with an unknown role, text
+that is not UTF-8, `tool_calls` not in OpenAI's shape or not JSON); anything else, whatever it
+raises (`BaseException`s too, `rollout.usercode`) or a call longer than `episode.step_timeout_s`
+fails that episode only, naming the field or the cause.
 Does not own: running turns on engines (`rollout.episodes`), rendering messages to tokens
 (`rollout.chat`).
 """
@@ -20,19 +23,19 @@ Does not own: running turns on engines (`rollout.episodes`), rendering messages 
 from __future__ import annotations
 
 import inspect
-import math
-import numbers
+import json
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-import anyio
 import msgspec
 
 from rollout.errors import InvalidConfigError, RolloutError
-from rollout.rewards import import_object
+from rollout.rewards import finite, import_object
 from rollout.types import Prompt
+from rollout.usercode import UserCodeError, invoke, shown
 
 Observation = str | dict[str, Any] | list[dict[str, Any]] | list[int] | None
+ROLES = ("system", "user", "assistant", "tool")  # what an observation's messages may be
 
 
 class Action(msgspec.Struct, frozen=True):
@@ -85,61 +88,88 @@ def load_env(path: str | None, env_args: dict[str, Any]) -> EnvFactory | None:
 
 
 async def call(fn: Callable[..., Any], arg: Any, timeout: float | None, what: str) -> Any:
-    """Call an environment method (sync in a thread, async on the loop) within `timeout`.
-    Raises EnvError naming `what` and the cause."""
+    """Call an environment method (sync in a worker thread, async on the loop) within `timeout` of
+    the call itself (`rollout.usercode`). Raises EnvError naming `what` and the cause."""
     try:
-        with anyio.fail_after(timeout):
-            if inspect.iscoroutinefunction(fn):
-                return await fn(arg)
-            result = await anyio.to_thread.run_sync(fn, arg, abandon_on_cancel=True)
-            return await result if inspect.isawaitable(result) else result
+        return await invoke(fn, arg, timeout=timeout)
     except TimeoutError as e:
         raise EnvError(f"environment {what} took longer than episode.step_timeout_s={timeout}") from e
-    except EnvError:
-        raise
-    except Exception as e:
-        raise EnvError(f"environment {what} raised {type(e).__name__}: {e}") from e
+    except UserCodeError as e:
+        raise EnvError(f"environment {what} raised {e}") from e.error
 
 
-def as_step(value: Any) -> Step:
-    """A `Step` from what `step` returned: a Step, or (observation, reward, done). Raises EnvError."""
+def as_step(value: Any, what: str = "step") -> Step:
+    """A `Step` from what `step` returned: a Step, or (observation, reward, done), every field
+    checked (a Struct checks nothing when built). Raises EnvError naming `what` and the field."""
     if isinstance(value, Step):
-        step = value
+        obs, reward, done = value.observation, value.reward, value.done
     elif isinstance(value, tuple) and len(value) == 3:
         obs, reward, done = value
-        if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
-            raise EnvError(f"environment step returned reward {reward!r}, expected a finite number")
-        if not isinstance(done, bool):
-            raise EnvError(f"environment step returned done {done!r}, expected a bool")
-        step = Step(obs, float(reward), done)
     else:
-        raise EnvError(f"environment step returned {_short(value)}; expected a Step or (observation, reward, done)")
-    as_messages(step.observation)  # checks its shape
-    return step
+        raise EnvError(f"environment {what} returned {shown(value)}; expected a Step or (observation, reward, done)")
+    if (number := finite(reward)) is None:
+        raise EnvError(f"environment {what}: Step.reward: expected a finite number, got {shown(reward)}")
+    if not isinstance(done, bool):
+        raise EnvError(f"environment {what}: Step.done: expected a bool, got {shown(done)}")
+    as_messages(obs, f"environment {what}: Step.observation")
+    return Step(obs, number, done)
 
 
-def as_messages(obs: Observation) -> list[dict[str, Any]] | list[int] | None:
-    """An observation as chat messages, or token ids (None: nothing). Raises EnvError."""
+def as_messages(obs: Observation, where: str = "environment observation") -> list[dict[str, Any]] | list[int] | None:
+    """An observation as chat messages, or token ids (None: nothing). Raises EnvError naming
+    `where` and the field within it."""
     if obs is None:
         return None
     if isinstance(obs, str):
-        return [{"role": "user", "content": obs}]
+        return [{"role": "user", "content": _text(obs, where)}]
     if isinstance(obs, dict):
-        obs = [obs]
+        return [_message(obs, where)]
     if isinstance(obs, list) and obs and all(isinstance(x, int) and not isinstance(x, bool) for x in obs):
         return list(obs)
-    if isinstance(obs, list) and obs and all(_is_message(m) for m in obs):
-        return [dict(m) for m in obs]
-    raise EnvError(f"environment observation {_short(obs)} is not text, a message, messages or token ids")
+    if isinstance(obs, list) and obs and any(isinstance(m, dict) for m in obs):
+        return [_message(m, f"{where}[{i}]") for i, m in enumerate(obs)]
+    raise EnvError(f"{where}: expected text, a message, messages or token ids, got {shown(obs)}")
 
 
-def _is_message(m: Any) -> bool:
-    return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+def _message(m: Any, where: str) -> dict[str, Any]:
+    """A chat message an environment sent, checked field by field (what the chat template reads)."""
+    if not isinstance(m, dict):
+        raise EnvError(f"{where}: expected a message {{'role': ..., 'content': ...}}, got {shown(m)}")
+    if m.get("role") not in ROLES:
+        raise EnvError(f"{where}.role: expected one of {', '.join(ROLES)}, got {shown(m.get('role'))}")
+    _text(m.get("content"), f"{where}.content")
+    for key in ("name", "tool_call_id"):
+        if key in m:
+            _text(m[key], f"{where}.{key}")
+    if "tool_calls" in m:
+        _tool_calls(m["tool_calls"], f"{where}.tool_calls")
+    return dict(m)
 
 
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) < 120 else text[:117] + "..."
+def _tool_calls(calls: Any, where: str) -> None:
+    """OpenAI's shape: [{"type": "function", "id": ..., "function": {"name": ..., "arguments": ...}}],
+    arguments a JSON string or an object, the whole of it JSON (templates write it with `tojson`)."""
+    if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls):
+        raise EnvError(f"{where}: expected a list of {{'type': 'function', 'function': {{'name': ..., 'arguments': ...}}}}, got {shown(calls)}")
+    for i, call in enumerate(calls):
+        fn = call["function"]
+        _text(fn.get("name"), f"{where}[{i}].function.name")
+        if not isinstance(fn.get("arguments"), str | dict):
+            raise EnvError(f"{where}[{i}].function.arguments: expected a JSON string or an object, got {shown(fn.get('arguments'))}")
+    try:
+        json.dumps(calls, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise EnvError(f"{where}: is not JSON: {type(e).__name__}: {e}") from e
+
+
+def _text(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise EnvError(f"{where}: expected a string, got {shown(value)}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise EnvError(f"{where}: is not valid UTF-8: {e.reason} at {e.start}") from e
+    return value
 
 
 def check_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:

@@ -13,7 +13,8 @@ Owns one episode's loop (the scheduler runs one per sample of a prompt when `env
   4) fold the turns into one `Trajectory` (`assemble`): `token_ids` after the first prompt, model
      tokens with `loss_mask` 1 and their logprobs and epochs, observation tokens with 0 / 0.0 / -1;
      `turns` keeps every turn's own records; `reward` is the sum of the step rewards.
-An environment that raises, times out or answers garbage fails this episode only (`EnvError`).
+An environment that raises, times out or answers garbage (every field of its `Step` is checked,
+`rollout.env`) fails this episode only (`EnvError`).
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ async def run_episode(
                 finish, error = turn.finish_reason, turn.error
                 break
             action = Action(renderer.decode(turn.token_ids) if renderer else "", list(turn.token_ids), turn.finish_reason, k)
-            step = as_step(await call(env.step, action, cfg.step_timeout_s, f"step of turn {k}"))
+            what = f"step of turn {k}"
+            step = as_step(await call(env.step, action, cfg.step_timeout_s, what), what)
             turn.reward = step.reward
             rewards.append(step.reward)
             if step.done:
@@ -87,18 +89,18 @@ async def run_episode(
 
 
 async def _first_prompt(prompt: Prompt, env: Any, cfg: EpisodeConfig, limits: ModelLimits, renderer: ChatRenderer | None) -> list[int]:
-    obs = as_messages(await call(env.reset, prompt, cfg.step_timeout_s, "reset"))
+    obs = as_messages(await call(env.reset, prompt, cfg.step_timeout_s, "reset"), "environment reset: observation")
     if prompt.token_ids is not None:
         ids = list(prompt.token_ids)
         if isinstance(obs, list) and obs and isinstance(obs[0], int):
             ids += obs
         elif obs:
-            ids += _need(renderer, "a text observation").render(obs)
+            ids += _render(_need(renderer, "a text observation").render, obs, "the first prompt")
     else:
         said = obs if obs and isinstance(obs[0], dict) else []
         system = [m for m in said if m["role"] == "system"]  # an environment's instructions come first
         messages = [*system, {"role": "user", "content": prompt.text or ""}, *[m for m in said if m["role"] != "system"]]
-        ids = _need(renderer, "a text prompt in an episode").render(messages)
+        ids = _render(_need(renderer, "a text prompt in an episode").render, messages, "the first prompt")
         if obs and isinstance(obs[0], int):
             ids += obs
     check_ids(ids, limits.vocab_size, "the first prompt")
@@ -119,12 +121,18 @@ def _observation_ids(observation: Any, turn: Trajectory, renderer: ChatRenderer 
     else:
         chat = _need(renderer, "a text observation")
         ended = turn.token_ids[-1:] == [chat.end_of_turn]
-        try:
-            ids = ([] if ended else [chat.end_of_turn]) + chat.append(messages)
-        except ValueError as e:
-            raise EnvError(f"observation of turn {k}: {e}") from e
+        ids = ([] if ended else [chat.end_of_turn]) + _render(chat.append, messages, f"observation of turn {k}")
     check_ids(ids, limits.vocab_size, f"observation of turn {k}")
     return ids
+
+
+def _render(render: Callable[[list[dict[str, Any]]], list[int]], messages: list[dict[str, Any]], what: str) -> list[int]:
+    """Messages an environment sent, through the chat template: what it cannot render (a value
+    the template chokes on, a template that is not a suffix) fails the episode, naming `what`."""
+    try:
+        return render(messages)
+    except Exception as e:
+        raise EnvError(f"{what}: the chat template cannot render it: {type(e).__name__}: {e}") from e
 
 
 def _need(renderer: ChatRenderer | None, what: str) -> ChatRenderer:

@@ -2,14 +2,14 @@
 
 The function is `reward(prompt: Prompt, trajectory: Trajectory) -> float` (or `async def`). It
 runs off the engine path: a sync function in a worker thread, an async one on the event loop.
-An exception, or a value that is not a finite number, marks that trajectory failed (`error`
-holds the reason or the traceback); nothing else stops.
+Whatever it raises (`BaseException`s too, `rollout.usercode`), or a value that is not a finite
+real number, marks that trajectory failed (`error` holds the reason or the traceback); nothing
+else stops.
 """
 
 from __future__ import annotations
 
 import importlib
-import inspect
 import math
 import numbers
 import os
@@ -18,10 +18,9 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-import anyio
-
 from rollout.errors import InvalidConfigError
 from rollout.types import Prompt, Trajectory
+from rollout.usercode import UserCodeError, invoke, shown
 
 RewardFn = Callable[[Prompt, Trajectory], Any]
 
@@ -57,20 +56,30 @@ def load_reward(path: str | None) -> RewardFn | None:
 
 
 async def score(fn: RewardFn, prompt: Prompt, traj: Trajectory) -> None:
-    """Set `traj.reward`, or mark `traj` failed with the reason. Never raises (but cancellation)."""
+    """Set `traj.reward`, or mark `traj` failed with the reason. Never raises (but the caller's
+    cancellation): whatever `fn` raises, `SystemExit` included, fails this trajectory only."""
     if not traj.ok:
         return
     try:
-        if inspect.iscoroutinefunction(fn):
-            value = await fn(prompt, traj)
-        else:
-            value = await anyio.to_thread.run_sync(fn, prompt, traj)
-    except Exception:
+        value = await invoke(fn, prompt, traj)
+    except UserCodeError as e:
         traj.finish_reason = "error"
-        traj.error = "reward function raised:\n" + traceback.format_exc(limit=8)
+        traj.error = "reward function raised:\n" + "".join(traceback.format_exception(e.error, limit=-8))
         return
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+    if (number := finite(value)) is None:
         traj.finish_reason = "error"
-        traj.error = f"reward function returned {value!r}, expected a finite number"
+        traj.error = f"reward function returned {shown(value)}, expected a finite number"
         return
-    traj.reward = float(value)
+    traj.reward = number
+
+
+def finite(value: Any) -> float | None:
+    """`value` as a float if it is a finite real number (not a bool), else None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        number = float(value)
+    except (OverflowError, ValueError, TypeError):  # an int past float's range, an odd Real
+        return None
+    return number if math.isfinite(number) else None
+

@@ -45,6 +45,7 @@ from rollout.rewards import RewardFn, score
 from rollout.runner import Runner, failed
 from rollout.staleness import Admission, trainable
 from rollout.types import Group, Prompt, Request, Sampling, Trajectory, kv_runs
+from rollout.usercode import passes_through
 
 log = get_logger(__name__)
 Destination = TrajectoryQueue | Submission
@@ -198,11 +199,13 @@ class Scheduler:
         fails this group with the reason instead of the engine's task group and everything in it."""
         try:
             await self._run_group(*args)
-        except Exception as e:
+        except BaseException as e:  # what user code raised on the loop (a callback's SystemExit) too
+            if passes_through(e):  # our own cancellation, or Ctrl-C
+                raise
             _, prompt, _, _, seq, _, _, dest, train, _ = args
             await self._crashed(e, prompt, seq, dest, train)
 
-    async def _crashed(self, error: Exception, item: Prompt | BadPrompt, seq: int, dest: Destination, train: bool) -> None:
+    async def _crashed(self, error: BaseException, item: Prompt | BadPrompt, seq: int, dest: Destination, train: bool) -> None:
         """Group `seq` failed for a reason of ours, not the engine's: hand it in failed, with the reason."""
         reason = f"scheduler: {type(error).__name__}: {error}"
         log.error("group failed", prompt=item.id, error=reason, traceback=traceback.format_exc(limit=6))
@@ -280,13 +283,20 @@ class Scheduler:
 
         try:
             env = self.env()
-        except Exception as e:
+        except BaseException as e:  # user code: SystemExit too (`rollout.usercode`)
+            if passes_through(e):
+                raise
             finish(failed(request, i, f"episode {request.request_id}: {EnvError(f'environment raised {type(e).__name__}: {e}')}"))
             return
         try:
             episode = await run_episode(request, prompt, env, self.cfg.episode, self.limits, self.chat, run_turn)
         except EngineDeadError as e:
             episode = failed(request, engine, str(e))
+        except BaseException as e:  # a bug of ours on an odd answer: this episode fails, not its group
+            if passes_through(e):
+                raise
+            log.error("episode failed", request=request.request_id, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=6))
+            episode = failed(request, engine, f"episode {request.request_id}: {type(e).__name__}: {e}")
         finish(episode)
 
     async def hand_in(self, group: Group) -> None:

@@ -3,6 +3,9 @@ that fail, engines that die mid-episode, GRPO groups of episodes; and per-caller
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import anyio
 import pytest
 
@@ -134,7 +137,7 @@ class Broken:
         ("reset", "environment reset raised RuntimeError: no such task"),
         ("step", "environment step of turn 0 raised ValueError: bad action"),
         ("slow", "took longer than episode.step_timeout_s=0.05"),
-        ("garbage", "environment step returned {'not': 'a step'}"),
+        ("garbage", "environment step of turn 0 returned {'not': 'a step'}"),
         ("vocab", "observation of turn 0: token id 9999 outside the vocabulary"),
         ("no_observation", "returned no observation and did not end the episode"),
     ],
@@ -238,3 +241,81 @@ async def test_reasoning_gym_scores_answers_with_its_verifier():
     env.reset(Prompt(text="solve", id="other"))
     env.step(Action("x", [], "stop", 0))
     assert env.step(Action("y", [], "stop", 1)).done  # out of attempts
+
+
+# -- hostile environments: one bad answer fails its own episode, never its group or the engine -----
+
+
+class OneBad(Echo):
+    """The first environment built answers turn 0 with `how` (a value, or raising); the others are Echo."""
+
+    built = 0
+
+    def __init__(self, how):
+        super().__init__()
+        type(self).built += 1
+        self.bad = type(self).built == 1
+        self.how = how
+
+    async def step(self, action):
+        if self.bad and action.turn == 0:
+            return self.how()
+        return await super().step(action)
+
+
+class OneBadSync(OneBad):
+    """The same with a sync `step` (run in a worker thread) and `reset`."""
+
+    def reset(self, prompt):
+        if self.bad and self.how is None:
+            raise SystemExit(2)
+        return None
+
+    def step(self, action):
+        if self.bad and action.turn == 0:
+            return self.how()
+        done = action.turn + 1 >= self.turns
+        return Step(None if done else f"turn {action.turn}", 1.0, done)
+
+
+def raises(error):
+    def how():
+        raise error
+
+    return how
+
+
+NOT_JSON = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"x": {1, 2}}}}]}
+
+
+@pytest.mark.parametrize(
+    "env, how, message",
+    [
+        (OneBad, lambda: Step("x", "1.0", False), "environment step of turn 0: Step.reward: expected a finite number, got '1.0'"),
+        (OneBad, lambda: Step(None, float("nan"), True), "Step.reward: expected a finite number, got nan"),
+        (OneBad, lambda: Step(None, 10**400, True), "Step.reward: expected a finite number, got 1000"),
+        (OneBad, lambda: ("x", 1.0, "no"), "environment step of turn 0: Step.done: expected a bool, got 'no'"),
+        (OneBad, lambda: Step("x", 1.0, "no"), "environment step of turn 0: Step.done: expected a bool, got 'no'"),
+        (OneBad, lambda: Step(NOT_JSON), "Step.observation.tool_calls: is not JSON: TypeError: Object of type set"),
+        (OneBad, lambda: Step({"role": "robot", "content": "x"}), "Step.observation.role: expected one of system, user, assistant, tool, got 'robot'"),
+        (OneBad, lambda: Step([{"role": "tool", "content": 5}]), "Step.observation[0].content: expected a string, got 5"),
+        (OneBad, raises(asyncio.CancelledError()), "environment step of turn 0 raised CancelledError"),
+        (OneBadSync, raises(SystemExit(2)), "environment step of turn 0 raised SystemExit: 2"),
+        (OneBadSync, raises(KeyboardInterrupt()), "environment step of turn 0 raised KeyboardInterrupt"),
+        (OneBadSync, raises(asyncio.CancelledError()), "environment step of turn 0 raised CancelledError"),
+        (OneBadSync, None, "environment reset raised SystemExit: 2"),
+    ],
+    ids=["reward-str", "reward-nan", "reward-huge-int", "done-str-tuple", "done-str", "tool-calls-not-json", "role",
+         "content-int", "async-cancelled", "sync-systemexit", "sync-keyboardinterrupt", "sync-cancelled", "reset-systemexit"],
+)  # fmt: skip
+async def test_a_hostile_step_fails_its_episode_only_naming_the_field_or_the_cause(env, how, message):
+    """n=4 episodes of one prompt: the first environment built answers badly, the other three are
+    Echo. Only that episode fails, its error naming the field and the value (or what was raised);
+    the group's other episodes finish, and the engine serves on."""
+    env.built = 0
+    groups, _, _ = await episodes(cfg("sampling.n=4"), lambda: env(how), [Prompt(text="a", id="q")])
+    (group,) = groups
+    bad = [ep for ep in group.trajectories if not ep.ok]
+    assert len(bad) == 1, [ep.error for ep in group.trajectories]
+    assert message in bad[0].error and bad[0].request_id in bad[0].error and bad[0].finish_reason == "error"
+    assert all(ep.ok and ep.reward == 3.0 and len(ep.turns) == 3 for ep in group.trajectories if ep is not bad[0])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import sys
 
@@ -111,3 +112,44 @@ def test_a_reward_module_in_the_working_directory_imports_from_the_console_scrip
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     assert load_reward("cwd_reward_mod:fn") is not None
+
+
+def exiting_reward(prompt: Prompt, traj: Trajectory):
+    """Sync (a worker thread): sample 0 of each prompt raises what its id names."""
+    if traj.sample_index == 0:
+        if prompt.id == "exit":
+            raise SystemExit(3)  # argparse on a bad answer
+        if prompt.id == "interrupt":
+            raise KeyboardInterrupt
+        if prompt.id == "huge":
+            return 10**400  # an int past float's range
+    return 1.0
+
+
+async def cancelling_reward(prompt: Prompt, traj: Trajectory):
+    if traj.sample_index == 0:
+        if prompt.id == "cancel":
+            raise asyncio.CancelledError  # its own, not the engine's cancellation
+        if prompt.id == "exit":
+            raise SystemExit(4)
+    return 1.0
+
+
+@pytest.mark.parametrize(
+    "reward, prompt_id, message",
+    [
+        (exiting_reward, "exit", "SystemExit: 3"),
+        (exiting_reward, "interrupt", "KeyboardInterrupt"),
+        (exiting_reward, "huge", "returned 1000"),
+        (cancelling_reward, "cancel", "CancelledError"),
+        (cancelling_reward, "exit", "SystemExit: 4"),
+    ],
+)
+async def test_a_reward_raising_a_base_exception_fails_that_trajectory_only(cfg, reward, prompt_id, message):
+    with anyio.fail_after(5):
+        async with RolloutEngine(cfg, pool=FakePool(2), reward=reward) as engine:
+            engine.feed([Prompt(token_ids=[5], id=prompt_id), Prompt(token_ids=[6], id="fine")])
+            groups = {g.prompt_id: g async for g in engine.groups()}
+    first, *rest = groups[prompt_id].trajectories
+    assert first.finish_reason == "error" and message in first.error
+    assert [t.reward for t in rest] == [1.0, 1.0] and [t.reward for t in groups["fine"].trajectories] == [1.0] * 3
