@@ -58,7 +58,7 @@ class Sampling(Struct, frozen=True, forbid_unknown_fields=True):
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens: {self.min_tokens} exceeds max_tokens {self.max_tokens}")
         for i, stop in enumerate(self.stop):
-            if not stop:  # vLLM would find it at every position: each request would stop at once
+            if not stop:  # vLLM refuses it in each request ("stop cannot contain an empty string"): say so once, here
                 raise ValueError(f"stop[{i}]: empty, a stop string needs at least one character")
             if (reason := not_utf8(stop)) is not None:
                 raise ValueError(f"stop: [{i}] {reason}")
