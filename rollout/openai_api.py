@@ -29,7 +29,7 @@ import msgspec
 from rollout.chat import ChatRenderer
 from rollout.export import to_megatron
 from rollout.tool_calls import parse_tool_calls
-from rollout.types import Trajectory, not_utf8
+from rollout.types import INT32_MAX, Trajectory, not_utf8
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -125,8 +125,11 @@ def chat(data: dict[str, Any], renderer: ChatRenderer | None, session: str | Non
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise ApiError(400, f"messages[{i}].role: expected one of {', '.join(ROLES)}", f"messages[{i}].role")
-        if not isinstance(m.get("content", ""), (str, list, type(None))):
-            raise ApiError(400, f"messages[{i}].content: expected a string or a list of parts", f"messages[{i}].content")
+        content = m.get("content", "")
+        if not isinstance(content, (str, list, type(None))) or (
+            isinstance(content, list) and not all(isinstance(p, dict) and isinstance(p.get("text", ""), str) for p in content)
+        ):
+            raise ApiError(400, f"messages[{i}].content: expected a string or a list of parts with text", f"messages[{i}].content")
     if _n(data, "") != 1:  # a conversation's turn continues one session: one sample
         raise ApiError(400, "n: only n=1 is served on chat (a turn continues one conversation; /v1/completions serves n)", "n")
     tools = data.get("tools")
@@ -152,15 +155,17 @@ def prompt_ids(messages: list[dict[str, Any]], tools: Any, required: Any, chat: 
     if required is not None:
         prefix = _ids(required, "required_prefix_token_ids")
         last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
-    if prefix is None:
-        return chat.render([_clean(m) for m in messages], tools), 0
-    rest = [_clean(m) for m in messages[last + 1 :]]
-    if prefix[-1:] != [chat.end_of_turn]:
-        prefix = prefix + [chat.end_of_turn]  # the turn before ended without closing itself
     try:
+        if prefix is None:
+            return chat.render([_clean(m) for m in messages], tools), 0
+        rest = [_clean(m) for m in messages[last + 1 :]]
+        if prefix[-1:] != [chat.end_of_turn]:
+            prefix = prefix + [chat.end_of_turn]  # the turn before ended without closing itself
         return prefix + chat.append(rest, tools), len(prefix)
-    except ValueError as e:
-        raise ApiError(400, f"messages: {e}", "messages") from e
+    except ApiError:
+        raise
+    except Exception as e:  # the template's own refusal (jinja2 raises what it likes): the client's messages
+        raise ApiError(400, f"messages: the chat template cannot render them: {type(e).__name__}: {e}", "messages") from e
 
 
 def completion(data: dict[str, Any], renderer: ChatRenderer | None) -> Call:
@@ -372,8 +377,8 @@ def _need(renderer: ChatRenderer | None) -> ChatRenderer:
 
 
 def _ids(value: Any, where: str) -> list[int]:
-    if not isinstance(value, list) or not value or not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
-        raise ApiError(400, f"{where}: expected a non-empty list of token ids", where)
+    if not isinstance(value, list) or not value or not all(type(x) is int and 0 <= x <= INT32_MAX for x in value):
+        raise ApiError(400, f"{where}: expected a non-empty list of token ids (integers in [0, 2^31))", where)
     return list(value)
 
 
