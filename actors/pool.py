@@ -174,6 +174,10 @@ class RayEngine:
     async def commit_weights(self, epoch: int) -> dict[str, float]:
         return await self._call(self.actor.commit_weights.remote(epoch))
 
+    async def call(self, method: str, *args: Any) -> Any:
+        """The policy's `method` (vLLM's weight-transfer calls, `rollout.weight_sync`)."""
+        return await self._call(getattr(self.actor, method).remote(*args))
+
     async def run_raw(self, requests: list[Request], outputs: bool = False) -> dict:
         return await self._call(self.actor.run_raw.remote(requests, outputs))
 

@@ -267,35 +267,13 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             exe.shutdown(wait=False)  # a failed broadcast leaves the workers' call to fail on their own timeout
         self.client.finish_weight_update()
 
-    def _wait_ready(self, receiving: Future) -> None:
-        """Until every worker said it receives; raises the engines' error as soon as the call fails."""
+    def _wait_ready(self, receiving: Future | None) -> None:
         assert self.info is not None
-        keys = [f"{self.session}/ready/{self.round}/{r}" for r in range(1, self.info.world_size)]
-        deadline = time.monotonic() + self.info.timeout_s
-        while keys:
-            if receiving.done():
-                receiving.result()  # raises the engines' error
-                raise RuntimeError("the engines' update_weights returned before every worker received the weights")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"gloo transfer: {len(keys)} workers not receiving within {self.info.timeout_s:g} s")
-            try:
-                self.store.wait(keys[:1], datetime.timedelta(milliseconds=50))
-                keys.pop(0)
-            except Exception as e:  # torch raises on timeout; anything else is a dead store
-                if "timeout" not in str(e).lower() and "timed out" not in str(e).lower():
-                    raise
+        wait_ready(self.store, self.session, self.round, range(1, self.info.world_size), self.info.timeout_s, receiving)
 
     def _send(self, meta: list[ParamMeta], info: GlooUpdateInfo) -> None:
         assert self.info is not None and self.source is not None
-        it = iter(self.source)
-        for bucket in buckets(info.names, info.dtype_names, info.shapes, self.info.bucket_bytes):
-            parts = []
-            for name, dtype, shape, _ in bucket:
-                got, t = next(it)
-                if got != name or t.dtype != dtype or list(t.shape) != shape:
-                    raise ValueError(f"WeightSource yielded {got!r} {t.dtype} {list(t.shape)}, metadata() declared {name!r} {dtype} {shape}")
-                parts.append(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8))
-            _broadcast(self.pg, torch.cat(parts) if len(parts) > 1 else parts[0])
+        send(self.pg, iter(self.source), info, self.info.bucket_bytes)
 
     def shutdown(self) -> None:
         if self.pg is not None and hasattr(self.pg, "shutdown"):
@@ -303,6 +281,64 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 self.pg.shutdown()
             except Exception:
                 pass
+        self.pg = self.store = None
+
+
+def wait_ready(store: Any, session: str, round: int, ranks: Any, timeout_s: float, receiving: Future | None = None) -> None:
+    """Until every worker rank of `ranks` said it receives round `round`; raises the engines'
+    error as soon as `receiving` (their update_weights call) fails."""
+    keys = [f"{session}/ready/{round}/{r}" for r in ranks]
+    deadline = time.monotonic() + timeout_s
+    while keys:
+        if receiving is not None and receiving.done():
+            receiving.result()  # raises the engines' error
+            raise RuntimeError("the engines' update_weights returned before every worker received the weights")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gloo transfer: {len(keys)} workers not receiving within {timeout_s:g} s")
+        if store.check(keys[:1]):  # polled: the store's own wait cannot watch `receiving` meanwhile
+            keys.pop(0)
+        else:
+            time.sleep(0.005)
+
+
+def send(pg: Any, pairs: Iterator[tuple[str, torch.Tensor]], info: GlooUpdateInfo, bucket_bytes: int) -> None:
+    """Broadcast the round's tensors, bucket by bucket, as the workers cut them; each tensor checked
+    against what the workers were told (a source that disagrees would load garbage)."""
+    for bucket in buckets(info.names, info.dtype_names, info.shapes, bucket_bytes):
+        parts = []
+        for name, dtype, shape, _ in bucket:
+            got, t = next(pairs)
+            if got != name or t.dtype != dtype or list(t.shape) != shape:
+                raise ValueError(f"WeightSource yielded {got!r} {t.dtype} {list(t.shape)}, metadata() declared {name!r} {dtype} {shape}")
+            parts.append(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8))
+        _broadcast(pg, torch.cat(parts) if len(parts) > 1 else parts[0])
+
+
+class GlooCollective:
+    """One rank of a NeMo RL-style trainer on the gloo group: no client; the rollout side drives the
+    engines (`RolloutGeneration.init_collective` / `update_weights_from_collective`) while rank 0
+    `broadcast`s, in the order given to `prepare_refit_info`. Ranks 0..train_world_size-1 are
+    the trainer's, the engines' workers follow; rank 0 hosts the store at (`ip`, `port`)."""
+
+    def __init__(self, ip: str, port: int, world_size: int, *, rank: int, train_world_size: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 timeout_s: float = 300.0, session: str = "rollout"):  # fmt: skip
+        self.rank, self.workers_from, self.world_size, self.session = rank, train_world_size, world_size, session
+        self.bucket_bytes, self.timeout_s, self.round = bucket_bytes, timeout_s, 0
+        self.store, self.pg = _group(ip, port, session, rank, world_size, timeout_s, master=rank == 0)
+
+    def broadcast(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """This round's tensors (HF name -> tensor) to every engine; ranks other than 0 return."""
+        self.round += 1
+        if self.rank:
+            return
+        info = GlooUpdateInfo(list(weights), [str(t.dtype).removeprefix("torch.") for t in weights.values()],
+                              [list(t.shape) for t in weights.values()], self.round)  # fmt: skip
+        wait_ready(self.store, self.session, self.round, range(self.workers_from, self.world_size), self.timeout_s)
+        send(self.pg, iter(weights.items()), info, self.bucket_bytes)
+
+    def shutdown(self) -> None:
+        if self.pg is not None and hasattr(self.pg, "shutdown"):
+            self.pg.shutdown()
         self.pg = self.store = None
 
 

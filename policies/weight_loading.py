@@ -98,9 +98,71 @@ class WeightLoading:
         t3 = time.perf_counter()
         return {"pause_s": t1 - t0, "load_s": t2 - t1, "stall_s": t3 - t0, "recomputed_tokens": recomputed}
 
-    async def _load(self, epoch: int, mode: str) -> tuple[float, float, int]:
-        """Pause (all but drain), load, tag, resume. Returns the times the load started and ended,
-        and the KV positions running requests must recompute (recompute, abort_resume)."""
+    # -- vLLM's weight-transfer calls (`rollout.weight_sync` drives them on every engine) ---------
+
+    async def init_transfer(self, init_info: dict[str, Any]) -> None:
+        """vLLM's `init_weight_transfer_engine`: the workers join the learner's transfer group."""
+        await self._vllm.init_transfer(init_info)
+
+    async def start_transfer(self, epoch: int) -> None:
+        """Pause as `weight_sync.mode` says, then vLLM's `start_weight_update` (the layerwise reload
+        takes the parameters off). On failure the engine resumes as it was and this raises."""
+        mode, self._transfer_t0, self._transfer_t1 = self.cfg.weight_sync.mode, time.perf_counter(), None
+        self._open.clear()
+        try:
+            if mode == "drain":
+                await self._vllm.pause("wait", clear_cache=True)
+            async with asyncio.timeout(self.cfg.weight_sync.timeout_s):
+                self._recomputed = await self._quiesce(mode)
+                await self._vllm.start_update()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self._vllm.resume()
+            self._open.set()
+            raise
+
+    async def transfer(self, update_info: Any) -> None:
+        """vLLM's `update_weights` (bytes from the learner, loaded as they come), within
+        `weight_sync.timeout_s`. A failure leaves the engine paused and refusing work: it may hold
+        torn weights."""
+        self._transfer_t1 = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.cfg.weight_sync.timeout_s):
+                await self._vllm.update_weights(update_info)
+        except BaseException as e:
+            if isinstance(e, TimeoutError):
+                e = TimeoutError(f"no transfer within weight_sync.timeout_s={self.cfg.weight_sync.timeout_s}")
+            await self._break(f"transfer failed: {type(e).__name__}: {e}")
+            raise e from None
+
+    async def finish_transfer(self, epoch: int, loaded: bool = True) -> dict[str, float]:
+        """vLLM's `finish_weight_update`, then the epoch tag and resume. `loaded=False` calls a
+        started round off: vLLM puts the old tensors back and the epoch stays."""
+        t2 = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.cfg.weight_sync.timeout_s):
+                await self._vllm.finish_update()
+                if loaded:
+                    await self._vllm.set_epoch(epoch)
+                    self.epoch = epoch
+                await self._vllm.resume()
+        except BaseException as e:
+            await self._break(f"finish failed: {type(e).__name__}: {e}")
+            raise
+        self._open.set()
+        t0, t1 = self._transfer_t0, self._transfer_t1 or t2
+        t3 = time.perf_counter()
+        return {"pause_s": t1 - t0, "load_s": t3 - t1, "stall_s": t3 - t0, "recomputed_tokens": self._recomputed, "received": t2 - t1}
+
+    async def _break(self, why: str) -> None:
+        self._broken = f"engine {self.engine_id}: {why}"
+        with contextlib.suppress(Exception):  # a dead engine has nothing left to abort
+            await self._vllm.abort(list(self._pieces))
+        self._open.set()
+
+    async def _quiesce(self, mode: str) -> int:
+        """Pause (all but drain) and settle running requests as `mode` says. Returns the KV
+        positions running requests must recompute (recompute, abort_resume)."""
         if mode != "drain":
             await self._vllm.pause("keep", clear_cache=mode == "recompute")
         recomputed = 0
@@ -116,6 +178,12 @@ class WeightLoading:
                 self._pieces[pid].resubmit = True
             if stop:
                 await self._vllm.abort(stop)
+        return recomputed
+
+    async def _load(self, epoch: int, mode: str) -> tuple[float, float, int]:
+        """Pause (all but drain), load, tag, resume. Returns the times the load started and ended,
+        and the KV positions running requests must recompute (recompute, abort_resume)."""
+        recomputed = await self._quiesce(mode)
         t1 = time.perf_counter()
         await self._vllm.load(self._staged[epoch][0])
         t2 = time.perf_counter()

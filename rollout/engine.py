@@ -13,6 +13,7 @@ hand out groups and batches, and shut everything down (also on errors and cancel
 
 from __future__ import annotations
 
+import asyncio
 import signal
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Generator, Iterable
 from pathlib import Path
@@ -79,6 +80,7 @@ class RolloutEngine:
         self._tg: Any = None
         self._updates = WeightUpdates(self.cfg)  # epochs, weight updates, restarts
         self._planes: list[Any] = []  # weight planes joined (`weight_plane`)
+        self._transfer: Any = None  # vLLM's weight-transfer calls (`weight_sync_client`)
         self.epoch = start_epoch or 0  # the weights every healthy engine serves; +1 per update_weights
         self._resume_at = start_epoch  # None: at the durable log's latest epoch
         self._start_epoch = self.epoch  # the epoch this run started at, once known
@@ -362,6 +364,23 @@ class RolloutEngine:
         plane = await anyio.to_thread.run_sync(lambda: WeightPlane(self, **options))
         self._planes.append(plane)  # closed with the engine
         return plane
+
+    def weight_sync_client(self) -> Any:
+        """vLLM's `VLLMWeightSyncClient` over every engine, for a learner on vLLM's trainer API
+        (`TrainerWeightTransferEngine`: gloo on CPU, nccl / ipc on GPUs); its calls block, so the
+        learner makes them from a thread. `finish_weight_update` starts the new epoch and returns it.
+        Call on the engine's event loop. (`rollout.weight_sync` runs it.)"""
+        from rollout.weight_sync import WeightSyncClient, loop_caller
+
+        self._live_scheduler()
+        return WeightSyncClient(self._weight_transfer(), loop_caller(asyncio.get_running_loop()))
+
+    def _weight_transfer(self) -> Any:
+        from rollout.weight_sync import WeightTransfer
+
+        if self._transfer is None:
+            self._transfer = WeightTransfer(self._updates)
+        return self._transfer
 
     @property
     def epoch(self) -> int:

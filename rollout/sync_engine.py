@@ -66,6 +66,12 @@ class SyncRolloutEngine:
     def update_weights(self, weights: Any) -> int:
         return self._portal.call(self._engine.update_weights, weights)
 
+    def weight_sync_client(self) -> Any:
+        """`RolloutEngine.weight_sync_client`: vLLM's `VLLMWeightSyncClient`, callable from any thread."""
+        from rollout.weight_sync import WeightSyncClient
+
+        return WeightSyncClient(self._portal.call(self._engine._weight_transfer), self._portal.call)
+
     def weight_plane(self, **options: Any) -> SyncWeightPlane:
         """`RolloutEngine.weight_plane`, blocking: `plane.send(model.state_dict())` returns the epoch."""
         from rollout.plane import SyncWeightPlane

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import anyio
 import msgspec
@@ -66,6 +67,7 @@ class FakeEngine:
         self.killed = False
         self.commits: list[int] = []
         self._plane: PlaneWorkerFake | None = None
+        self.worker: Any = None  # vLLM's weight-transfer engine of its model worker
         self.spec = SpecCounters(engine_id=engine_id)  # what spec_counters() reports; tests set it
         self.preemptions = 0  # what stats() reports; tests set it
         self.spec_per_request: tuple[int, int, int, list[int]] | None = None  # added to `spec` per finished request
@@ -192,6 +194,37 @@ class FakeEngine:
         self._notify()
         return {"pause_s": 0.001, "load_s": 0.002, "stall_s": 0.003}
 
+    # -- vLLM's weight-transfer calls (`rollout.weight_sync`): the real gloo worker engine ----------
+
+    async def call(self, method: str, *args: object) -> object:
+        if self.dead:
+            raise EngineDeadError(f"fake engine {self.engine_id} is dead")
+        return await getattr(self, method)(*args)
+
+    async def init_transfer(self, info: dict) -> None:
+        self.worker = transfer_worker(self.engine_id)
+        await anyio.to_thread.run_sync(lambda: self.worker.init_transfer_engine(self.worker.parse_init_info(info)))
+
+    async def start_transfer(self, epoch: int) -> None:
+        if self.fail_stage:
+            raise RuntimeError("cannot start the update")
+        self.worker.start_weight_update()
+
+    async def transfer(self, update_info: dict) -> None:
+        await anyio.to_thread.run_sync(self.worker.update_weights, update_info, abandon_on_cancel=True)
+
+    async def finish_transfer(self, epoch: int, loaded: bool = True) -> dict[str, float]:
+        if self.fail_commit and loaded:
+            raise RuntimeError("reload failed")
+        if loaded:
+            self.worker.finish_weight_update()
+            self.commits.append(epoch)
+            self.epoch = epoch
+        else:
+            self.worker.model.pending.clear()  # vLLM puts the old tensors back
+        self._notify()
+        return {"pause_s": 0.001, "load_s": 0.002, "stall_s": 0.003, "recomputed_tokens": 0}
+
     async def run_raw(self, requests: list[Request], outputs: bool = False) -> dict:
         start = time.time()
         trajectories = [await self.generate(r) for r in requests]
@@ -313,3 +346,37 @@ class PlaneWorkerFake:
                     self.hold.wait(30)
         self.loaded = got
         return sum(t.numel() * t.element_size() for t in got.values())
+
+
+def transfer_worker(engine_id: int) -> object:
+    """A fake engine's model worker with vLLM's weight-transfer engine: the real gloo one, over a
+    module whose `loaded` holds what the last finished update loaded."""
+    import types
+
+    import torch
+
+    from policies.gloo_transfer import GlooWeightTransferEngine
+
+    class Model(torch.nn.Module):
+        """What vLLM's layerwise reload does, in short: loads are held until the update finishes."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.loaded: dict[str, torch.Tensor] = {}
+            self.pending: dict[str, torch.Tensor] = {}
+
+        def load_weights(self, pairs: list) -> None:
+            for name, t in pairs:
+                self.pending[name] = t.clone()
+
+    class Worker(GlooWeightTransferEngine):
+        def start_weight_update(self) -> None:
+            self.model.pending.clear()
+
+        def finish_weight_update(self) -> None:
+            self.model.loaded, self.model.pending = {**self.model.loaded, **self.model.pending}, {}
+
+    parallel = types.SimpleNamespace(data_parallel_index=0, world_size=1, rank=0)
+    cfg = types.SimpleNamespace(parallel_config=parallel, model_config=None)
+    return Worker(types.SimpleNamespace(backend="gloo"), cfg, torch.device("cpu"), Model())
+

@@ -217,6 +217,23 @@ class VllmFrontend:
         if problems:
             raise VllmChangedError(f"weight plane: {problems[0]}")
 
+    # vLLM's own weight-transfer calls (its `weight_transfer_config` backend: gloo of ours on CPU)
+    async def init_transfer(self, init_info: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        await self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+
+    async def start_update(self) -> None:
+        await self.llm.start_weight_update()
+
+    async def update_weights(self, update_info: Any) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+
+    async def finish_update(self) -> None:
+        await self.llm.finish_weight_update()
+
     async def reset_prefix_cache(self) -> None:
         await self.llm.reset_prefix_cache()
 

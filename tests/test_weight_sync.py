@@ -1,0 +1,183 @@
+"""vLLM's trainer API on the engine, without vLLM engines or Ray: vLLM's trainer factory builds our
+gloo trainer engine, which drives `RolloutEngine.weight_sync_client()` over fake engines whose
+model workers run the real gloo worker engine (real process groups over a real TCPStore, in this
+process). What each guarantee of `rollout.weight_sync` means when things go wrong."""
+
+from __future__ import annotations
+
+import anyio
+import msgspec
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from policies.gloo_transfer import GlooTrainerInitInfo, StateDictSource
+from rollout.config import load_config
+from rollout.engine import RolloutEngine
+from rollout.errors import InvalidWeightsError, WeightSyncError
+from tests.fakes import FakePool
+
+TIMEOUT = 30  # seconds; only reached when a test is about to fail
+STATE = {
+    "embed.weight": torch.randn(40, 30),
+    "layers.0.weight": torch.randn(30, 30).to(torch.bfloat16),
+    "norm.weight": torch.ones(30, dtype=torch.bfloat16),
+}
+
+
+def changed(k: int) -> dict[str, torch.Tensor]:
+    return {n: t + k for n, t in STATE.items()}
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    (tmp_path / "config.json").write_text('{"vocab_size": 260}')
+    save_file(STATE, str(tmp_path / "model.safetensors"))
+    cfg = load_config(None, ["engines.count=2", "logging.level=error", "weight_sync.timeout_s=5", "engines.restart_backoff_s=0"])
+    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=str(tmp_path)))
+
+
+async def trainer(engine, weights, **info):
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    client, source = engine.weight_sync_client(), StateDictSource(weights)
+    init = GlooTrainerInitInfo(world_size=1 + client.world_size(), rank=0, bucket_bytes=1000, timeout_s=10, **info)
+    t = await anyio.to_thread.run_sync(lambda: WeightTransferTrainerFactory.trainer_init(init, client=client, source=source))
+    return t, client, source
+
+
+async def send(t, source, weights) -> None:
+    source.update(weights)
+    await anyio.to_thread.run_sync(t.send_weights)
+
+
+def loaded(pool, i: int) -> dict:
+    return pool.engines[i].worker.model.loaded
+
+
+async def test_each_round_loads_every_engine_and_starts_the_next_epoch(cfg):
+    pool = FakePool(2)
+    with anyio.fail_after(TIMEOUT):
+        async with RolloutEngine(cfg, pool=pool) as engine:
+            t, client, source = await trainer(engine, STATE)
+            for k in (1, 2):
+                await send(t, source, changed(k))
+                assert engine.epoch == k and [e.commits for e in pool.engines] == [list(range(1, k + 1))] * 2
+                assert all(torch.equal(loaded(pool, i)[n], v) for i in (0, 1) for n, v in changed(k).items())
+            u = engine.weight_updates[-1]
+            assert u.epoch == 2 and u.bytes == sum(v.numel() * v.element_size() for v in STATE.values()) and u.bytes_received == 2 * u.bytes
+            assert await anyio.to_thread.run_sync(client.update_weight_version, "step-2") == 2 and client.versions == {"step-2": 2}
+            t.shutdown()
+
+
+async def test_calls_out_of_order_change_nothing_and_name_the_call(cfg):
+    pool = FakePool(2)
+    with anyio.fail_after(TIMEOUT):
+        async with RolloutEngine(cfg, pool=pool) as engine:
+            client = engine.weight_sync_client()
+            run = anyio.to_thread.run_sync
+            with pytest.raises(WeightSyncError, match="start_weight_update called before init_weight_transfer_engine"):
+                await run(client.start_weight_update)
+            with pytest.raises(WeightSyncError, match="finish_weight_update called without start_weight_update; the epoch stays 0"):
+                await run(client.finish_weight_update)
+            with pytest.raises(WeightSyncError, match="update_weights called without start_weight_update"):
+                await run(client.update_weights, {"names": [], "dtype_names": [], "shapes": []})
+            with pytest.raises(WeightSyncError, match="world_size 5, but the learner's 1 rank"):
+                await run(client.init_weight_transfer_engine, {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 5})
+            with pytest.raises(RuntimeError, match="call it from a thread"):
+                client.start_weight_update()  # on the engine's own loop it would deadlock
+            t, client, source = await trainer(engine, STATE)
+            await run(client.start_weight_update)
+            with pytest.raises(WeightSyncError, match="start_weight_update called while a weight update is active"):
+                await run(client.start_weight_update)
+            assert await run(client.finish_weight_update) == 0  # nothing sent: nothing changed
+            assert engine.epoch == 0 and not any(e.commits for e in pool.engines)
+            await send(t, source, changed(1))
+            assert engine.epoch == 1
+            t.shutdown()
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({**STATE, "norm.weight": torch.ones(3, dtype=torch.bfloat16)}, r"norm.weight: bfloat16 \[3\], model has bfloat16 \[30\]"),
+        ({**STATE, "norm.weight": torch.ones(30)}, r"norm.weight: float32 \[30\], model has bfloat16"),
+        ({**STATE, "extra.weight": torch.ones(1)}, "unknown extra.weight"),
+    ],
+)
+async def test_weights_that_do_not_fit_change_no_engine_and_name_the_tensor(cfg, bad, match):
+    pool = FakePool(2)
+    with anyio.fail_after(TIMEOUT):
+        async with RolloutEngine(cfg, pool=pool) as engine:
+            t, client, source = await trainer(engine, STATE)
+            with pytest.raises(InvalidWeightsError, match=match) as e:
+                await send(t, source, bad)  # fails at once: no broadcast waits out its timeout
+            assert "no engine changed" in str(e.value)
+            assert engine.epoch == 0 and not any(e.commits or e.worker.model.pending for e in pool.engines)
+            await send(t, source, changed(1))
+            assert engine.epoch == 1  # the number was never allocated
+            t.shutdown()
+
+
+async def test_an_unknown_name_after_the_learners_name_map_is_named(cfg):
+    pool = FakePool(2)
+    with anyio.fail_after(TIMEOUT):
+        async with RolloutEngine(cfg, pool=pool) as engine:
+            t, client, source = await trainer(engine, STATE)
+            t.source = StateDictSource({f"module.{n}": v for n, v in STATE.items()}, name_map=lambda n: n.removeprefix("module.").replace("norm", "nrm"))
+            with pytest.raises(InvalidWeightsError, match="unknown nrm.weight"):
+                await anyio.to_thread.run_sync(t.send_weights)
+            t.source = StateDictSource({f"module.{n}": v for n, v in changed(1).items()}, name_map=lambda n: n.removeprefix("module."))
+            await anyio.to_thread.run_sync(t.send_weights)
+            assert engine.epoch == 1 and all(torch.equal(loaded(pool, 0)[n], v) for n, v in changed(1).items())
+            t.shutdown()
+
+
+async def test_an_engine_that_cannot_start_changes_no_engine(cfg):
+    pool = FakePool(2)
+    with anyio.fail_after(TIMEOUT):
+        async with RolloutEngine(cfg, pool=pool) as engine:
+            t, client, source = await trainer(engine, STATE)
+            pool.engines[1].fail_stage = True
+            with pytest.raises(WeightSyncError, match="engine 1: RuntimeError: cannot start the update.*no engine changed"):
+                await send(t, source, changed(1))
+            assert engine.epoch == 0 and not any(e.commits or e.worker.model.pending for e in pool.engines)
+            pool.engines[1].fail_stage = False
+            await send(t, source, changed(2))
+            assert engine.epoch == 1
+            t.shutdown()
+
+
+async def test_an_engine_failing_to_load_leaves_rotation_and_the_others_serve(cfg):
+    pool = FakePool(2)
+    with anyio.fail_after(TIMEOUT):
+        async with RolloutEngine(cfg, pool=pool) as engine:
+            t, client, source = await trainer(engine, STATE)
+            pool.engines[1].fail_commit = True
+            with pytest.raises(WeightSyncError, match="epoch 1: engine 1: RuntimeError: reload failed; out of rotation, the others serve epoch 1"):
+                await send(t, source, changed(1))
+            assert engine.epoch == 1 and pool.engines[0].commits == [1] and pool.engines[1].commits == []
+            assert engine.weight_updates[-1].failed == [1]
+            with anyio.fail_after(TIMEOUT):
+                while not pool.restarts:
+                    await anyio.sleep(0.01)  # out of rotation: restarted
+            with pytest.raises(WeightSyncError, match="restarted or left since init_weight_transfer_engine"):
+                await send(t, source, changed(2))  # its new workers are not in the learner's group
+            assert engine.epoch == 1
+            t.shutdown()
+
+
+async def test_a_learner_that_stops_calling_mid_round_ends_its_round(cfg):
+    """start_weight_update, then nothing: after weight_sync.timeout_s the round ends, no engine
+    changed, and the next learner's round goes on."""
+    pool = FakePool(2)
+    with anyio.fail_after(TIMEOUT):
+        async with RolloutEngine(cfg, pool=pool) as engine:
+            t, client, source = await trainer(engine, STATE)
+            await anyio.to_thread.run_sync(client.start_weight_update)
+            while engine._weight_transfer().round is not None:
+                await anyio.sleep(0.05)
+            assert engine.epoch == 0 and not any(e.commits for e in pool.engines)
+            await send(t, source, changed(1))
+            assert engine.epoch == 1
+            t.shutdown()
