@@ -89,7 +89,9 @@ class RolloutGeneration:
         self._lock = threading.Lock()  # guards the call counter: callers' threads use it
         self._calls = itertools.count()
         self._tag = next(_instances)
-        self._plane: Any = None  # the weight plane, once init_collective joined it
+        self._client: Any = None  # vLLM's weight-transfer calls, once init_collective joined the trainer's group
+        self._refit: dict[str, Any] | None = None  # prepare_refit_info's: each refit's update info
+        self._refit_round = 0
         self._metrics: Any = None  # get_logger_metrics' window
         owned = engine is None
         self.engine = engine = RolloutEngine(cfg, **engine_kwargs) if owned else engine  # type: ignore[arg-type]
@@ -237,44 +239,55 @@ class RolloutGeneration:
 
         return await self._on_engine(reset)
 
-    # -- weight refit through the plane, as NeMo RL's GRPO loop calls it -------------------------
+    # -- weight refit through vLLM's weight-transfer calls, as NeMo RL's GRPO loop makes them -----
 
     def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> list[Any]:
-        """Join the weight plane of a trainer whose `train_world_size` ranks each run a
-        `rollout.plane_sender.PlaneSender(ip, port, rank=r, ranks=train_world_size)` (rank 0
-        hosts the store at `ip:port`). Returns [] (nothing left to wait for: NeMo RL `ray.get`s
-        it with the trainer's futures). `world_size` is NeMo RL's train + inference ranks; the
-        plane forms its groups per round, so it is only checked against the engines' workers."""
+        """Every engine joins the trainer's transfer group (vLLM's `init_weight_transfer_engine`,
+        `rollout.weight_sync`): the trainer's `train_world_size` ranks come first (on CPU each runs
+        `policies.gloo_transfer.GlooCollective(ip, port, world_size, rank=r, train_world_size=...)`,
+        rank 0 hosting the store), the engines' model workers after them. Blocks until the group
+        is formed; returns [] (NeMo RL `ray.get`s it with the trainer's futures). Raises
+        WeightSyncError when `world_size` is not `train_world_size` + the engines' model workers."""
         self._check_open()
-        workers = self.engine.cfg.engines.count * _workers_per_engine(self.engine.cfg)
-        if world_size != train_world_size + workers:
-            log.warning("init_collective: world_size is not train_world_size + the engines' model workers",
-                        world_size=world_size, train_world_size=train_world_size, engine_workers=workers)  # fmt: skip
-        options = {"host": ip, "port": port, "ranks": train_world_size, "local": False}
-        self._plane = self._blocking(lambda: self.engine.weight_plane(**options))
+        from rollout.weight_sync import WeightSyncClient
+
+        async def transfer() -> Any:
+            return self.engine._weight_transfer()
+
+        client = WeightSyncClient(self._blocking(transfer), self._blocking)
+        client.init_weight_transfer_engine({"master_address": ip, "master_port": port, "rank_offset": train_world_size, "world_size": world_size})
+        self._client, self._refit_round = client, 0
         return []
 
     def prepare_refit_info(self, state_dict_info: Mapping[str, Any]) -> None:
-        """Check the trainer's tensors, {HF name: (shape, dtype)} as its senders will declare them,
-        against the model now. Raises InvalidWeightsError naming each problem; every update
-        checks the ranks' declarations again before any engine changes."""
+        """The trainer's tensors, {HF name: (shape, dtype)} in the order rank 0 broadcasts them,
+        checked against the model now (InvalidWeightsError naming each problem) and kept as each
+        refit's update info; every update checks them again before any engine changes."""
         from policies.weights import TensorSpec, check_specs, read_manifest
 
         got = {n: TensorSpec(str(dtype).removeprefix("torch."), tuple(shape)) for n, (shape, dtype) in state_dict_info.items()}
         check_specs(got, read_manifest(self.engine.model_path), "prepare_refit_info's state_dict_info")
+        self._refit = {"names": list(got), "dtype_names": [s.dtype for s in got.values()], "shapes": [list(s.shape) for s in got.values()]}
 
     def update_weights_from_collective(self) -> list[Any]:
-        """One plane round while the trainer's ranks `send`; blocks until every engine serves the new
-        epoch or left rotation. Returns [a handle `ray.get` gives True from] (NeMo RL checks
-        `all(results)`). An engine that failed left rotation and restarts (logged); the call raises
-        WeightSyncError when no engine serves the new epoch, InvalidWeightsError when the
-        trainer's tensors do not fit the model (no engine changed)."""
+        """One refit while the trainer's rank 0 broadcasts: vLLM's start / update / finish calls on
+        every engine (`rollout.weight_sync`); blocks until every engine serves the new epoch or
+        left rotation. Returns [a handle `ray.get` gives True from] (NeMo RL checks `all(results)`).
+        An engine that failed left rotation and restarts (logged); the call raises WeightSyncError
+        when no engine serves the new epoch, InvalidWeightsError when the trainer's tensors do not
+        fit the model (no engine changed)."""
         self._check_open()
-        if self._plane is None:
+        if self._client is None:
             raise RuntimeError("update_weights_from_collective before init_collective")
+        if self._refit is None:
+            raise RuntimeError("update_weights_from_collective before prepare_refit_info")
         before = self.engine.epoch
+        self._refit_round += 1
+        info = {**self._refit, "round": self._refit_round} if not self.engine.cfg.engines.gpus_per_engine else self._refit
         try:
-            self._blocking(self._plane.update)
+            self._client.start_weight_update()
+            self._client.update_weights(info)
+            self._client.finish_weight_update()
         except WeightSyncError as e:
             if self.engine.epoch == before:
                 raise
@@ -378,11 +391,6 @@ class _Call:
             by_row[i] = Group(p.id, p, [Trajectory(prompt_id=p.id, prompt_token_ids=list(p.token_ids or ()), finish_reason="length")])
         wanted = sorted(by_row) if rows is None else rows
         return output_tensors(_successes({i: by_row[i] for i in wanted}), self.width, pad_value, self.dtype)
-
-
-def _workers_per_engine(cfg: Config) -> int:
-    v = cfg.engines.vllm
-    return int(v.get("tensor_parallel_size", 1)) * int(v.get("pipeline_parallel_size", 1))
 
 
 def _dtype(data: Mapping[str, Any]) -> Any:

@@ -1,7 +1,7 @@
 """`RolloutGeneration` as NeMo RL's GRPO loop drives it, without vLLM or Ray: prompts near the context
 limit, the dtype of `output_ids`, the hooks the loop calls every step, and weight refit through
-the plane (`init_collective`, `prepare_refit_info`, `update_weights_from_collective`) in the order
-`grpo.py` calls them, the trainer being a `PlaneSender` in another thread."""
+vLLM's weight-transfer calls (`init_collective`, `prepare_refit_info`, `update_weights_from_collective`)
+in the order `grpo.py` makes them, the trainer being a gloo `GlooCollective` in another thread."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from rollout.errors import InvalidWeightsError
-from rollout.plane_sender import PlaneSender
 from rollout.types import Prompt
 from tests.fakes import FakePool, fake_token
 from tests.test_generation import MAX_TOKENS, WEIGHTS, batch, cfg, wrapped  # noqa: F401 -- cfg is a fixture
@@ -61,29 +60,39 @@ async def test_the_hooks_grpo_calls_every_step_mean_something(cfg):  # noqa: F81
         assert await gen.ainvalidate_kv_cache() is False
 
 
-def test_refit_through_the_plane_as_grpo_calls_it(cfg):  # noqa: F811
+def test_refit_through_vllms_transfer_calls_as_grpo_makes_them(cfg):  # noqa: F811
     """grpo.py: the trainer's and the generation's init_collective futures are awaited together;
     then prepare_refit_info(policy.prepare_refit_info()); each step the trainer's broadcast futures
-    and update_weights_from_collective()'s, then `all(results)`."""
+    and update_weights_from_collective()'s, then `all(results)`. The trainer's rank 0 is the gloo
+    backend's `GlooCollective`; the fake engines' workers run the real gloo worker engine."""
+    import socket
+
+    from policies.gloo_transfer import GlooCollective
+
     new = {k: v + 1 for k, v in WEIGHTS.items()}
     info = {k: (tuple(v.shape), v.dtype) for k, v in new.items()}
     pool = FakePool(2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     with RolloutGenerationOwned(cfg, pool) as gen:
-        trainer = PlaneSender(port=0, rank=0, ranks=1, timeout_s=10)  # the policy's init_collective: rank 0 hosts
-        assert gen.init_collective("127.0.0.1", trainer.port, 1 + 2, train_world_size=1) == []
+        trainer: list[GlooCollective] = []  # the policy's init_collective: rank 0 hosts the store
+        joining = threading.Thread(target=lambda: trainer.append(GlooCollective("127.0.0.1", port, 1 + 2, rank=0, train_world_size=1, timeout_s=10)))
+        joining.start()
+        assert gen.init_collective("127.0.0.1", port, 1 + 2, train_world_size=1) == []
+        joining.join(10)
         with pytest.raises(InvalidWeightsError, match="missing"):
             gen.prepare_refit_info({})
         gen.prepare_refit_info(info)
         for step in (1, 2):
-            sent: list[int] = []
-            broadcast = threading.Thread(target=lambda: sent.append(trainer.send(new)))  # policy.broadcast_weights_for_collective()
+            broadcast = threading.Thread(target=trainer[0].broadcast, args=(new,))  # policy.broadcast_weights_for_collective()
             broadcast.start()
             results = gen.update_weights_from_collective()
             broadcast.join(10)
-            assert results == [True] and sent == [step] and gen.engine.epoch == step
+            assert results == [True] and gen.engine.epoch == step
         for e in pool.engines:
-            assert all(torch.equal(e.plane.loaded[n], t) for n, t in new.items())
-        trainer.close()
+            assert all(torch.equal(e.worker.model.loaded[n], t) for n, t in new.items())
+        trainer[0].shutdown()
 
 
 class RolloutGenerationOwned:
