@@ -73,6 +73,14 @@ def commit_when(engine: RolloutEngine, ready: Callable[[int], Awaitable[Any]]) -
         return await commit(epoch, *args, **kwargs)
 
     engine._updates._commit = gated  # type: ignore[method-assign]
+    transfer = engine._weight_transfer()  # vLLM's trainer API: its engines pause and start here
+    start = transfer._start_engines
+
+    async def gated_start(rnd: Any) -> Any:
+        await ready(rnd.epoch)
+        return await start(rnd)
+
+    transfer._start_engines = gated_start  # type: ignore[method-assign]
 
 
 def _generate_then_pause(policy: Any, seconds: float) -> None:
@@ -173,20 +181,41 @@ async def run_with_updates(engine: RolloutEngine, parts: list[list[Prompt]], upd
     return trajectories
 
 
-async def stream_with_updates(mode: str, via_plane: bool = False) -> tuple[list[Trajectory], dict[int, dict], RolloutEngine]:
+async def vllm_trainer_update(engine: RolloutEngine, weights: dict) -> Callable[[dict], Awaitable[int]]:
+    """An update through vLLM's trainer API: its factory's gloo trainer engine + our client."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from policies.gloo_transfer import GlooTrainerInitInfo, StateDictSource
+
+    client, source = engine.weight_sync_client(), StateDictSource(weights)
+    init = GlooTrainerInitInfo(world_size=1 + client.world_size(), rank=0, timeout_s=600)
+    trainer = await anyio.to_thread.run_sync(lambda: WeightTransferTrainerFactory.trainer_init(init, client=client, source=source))
+
+    async def update(w: dict) -> int:
+        source.update(w)
+        await anyio.to_thread.run_sync(trainer.send_weights)
+        return engine.epoch
+
+    return update
+
+
+async def stream_with_updates(mode: str, via_plane: bool | str = False) -> tuple[list[Trajectory], dict[int, dict], RolloutEngine]:
     # 16 running per engine; 4 parts of 8 groups of 4 (one wave of 32 each), an update between parts.
     cfg = integration_config(f"weight_sync.mode={mode}", "engines.count=2", "engines.max_inflight_per_engine=16", SMALL_KV, *SAMPLING)
     async with RolloutEngine(cfg) as engine:
         weights = {0: load_file(f"{engine.model_path}/model.safetensors")}
         batch = prompts(32, seed=len(mode))
-        update = (await engine.weight_plane()).send if via_plane else engine.update_weights
+        if via_plane == "vllm":
+            update = await vllm_trainer_update(engine, weights[0])
+        else:
+            update = (await engine.weight_plane()).send if via_plane else engine.update_weights
         trajectories = await run_with_updates(engine, [batch[8 * k : 8 * (k + 1)] for k in range(UPDATES + 1)], update, weights)
         engine.final_stats = await engine.stats()  # type: ignore[attr-defined]
         return trajectories, weights, engine
 
 
 @pytest.mark.parametrize("mode", MODES)
-async def test_epochs_match_the_oracle(mode: str, via_plane: bool = False):
+async def test_epochs_match_the_oracle(mode: str, via_plane: bool | str = False):
     trajectories, weights, engine = await stream_with_updates(mode, via_plane)
     assert len(trajectories) == 128
     assert [u.epoch for u in engine.weight_updates] == [1, 2, 3] and not any(u.failed for u in engine.weight_updates)
