@@ -397,6 +397,9 @@ class RolloutEngine:
         return self._updates.history
 
     async def stats(self) -> list[EngineStats]:
+        """Each engine's figures now. Raises EngineClosedError once the engine was shut down (its
+        actors are gone; after a second engine started Ray again, Ray would answer "Can't find actor")."""
+        self._live_scheduler()
         assert self.pool is not None
         return [await e.stats() for e in self.pool.engines]
 

@@ -69,3 +69,13 @@ async def test_an_update_in_flight_when_the_engine_closes_gets_engine_closed_err
     assert len(errors) == (2 if phase == "waiting for the lock" else 1)
     assert all(isinstance(e, EngineClosedError) for e in errors), errors
     assert "shut down" in str(errors[0]) and pool.shutdown_calls == 1 and pool.restarts == []
+
+
+async def test_a_closed_engine_answers_engine_closed_error_not_its_old_actors(cfg):
+    """The first engine of a process, once closed, must not reach its actors: after a second engine
+    started Ray again, its handles would answer Ray's "Can't find actor"."""
+    async with RolloutEngine(cfg, pool=Pool([DyingEngine(0)])) as engine:
+        assert len(await engine.stats()) == 1
+    for call in (engine.stats, engine.metrics, lambda: engine.update_weights(STATE)):
+        with pytest.raises(EngineClosedError, match="shut down"):
+            await call()
