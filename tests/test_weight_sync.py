@@ -181,3 +181,29 @@ async def test_a_learner_that_stops_calling_mid_round_ends_its_round(cfg):
             await send(t, source, changed(1))
             assert engine.epoch == 1
             t.shutdown()
+
+
+async def test_a_learner_gone_mid_transfer_leaves_no_engine_serving_torn_weights(cfg):
+    """The learner's process dies after its first bucket (its group goes with it): every engine's
+    transfer fails, each leaves rotation (it may hold part of the new weights) and restarts, the
+    epoch stays where it was and its number is never used again."""
+    pool = FakePool(2)
+    with anyio.fail_after(TIMEOUT):
+        async with RolloutEngine(cfg, pool=pool) as engine:
+            t, client, source = await trainer(engine, STATE)
+
+            class Dies(StateDictSource):
+                def __iter__(self):
+                    for k, pair in enumerate(super().__iter__()):
+                        if k == 1:
+                            t.shutdown()
+                            raise ConnectionError("learner died")
+                        yield pair
+
+            t.source = Dies(changed(1))
+            with pytest.raises(ConnectionError):
+                await anyio.to_thread.run_sync(t.send_weights)
+            while engine._weight_transfer().round is not None or len(pool.restarts) < 2:
+                await anyio.sleep(0.05)  # the engines' transfers fail on their own; they restart
+            assert engine.epoch == 0 and not any(e.commits for e in pool.engines) and sorted(pool.restarts) == [0, 1]
+            assert engine._updates._allocated == 1  # epoch 1 may be torn somewhere: never used again
