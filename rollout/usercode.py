@@ -41,36 +41,39 @@ async def invoke(fn: Callable[..., Any], *args: Any, timeout: float | None = Non
     """`fn(*args)`: async on the loop, sync in a worker thread (an awaitable it returns is awaited).
     Raises TimeoutError after `timeout` seconds of the call itself, UserCodeError for what it raised."""
     scope = anyio.CancelScope()
-    in_thread = not inspect.iscoroutinefunction(fn)
     try:
         with scope:
-            if in_thread:
-                result = await anyio.to_thread.run_sync(_run_in_thread, scope, timeout, fn, args, abandon_on_cancel=True)
+            if not inspect.iscoroutinefunction(fn):
+                result, raised = await anyio.to_thread.run_sync(_run_in_thread, scope, timeout, fn, args, abandon_on_cancel=True)
+                if raised is not None:  # whatever a worker thread raises is the code's own
+                    raise UserCodeError(raised) from raised
             else:
                 _start_clock(scope, timeout)
                 result = await fn(*args)
             if inspect.isawaitable(result):
                 result = await result
+    except UserCodeError:
+        raise
     except BaseException as e:
+        if passes_through(e):
+            raise
         if scope.cancel_called:  # our own deadline, whatever the code made of the cancellation
             raise TimeoutError from e
-        if passes_through(e, in_thread=in_thread):
-            raise
         raise UserCodeError(e) from e
     if scope.cancelled_caught:
         raise TimeoutError
     return result
 
 
-def passes_through(error: BaseException, *, in_thread: bool = False) -> bool:
-    """Whether `error`, raised out of user code, is not the code's own failure: the caller is being
-    cancelled (a cancel scope around it was cancelled, or its asyncio task has a cancellation
-    pending), or a KeyboardInterrupt reached the event loop's thread. Signals are delivered to the
-    main thread only, so a KeyboardInterrupt in a worker thread is always raised by the code itself
-    (it fails its episode); on the loop's thread it may be the process's own Ctrl-C, which must
-    stop the process, so it passes."""
+def passes_through(error: BaseException) -> bool:
+    """Whether `error`, raised on the event loop's thread out of user code (or out of a group of
+    episodes), is not the code's own failure: the caller is being cancelled (a cancel scope around
+    it was cancelled, or its asyncio task has a cancellation pending), or a KeyboardInterrupt, which
+    on the loop's thread may be the process's own Ctrl-C and must stop the process. Signals reach
+    the main thread only, so what a worker thread raises, KeyboardInterrupt included, never gets
+    here: it is always the code's own (`invoke`)."""
     if isinstance(error, KeyboardInterrupt):
-        return not in_thread
+        return True
     if isinstance(error, anyio.get_cancelled_exc_class()) or isinstance(error, BaseExceptionGroup):
         return _being_cancelled()
     return False
@@ -86,10 +89,16 @@ def _being_cancelled() -> bool:
     return task is not None and task.cancelling() > 0
 
 
-def _run_in_thread(scope: anyio.CancelScope, timeout: float | None, fn: Callable[..., Any], args: tuple) -> Any:
+def _run_in_thread(scope: anyio.CancelScope, timeout: float | None, fn: Callable[..., Any], args: tuple) -> tuple[Any, BaseException | None]:
+    """`fn(*args)` in a worker thread, starting the clock first. What it raises comes back as a
+    value: raised through the loop's future, a GeneratorExit or SystemExit is not a plain exception
+    to asyncio (it would end the awaiting coroutine or the loop)."""
     if timeout is not None:
         anyio.from_thread.run_sync(_start_clock, scope, timeout)  # on the loop: the call starts now
-    return fn(*args)
+    try:
+        return fn(*args), None
+    except BaseException as e:
+        return None, e
 
 
 def _start_clock(scope: anyio.CancelScope, timeout: float | None) -> None:
