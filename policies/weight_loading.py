@@ -2,14 +2,15 @@
 
 Owns: `WeightLoading`, the weight-update methods of `policies.vllm_policy.VLLMPolicy` (a base
 class of it: it reads the policy's frontend `_vllm`, its pieces and samples, its open gate, its
-epoch). Phase 1 (`stage_weights`): a state dict from Ray's object store is written as safetensors
-to a staging directory; a directory is taken as is; a weight plane stage (`PlaneStage`) makes the
-engine's model workers join the round in the background. Phase 2 (`commit_weights`): pause as
-`weight_sync.mode` says, load (vLLM's layerwise `reload_weights`, from the directory or from the
-plane's stream of tensors), tag the epoch, resume; an engine that fails to load stays paused and
-refuses work, so it never serves torn weights.
-Does not own: checking weights (`policies.weights`, `policies.transfer`), the plane's worker side
-(`policies.plane_worker`), vLLM's internals (`policies.vllm_adapter`).
+epoch). A state dict or directory: phase 1 (`stage_weights`): a state dict from Ray's object
+store is written as safetensors to a staging directory; a directory is taken as is. Phase 2
+(`commit_weights`): pause as `weight_sync.mode` says, load (vLLM's layerwise `reload_weights`),
+tag the epoch, resume. vLLM's weight-transfer calls (`rollout.weight_sync` drives them):
+`start_transfer` pauses the same way and runs vLLM's `start_weight_update`, `transfer` its
+`update_weights`, `finish_transfer` its `finish_weight_update`, then the epoch tag and resume.
+An engine that fails to load stays paused and refuses work, so it never serves torn weights.
+Does not own: checking weights (`policies.weights`, `rollout.weight_sync`), moving bytes
+(vLLM's weight-transfer engines, `policies.gloo_transfer`), vLLM's internals (`policies.vllm_adapter`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import time
 from typing import Any
 
 from policies.shm import staging_dir
-from policies.transfer import PlaneStage
 from policies.weights import Packed
 
 
@@ -36,15 +36,11 @@ class WeightLoading:
     _broken: str | None
     _pieces: dict[str, Any]
     _samples: dict[str, Any]
-    _staged: dict[int, tuple[Any, bool]]  # epoch -> (weights dir or PlaneStage, a dir of ours to delete)
+    _staged: dict[int, tuple[Any, bool]]  # epoch -> (weights dir, a dir of ours to delete)
     # and the policy's `_state(piece)` and `_started(piece)`
 
-    async def stage_weights(self, epoch: int, weights: Packed | str | PlaneStage) -> int:
+    async def stage_weights(self, epoch: int, weights: Packed | str) -> int:
         """Phase 1 of an update: receive the weights (no engine change). Returns bytes received."""
-        if isinstance(weights, PlaneStage):  # the workers join the plane's round; the bytes come in phase 2
-            await self._vllm.plane_stage(weights)
-            self._staged[epoch] = (weights, False)
-            return 0
         if isinstance(weights, str):
             self._staged[epoch] = (weights, False)
             return 0
@@ -58,9 +54,7 @@ class WeightLoading:
     async def drop_weights(self, epoch: int) -> None:
         """Forget weights staged for `epoch` (an update that another engine failed)."""
         d, ours = self._staged.pop(epoch, ("", False))
-        if isinstance(d, PlaneStage):
-            await self._vllm.plane_drop(d.round)
-        elif ours:
+        if ours:
             shutil.rmtree(d, ignore_errors=True)
 
     async def commit_weights(self, epoch: int) -> dict[str, float]:
@@ -88,12 +82,7 @@ class WeightLoading:
                 await self._vllm.abort(list(self._pieces))
             raise
         finally:
-            if isinstance(self._staged.get(epoch, ("",))[0], PlaneStage):
-                # no call: the workers let go of the round as they begin receiving it, and a call to
-                # a worker still receiving (a timed-out load) would hold the failure up
-                del self._staged[epoch]
-            else:
-                await self.drop_weights(epoch)
+            await self.drop_weights(epoch)
             self._open.set()
         t3 = time.perf_counter()
         return {"pause_s": t1 - t0, "load_s": t2 - t1, "stall_s": t3 - t0, "recomputed_tokens": recomputed}

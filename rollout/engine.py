@@ -17,7 +17,7 @@ import asyncio
 import signal
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Generator, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 
@@ -37,9 +37,6 @@ from rollout.scheduler import Scheduler
 from rollout.staleness import StalenessFilter, StalenessStats, hand_out, trainable
 from rollout.types import Batch, EngineStats, Group, Prompt, Trajectory, UpdateStats
 from rollout.updates import WeightUpdates
-
-if TYPE_CHECKING:
-    from rollout.plane import SyncWeightPlane, WeightPlane
 
 log = get_logger(__name__)
 
@@ -79,7 +76,6 @@ class RolloutEngine:
         self._queue: TrajectoryQueue | None = None
         self._tg: Any = None
         self._updates = WeightUpdates(self.cfg)  # epochs, weight updates, restarts
-        self._planes: list[Any] = []  # weight planes joined (`weight_plane`)
         self._transfer: Any = None  # vLLM's weight-transfer calls (`weight_sync_client`)
         self.epoch = start_epoch or 0  # the weights every healthy engine serves; +1 per update_weights
         self._resume_at = start_epoch  # None: at the durable log's latest epoch
@@ -165,8 +161,6 @@ class RolloutEngine:
         raised. A close error is raised only when nothing else is (it must not hide the error the
         run is unwinding with)."""
         try:
-            for plane in self._planes:
-                await plane.close()
             if self.exporter is not None:
                 await anyio.to_thread.run_sync(self.exporter.stop)
             if self._durable is not None:
@@ -352,18 +346,6 @@ class RolloutEngine:
         """
         self._live_scheduler()
         return await self._updates.update(weights)
-
-    async def weight_plane(self, **options: Any) -> WeightPlane:
-        """Join the weight plane: the learner's tensors go straight to every engine's model workers,
-        in buckets, loaded as they arrive; this process carries metadata only. Returns the handle
-        the learner's loop uses each step: `epoch = await plane.send(model.state_dict())`.
-        `options`: `rollout.plane.WeightPlane`'s (backend, bucket_bytes, name_map, ...)."""
-        from rollout.plane import WeightPlane
-
-        self._live_scheduler()
-        plane = await anyio.to_thread.run_sync(lambda: WeightPlane(self, **options))
-        self._planes.append(plane)  # closed with the engine
-        return plane
 
     def weight_sync_client(self) -> Any:
         """vLLM's `VLLMWeightSyncClient` over every engine, for a learner on vLLM's trainer API

@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio.from_thread
 
@@ -14,9 +14,6 @@ from rollout.engine import RolloutEngine
 from rollout.process import catch_sigterm, exit_on_sigterm, restore_sigterm
 from rollout.staleness import StalenessStats
 from rollout.types import Batch, EngineStats, Group
-
-if TYPE_CHECKING:
-    from rollout.plane import SyncWeightPlane
 
 
 class SyncRolloutEngine:
@@ -71,12 +68,6 @@ class SyncRolloutEngine:
         from rollout.weight_sync import WeightSyncClient
 
         return WeightSyncClient(self._portal.call(self._engine._weight_transfer), self._portal.call)
-
-    def weight_plane(self, **options: Any) -> SyncWeightPlane:
-        """`RolloutEngine.weight_plane`, blocking: `plane.send(model.state_dict())` returns the epoch."""
-        from rollout.plane import SyncWeightPlane
-
-        return SyncWeightPlane(self._portal, self._portal.call(lambda: self._engine.weight_plane(**options)))
 
     def commit(self, handed: Batch | Group | Iterable[Group] | None = None) -> None:
         """See `RolloutEngine.commit`."""

@@ -8,13 +8,13 @@ phases: every engine receives the weights, or is ready to (`stage_weights`; if o
 nothing changes; one found dead there leaves rotation and restarts, and the update goes on without
 it), then every engine loads them inside a pause (`commit_weights`); an engine that fails to load
 leaves rotation. Two sources: a state dict or directory (`update`: through Ray's
-object store), or a weight plane round (`plane_round`: the learner sends, the driver only checks
-metadata and runs the phases; see `rollout.plane`).
+object store), or vLLM's weight-transfer calls from a learner (`rollout.weight_sync`: the
+learner sends, the driver checks metadata and runs the same phases, using what is here).
 Restarts: a restarted engine loads the current epoch's exact bytes when the driver holds them (a
-state dict in the object store; a directory that has not changed). After a plane update the
-bytes live only in the learner: the restarted engine is parked, out of rotation, and loads the
-next update, whatever its source; never other bytes under the current epoch.
-Does not own: checking weights against the model (`policies.weights`, `policies.transfer`),
+state dict in the object store; a directory that has not changed). After a learner's transfer
+the bytes live only in the learner: the restarted engine is parked, out of rotation, and loads
+the next update, whatever its source; never other bytes under the current epoch.
+Does not own: checking weights against the model (`policies.weights`, `rollout.weight_sync`),
 loading them into vLLM (`policies.vllm_policy`), scheduling (`rollout.scheduler`).
 """
 
@@ -32,7 +32,7 @@ from rollout.log import get_logger
 from rollout.types import UpdateStats
 
 log = get_logger(__name__)
-PLANE = object()  # `_weights` of an epoch that came through a weight plane: its bytes live only in the learner
+LEARNER = object()  # `_weights` of an epoch a learner sent (`rollout.weight_sync`): its bytes live only in the learner
 
 
 class WeightUpdates:
@@ -48,8 +48,8 @@ class WeightUpdates:
         self._weights_stamp: Any = None  # ... and, for a directory, what it held then (`fingerprint`)
         self._allocated = 0  # the highest epoch any engine may have loaded: the next one is above it
         self._restarts: dict[int, int] = {}
-        self._parked: dict[int, Any] = {}  # restarted engines waiting for the next update (after a plane epoch)
-        self.incarnations: dict[int, int] = {}  # engine -> +1 per restart or failed transfer (new plane groups)
+        self._parked: dict[int, Any] = {}  # restarted engines waiting for the next update (after a learner's transfer)
+        self.incarnations: dict[int, int] = {}  # engine -> +1 per restart or failed transfer (the learner's group is broken)
         self._scheduler: Any = None
         self._pool: Any = None
         self._model_path = ""
@@ -110,101 +110,6 @@ class WeightUpdates:
                 raise WeightSyncError(f"epoch {epoch}: {describe(bad)}; out of rotation, the others serve epoch {epoch}", list(bad))
             return epoch
 
-    async def plane_round(self, plane: Any) -> int:
-        """One weight-plane round (`rollout.plane`): the learner ranks' declarations are checked
-        against the model, then the same two phases as `update`, the bytes going learner -> workers.
-        Raises InvalidWeightsError (nothing sent, no engine touched), WeightSyncError, EngineDeadError."""
-        from policies.transfer import Outcome
-
-        run = anyio.to_thread.run_sync
-        t0 = time.perf_counter()
-        n, plan, live, outcome = plane.begin(), None, [], Outcome(error="the driver gave up on the round")
-        try:
-            metas = await run(plane.collect, n)
-            async with self.lock:
-                plan = await self._plan(plane, n, metas)
-                live = self._members()
-                engines = [self._pool.engines[i] for i in live]
-                epoch = max(self.epoch, self._allocated) + 1
-                await self._stage_plane(plane, n, epoch, plan, metas, live, engines)
-                self._allocated = epoch  # an engine may hold it from here on: never allocated again
-                with anyio.CancelScope(shield=True):  # every engine serves `epoch`, or left rotation, before anyone else looks
-                    await self._record(epoch)
-                    await run(plane.go, n)
-
-                    def dropped(i: int, reason: str) -> None:
-                        self._failed_transfer(i)
-                        plane.drop(n, i, reason)
-
-                    received = [plan.nbytes] * len(live)
-                    stats, bad = await self._commit(epoch, live, engines, received, plan, on_failure=dropped, prepared=t0)
-                    if len(bad) < len(live):
-                        self._weights, self._weights_stamp = PLANE, None
-                        self._serve(epoch, live, bad)
-                        served = f"epoch {epoch}: {describe(bad)}; out of rotation, the others serve epoch {epoch}"
-                        outcome = Outcome(epoch, sorted(bad), served if bad else "")
-                    else:
-                        outcome = Outcome(-1, sorted(bad), f"epoch {epoch}: every engine failed to load it: {describe(bad)}")
-            log.info("weights updated", epoch=epoch, seconds=round(stats.seconds, 3), mode=stats.mode, failed=stats.failed, source="plane")
-            if outcome.error:
-                raise WeightSyncError(outcome.error, outcome.failed)
-            return epoch
-        except (InvalidWeightsError, WeightSyncError) as e:
-            outcome = Outcome(outcome.epoch, outcome.failed, str(e))
-            raise
-        except (TimeoutError, ConnectionError) as e:  # before phase 2: no engine changed
-            outcome = Outcome(error=f"round {n}: {e}; no engine changed")
-            raise WeightSyncError(outcome.error, []) from e
-        finally:
-            with anyio.CancelScope(shield=True):
-                try:
-                    await run(plane.finish, n, outcome, plan, live)
-                except Exception as e:  # the store is gone with the learner: nobody is left to tell
-                    log.warning("weight plane: could not close the round", round=n, error=f"{type(e).__name__}: {e}")
-
-    async def _plan(self, plane: Any, n: int, metas: list[Any]) -> Any:
-        """The learner ranks' declarations checked and cut into buckets; refused ones end the round."""
-        from policies.transfer import make_plan
-        from policies.weights import read_manifest
-
-        run = anyio.to_thread.run_sync
-        try:
-            if errors := [m.error for m in metas if m.error]:
-                raise InvalidWeightsError("; ".join(errors))
-            if len({m.backend for m in metas}) > 1:
-                raise InvalidWeightsError(f"learner ranks use different backends: {[m.backend for m in metas]}")
-            if self._manifest is None:
-                self._manifest = await run(read_manifest, self._model_path)
-            return await run(make_plan, metas, self._manifest, min(m.bucket_bytes for m in metas))
-        except InvalidWeightsError as e:
-            await run(plane.refuse, n, str(e))
-            raise
-
-    async def _stage_plane(self, plane: Any, n: int, epoch: int, plan: Any, metas: list[Any], live: list[int], engines: list[Any]) -> None:
-        """Phase 1 of a plane round: the ticket out, every engine's workers and every learner rank on
-        the data path. Raises WeightSyncError naming what could not join (no engine changed)."""
-        run = anyio.to_thread.run_sync
-        ready_timeout = None if self.cfg.weight_sync.mode == "drain" else plane.timeout_s
-        ticket = await run(plane.ticket, n, epoch, plan, live, _workers(self.cfg), metas, ready_timeout, self.incarnations)
-        try:
-            staged = await asyncio.gather(*(e.stage_weights(epoch, plane.stage(n, i)) for i, e in zip(live, engines)), return_exceptions=True)
-            for i, r in zip(live, staged):
-                if isinstance(r, EngineDeadError):  # the ticket names it, so the round is off; the next one goes without it
-                    self._lost(i, f"{type(r).__name__}: {r}")
-            bad = failures(live, staged) or await run(plane.joined, n, ticket)
-        except BaseException as e:
-            bad, error = {}, e
-        else:
-            error = None
-        if bad or error is not None:
-            reason = describe(bad) if bad else f"{type(error).__name__}: {error}"
-            with anyio.CancelScope(shield=True):
-                await run(plane.go, n, f"weights could not reach {reason}")
-                await asyncio.gather(*(e.drop_weights(epoch) for e in engines), return_exceptions=True)
-            for i in bad:
-                self._failed_transfer(i)
-            raise WeightSyncError(f"epoch {epoch}: weights did not reach {reason}; no engine changed", sorted(bad)) from error
-
     async def _stage(self, epoch: int, live: list[int], engines: list[Any], shared: Any) -> tuple[list[int], list[Any], list[Any]]:
         """Phase 1 of `update`: every engine of `live` receives `shared`. Returns the engines that
         did, with what each received. An engine found dead leaves rotation and the update goes on
@@ -241,7 +146,7 @@ class WeightUpdates:
             await anyio.to_thread.run_sync(self._durable.set_epoch, epoch)
 
     def _failed_transfer(self, i: int) -> None:
-        self.incarnations[i] = self.incarnations.get(i, 0) + 1  # its plane groups are broken: new ones next time
+        self.incarnations[i] = self.incarnations.get(i, 0) + 1  # its transfer group is broken: the learner inits again
 
     def _members(self) -> list[int]:
         """The engines an update goes to: every healthy one, and restarted ones waiting for weights."""
@@ -259,7 +164,7 @@ class WeightUpdates:
             self._scheduler.runner.revive(i, self._parked.pop(i))
 
     async def _commit(
-        self, epoch: int, live: list[int], engines: list[Any], received: list[Any], payload: Any, on_failure: Any = None,
+        self, epoch: int, live: list[int], engines: list[Any], received: list[Any], payload: Any,
         prepared: float | None = None,
     ) -> tuple[UpdateStats, dict[int, str]]:
         """Phase 2 of an update on every engine that received it; failed ones leave rotation.
@@ -270,15 +175,7 @@ class WeightUpdates:
         # times the load itself; a slow generation is not a failed load.
         wait = None if mode == "drain" else timeout
 
-        async def commit(i: int, e: Any) -> Any:
-            try:
-                return await asyncio.wait_for(e.commit_weights(epoch), wait)
-            except BaseException as err:
-                if on_failure is not None:  # the learner stops sending to it now, not at its own timeout
-                    on_failure(i, f"{type(err).__name__}: {err}")
-                raise
-
-        results = await asyncio.gather(*(commit(i, e) for i, e in zip(live, engines)), return_exceptions=True)
+        results = await asyncio.gather(*(asyncio.wait_for(e.commit_weights(epoch), wait) for e in engines), return_exceptions=True)
         bad = failures(live, results, f"no answer within weight_sync.timeout_s={timeout}")
         for i in bad:
             self._lost(i, bad[i])
@@ -313,13 +210,13 @@ class WeightUpdates:
         try:
             log.warning("restarting engine", engine=i, restart=n, of=self.cfg.engines.max_restarts)
             engine = await self._pool.restart(i)
-            self.incarnations[i] = self.incarnations.get(i, 0) + 1  # new worker processes: new plane groups
+            self.incarnations[i] = self.incarnations.get(i, 0) + 1  # new worker processes: not in the learner's group
             async with self.lock:  # no update may slip between loading and readmission
-                if self._weights is PLANE:
+                if self._weights is LEARNER:
                     self._parked[i] = engine
                     log.warning(
                         "engine restarted; it waits out of rotation for the next weight update (the current epoch came "
-                        "through the weight plane, and its bytes live only in the learner)", engine=i, epoch=self.epoch,
+                        "from a learner's transfer, and its bytes live only in the learner)", engine=i, epoch=self.epoch,
                     )  # fmt: skip
                     return
                 if self._weights is not None:  # none yet (a resumed run): it serves the model's, like the others

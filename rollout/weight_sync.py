@@ -26,8 +26,8 @@ CPU; vLLM's `nccl` / `ipc` on GPUs). What we add to vLLM's calls:
    checkpoint tensor received, no engine serves the round.
 A round with no call for `weight_sync.timeout_s` (a learner gone between calls) is ended: engines
 that loaded bytes leave rotation, the others resume on their weights. Restarts: the epoch's bytes
-live only in the learner, so a restarted engine waits out of rotation for the next update, as
-after a weight plane round (`rollout.updates`); it joins the learner's group at the next
+live only in the learner, so a restarted engine waits out of rotation for the next update
+(`rollout.updates`); it joins the learner's group at the next
 `init_weight_transfer_engine`.
 Does not own: moving bytes (vLLM's engines, `policies.gloo_transfer`), epochs and restarts
 (`rollout.updates`).
@@ -48,7 +48,7 @@ import anyio
 from rollout.errors import EngineDeadError, InvalidWeightsError, WeightSyncError
 from rollout.log import get_logger
 from rollout.types import UpdateStats
-from rollout.updates import PLANE, WeightUpdates, _workers, describe, failures
+from rollout.updates import LEARNER, WeightUpdates, _workers, describe, failures
 
 log = get_logger(__name__)
 
@@ -243,7 +243,7 @@ class WeightTransfer:
         ))  # fmt: skip
         if not done:
             raise WeightSyncError(f"epoch {rnd.epoch}: every engine failed to load it: {describe(rnd.bad)}; the epoch stays {self.u.epoch}", sorted(rnd.bad))
-        self.u._weights, self.u._weights_stamp = PLANE, None  # its bytes live only in the learner: restarts wait for the next
+        self.u._weights, self.u._weights_stamp = LEARNER, None  # its bytes live only in the learner: restarts wait for the next
         self.u._serve(rnd.epoch, rnd.live, rnd.bad)
         if weight_version is not None:
             self.versions[weight_version] = rnd.epoch

@@ -66,19 +66,11 @@ class FakeEngine:
         self.held: dict[str, Request] = {}  # requests in flight, by id
         self.killed = False
         self.commits: list[int] = []
-        self._plane: PlaneWorkerFake | None = None
         self.worker: Any = None  # vLLM's weight-transfer engine of its model worker
         self.spec = SpecCounters(engine_id=engine_id)  # what spec_counters() reports; tests set it
         self.preemptions = 0  # what stats() reports; tests set it
         self.spec_per_request: tuple[int, int, int, list[int]] | None = None  # added to `spec` per finished request
         self._changed = anyio.Event()
-
-    @property
-    def plane(self) -> PlaneWorkerFake:
-        """Its model worker's end of the weight plane (made on first use)."""
-        if self._plane is None:
-            self._plane = PlaneWorkerFake(self.engine_id)
-        return self._plane
 
     def block(self) -> anyio.Event:
         """Hold every request from now on until the returned event is set."""
@@ -168,16 +160,10 @@ class FakeEngine:
         if self.fail_stage:
             raise RuntimeError("no space left on device")
         self.staged[epoch] = weights
-        if type(weights).__name__ == "PlaneStage":  # the weight plane: the worker joins in the background
-            if self.plane.fail_join:
-                raise RuntimeError("cannot join the plane")
-            self.plane.receiver.stage(weights)
         return 100
 
     async def drop_weights(self, epoch: int) -> None:
-        staged = self.staged.pop(epoch, None)
-        if type(staged).__name__ == "PlaneStage":
-            self.plane.receiver.drop(staged.round)
+        self.staged.pop(epoch, None)
 
     async def commit_weights(self, epoch: int) -> dict[str, float]:
         if self.commit_gate is not None:
@@ -186,9 +172,7 @@ class FakeEngine:
             await anyio.sleep_forever()
         if self.fail_commit:
             raise RuntimeError("reload failed")
-        staged = self.staged.pop(epoch)
-        if type(staged).__name__ == "PlaneStage":
-            await anyio.to_thread.run_sync(self.plane.load, staged.round, abandon_on_cancel=True)
+        self.staged.pop(epoch)
         self.commits.append(epoch)
         self.epoch = epoch
         self._notify()
@@ -305,47 +289,16 @@ class FakePool:
         if self.fail_restart:
             raise RuntimeError("engine failed to start")
         self.restarts.append(i)
-        if self.engines[i]._plane is not None:  # its worker processes are gone with it
-            self.engines[i]._plane.receiver.close()
+        if self.engines[i].worker is not None:  # its worker processes are gone with it
+            self.engines[i].worker.shutdown()
         self.engines[i] = FakeEngine(i, eos_at=self.engines[i].eos_at)
         return self.engines[i]
 
     async def shutdown(self) -> None:
         self.shutdown_calls += 1
         for e in self.engines:
-            if e._plane is not None:
-                e._plane.receiver.close()
-
-
-class PlaneWorkerFake:
-    """A fake engine's model worker on the weight plane: the real `PlaneReceiver`, and a load that
-    takes every streamed tensor the way vLLM's `reload_weights(weights_iterator=...)` does.
-    `fail_after` tensors: the load raises then (an engine failing mid-load); `hold`: the load waits
-    for this event after its first tensor (a learner can be killed meanwhile)."""
-
-    def __init__(self, engine_id: int):
-        from policies.plane_worker import PlaneReceiver
-
-        self.engine_id = engine_id
-        self.receiver = PlaneReceiver()
-        self.loaded: dict[str, object] = {}
-        self.fail_after: int | None = None
-        self.fail_join = False
-        self.hold = None  # a threading.Event
-        self.got_first = None  # a threading.Event, set after the first tensor
-
-    def load(self, round: int) -> int:
-        got = {}
-        for name, tensor in self.receiver.stream(round):
-            if self.fail_after is not None and len(got) >= self.fail_after:
-                raise RuntimeError(f"fake worker of engine {self.engine_id} failed loading {name}")
-            got[name] = tensor.clone()
-            if self.got_first is not None and len(got) == 1:
-                self.got_first.set()
-                if self.hold is not None:
-                    self.hold.wait(30)
-        self.loaded = got
-        return sum(t.numel() * t.element_size() for t in got.values())
+            if e.worker is not None:
+                e.worker.shutdown()
 
 
 def transfer_worker(engine_id: int) -> object:

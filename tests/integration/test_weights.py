@@ -199,24 +199,21 @@ async def vllm_trainer_update(engine: RolloutEngine, weights: dict) -> Callable[
     return update
 
 
-async def stream_with_updates(mode: str, via_plane: bool | str = False) -> tuple[list[Trajectory], dict[int, dict], RolloutEngine]:
+async def stream_with_updates(mode: str, via_trainer: bool = False) -> tuple[list[Trajectory], dict[int, dict], RolloutEngine]:
     # 16 running per engine; 4 parts of 8 groups of 4 (one wave of 32 each), an update between parts.
     cfg = integration_config(f"weight_sync.mode={mode}", "engines.count=2", "engines.max_inflight_per_engine=16", SMALL_KV, *SAMPLING)
     async with RolloutEngine(cfg) as engine:
         weights = {0: load_file(f"{engine.model_path}/model.safetensors")}
         batch = prompts(32, seed=len(mode))
-        if via_plane == "vllm":
-            update = await vllm_trainer_update(engine, weights[0])
-        else:
-            update = (await engine.weight_plane()).send if via_plane else engine.update_weights
+        update = await vllm_trainer_update(engine, weights[0]) if via_trainer else engine.update_weights
         trajectories = await run_with_updates(engine, [batch[8 * k : 8 * (k + 1)] for k in range(UPDATES + 1)], update, weights)
         engine.final_stats = await engine.stats()  # type: ignore[attr-defined]
         return trajectories, weights, engine
 
 
 @pytest.mark.parametrize("mode", MODES)
-async def test_epochs_match_the_oracle(mode: str, via_plane: bool | str = False):
-    trajectories, weights, engine = await stream_with_updates(mode, via_plane)
+async def test_epochs_match_the_oracle(mode: str, via_trainer: bool = False):
+    trajectories, weights, engine = await stream_with_updates(mode, via_trainer)
     assert len(trajectories) == 128
     assert [u.epoch for u in engine.weight_updates] == [1, 2, 3] and not any(u.failed for u in engine.weight_updates)
     for u in engine.weight_updates:
