@@ -139,3 +139,40 @@ async def test_512_concurrent_requests_are_each_answered_once_in_bounded_memory(
         assert len({tuple(p) for p in prompts}) == 512, "every request answered once, with its own prompt"
         assert server.inflight == 0
         assert (rss_after - rss_before) * 1024 < 512 * 2**20, f"driver grew {rss_after - rss_before} KiB (pid {os.getpid()})"
+
+
+STOPS = [*"eao", *"bcdfghijklmnpqrstuvwxyz0123456789"]  # single characters: a 64-token turn of the random model hits one
+
+
+async def test_seed_repeats_the_tokens_and_stop_strings_leave_the_text_as_vllms_server():
+    """Same seed, same request, same weights: the same tokens (each HTTP request had a random prompt
+    id, and the per-request vLLM seed is derived from it). A turn ended by a stop string returns
+    the text before it, as vLLM's server does; the token ids keep the token that completed it."""
+    async with serving(integration_config("engines.count=1", "model.max_model_len=256")) as (_, server, client):
+        chat = {"model": server.model, "messages": [{"role": "user", "content": "seeded"}], "max_tokens": 24, "temperature": 1.0}
+        a, b = [(await client.chat.completions.create(**chat, seed=7)).choices[0].message.model_extra for _ in range(2)]
+        assert a["generation_token_ids"] == b["generation_token_ids"]
+        unseeded = [(await client.chat.completions.create(**chat)).choices[0].message.model_extra["generation_token_ids"] for _ in range(2)]
+        assert unseeded[0] != unseeded[1], "temperature 1 without a seed: two samples"
+        text = {"model": server.model, "prompt": "seeded", "max_tokens": 24, "temperature": 1.0, "seed": 11}
+        c, d = [(await client.completions.create(**text)).choices[0].model_extra["generation_token_ids"] for _ in range(2)]
+        assert c == d
+
+        tokenizer = server.chat
+        stopped = 0
+        for seed in range(8):
+            r = await client.chat.completions.create(**{**chat, "max_tokens": 64}, stop=STOPS, seed=seed)
+            choice, ids = r.choices[0], r.choices[0].message.model_extra["generation_token_ids"]
+            if choice.finish_reason != "stop" or ids[-1] == 2:  # ended by length or EOS: nothing to cut
+                continue
+            stopped += 1
+            full = tokenizer.decode(ids)
+            assert not any(s in choice.message.content for s in STOPS), choice.message.content
+            assert full.startswith(choice.message.content) and full[len(choice.message.content)] in STOPS
+            streamed = [x async for x in await client.chat.completions.create(**{**chat, "max_tokens": 64}, stop=STOPS, seed=seed, stream=True)]
+            assert "".join(x.choices[0].delta.content or "" for x in streamed if x.choices) == choice.message.content
+            t = await client.completions.create(model=server.model, prompt=[int(i) for i in r.model_extra.get("prompt_token_ids") or
+                                                                           choice.message.model_extra["prompt_token_ids"]],
+                                                max_tokens=64, temperature=1.0, stop=STOPS, seed=seed)  # fmt: skip
+            assert t.choices[0].text == choice.message.content and t.choices[0].finish_reason == "stop"
+        assert stopped, "no turn ended by a stop string"
