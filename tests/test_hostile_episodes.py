@@ -213,3 +213,19 @@ async def test_a_sync_step_that_hangs_fails_its_episode_and_its_thread_is_abando
         release.set()
     (ep,) = groups[0].trajectories
     assert not ep.ok and "environment step of turn 0 took longer than episode.step_timeout_s=0.05" in ep.error
+
+
+async def test_an_on_trajectory_callback_raising_system_exit_fails_that_group_only():
+    """User code on the loop too: a callback's SystemExit fails its group (as any exception it
+    raises does), not the engine's task group."""
+
+    def on_trajectory(t):
+        if t.prompt_id == "bad":
+            raise SystemExit(2)
+
+    with anyio.fail_after(TIMEOUT):
+        async with RolloutEngine(cfg("sampling.n=1"), pool=FakePool(1), on_trajectory=on_trajectory) as engine:
+            engine.feed([Prompt(token_ids=[5, 6], id="bad"), Prompt(token_ids=[7, 8], id="good")])
+            groups = {g.prompt_id: g async for g in engine.groups()}
+    assert groups["good"].ok
+    assert not groups["bad"].ok and "SystemExit: 2" in groups["bad"].error
