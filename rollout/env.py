@@ -154,8 +154,14 @@ def _tool_calls(calls: Any, where: str) -> None:
     for i, call in enumerate(calls):
         fn = call["function"]
         _text(fn.get("name"), f"{where}[{i}].function.name")
-        if not isinstance(fn.get("arguments"), str | dict):
-            raise EnvError(f"{where}[{i}].function.arguments: expected a JSON string or an object, got {shown(fn.get('arguments'))}")
+        args = fn.get("arguments")
+        if not isinstance(args, str | dict):
+            raise EnvError(f"{where}[{i}].function.arguments: expected a JSON string or an object, got {shown(args)}")
+        if isinstance(args, str):
+            try:
+                json.loads(args)
+            except (ValueError, RecursionError) as e:
+                raise EnvError(f"{where}[{i}].function.arguments: is not JSON: {shown(args)}: {e}") from e
     try:
         json.dumps(calls, allow_nan=False)
     except (TypeError, ValueError, RecursionError) as e:

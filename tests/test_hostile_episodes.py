@@ -58,6 +58,7 @@ def raises(error):
     return how
 
 
+ARGS_NOT_JSON = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": '{"x": '}}]}
 NOT_JSON = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"x": {1, 2}}}}]}
 
 
@@ -70,6 +71,7 @@ NOT_JSON = {"role": "assistant", "content": "", "tool_calls": [{"type": "functio
         (OneBad, lambda: ("x", 1.0, "no"), "environment step of turn 0: Step.done: expected a bool, got 'no'"),
         (OneBad, lambda: Step("x", 1.0, "no"), "environment step of turn 0: Step.done: expected a bool, got 'no'"),
         (OneBad, lambda: Step(NOT_JSON), "Step.observation.tool_calls: is not JSON: TypeError: Object of type set"),
+        (OneBad, lambda: Step(ARGS_NOT_JSON), "Step.observation.tool_calls[0].function.arguments: is not JSON: '{\"x\": '"),
         (OneBad, lambda: Step({"role": "robot", "content": "x"}), "Step.observation.role: expected one of system, user, assistant, tool, got 'robot'"),
         (OneBad, lambda: Step([{"role": "tool", "content": 5}]), "Step.observation[0].content: expected a string, got 5"),
         (OneBad, raises(asyncio.CancelledError()), "environment step of turn 0 raised CancelledError"),
@@ -78,7 +80,7 @@ NOT_JSON = {"role": "assistant", "content": "", "tool_calls": [{"type": "functio
         (OneBadSync, raises(asyncio.CancelledError()), "environment step of turn 0 raised CancelledError"),
         (OneBadSync, None, "environment reset raised SystemExit: 2"),
     ],
-    ids=["reward-str", "reward-nan", "reward-huge-int", "done-str-tuple", "done-str", "tool-calls-not-json", "role",
+    ids=["reward-str", "reward-nan", "reward-huge-int", "done-str-tuple", "done-str", "tool-calls-not-json", "arguments-not-json", "role",
          "content-int", "async-cancelled", "sync-systemexit", "sync-keyboardinterrupt", "sync-cancelled", "reset-systemexit"],
 )  # fmt: skip
 async def test_a_hostile_step_fails_its_episode_only_naming_the_field_or_the_cause(env, how, message):
