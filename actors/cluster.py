@@ -2,7 +2,7 @@
 
 Owns: connecting (a local cluster bound to loopback with Ray's default token authentication, its
 processes out of the driver's process group; an address where nothing answers fails within
-seconds), and whether the cluster has the resources
+seconds; the driver's SIGTERM handler kept through `ray.init`), and whether the cluster has the resources
 the engines' placement group needs (else the placement group would wait for
 `engines.start_timeout_s`). Does not own: the engines (`actors.pool`).
 """
@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -42,12 +44,13 @@ def connect(cfg: Config) -> bool:
         kwargs["num_cpus"] = cfg.ray.num_cpus or max(os.cpu_count() or 1, need)
         if cfg.engines.gpus_per_engine == 0:
             kwargs["num_gpus"] = 0
-        with _loopback(), _own_session():
+        with _loopback(), _own_session(), _keep_sigterm():
             ray.init(**kwargs)
         return True
     check_reachable(cfg.ray.address)
     try:
-        ray.init(address=cfg.ray.address, **kwargs)
+        with _keep_sigterm():
+            ray.init(address=cfg.ray.address, **kwargs)
     except Exception as e:
         raise InvalidConfigError(f"ray.address: cannot join the Ray cluster at {cfg.ray.address!r}: {type(e).__name__}: {e}") from e
     return True
@@ -108,6 +111,28 @@ def _own_session() -> Iterator[None]:
         yield
     finally:
         services.ConsolePopen = popen
+
+
+@contextlib.contextmanager
+def _keep_sigterm() -> Iterator[None]:
+    """Around `ray.init`: the SIGTERM handler the driver had before is its handler after.
+
+    `ray.init` installs two of its own: a Python one (`sys.exit(15)`), and then, under it, the
+    core worker's C++ failure-signal handler, which prints a stack and aborts the driver (SIGABRT,
+    nothing shut down, the engines' processes and /dev/shm left). Python still reports its own
+    handler after that, so installing it again is what puts it back in force. A driver whose
+    handler was the default keeps Ray's Python one (Ray's atexit shutdown then runs), never the
+    abort. Only the main thread can set handlers: elsewhere nothing changes.
+    """
+    main = threading.current_thread() is threading.main_thread()
+    old = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if main:
+            keep = old if old not in (signal.SIG_DFL, None) else signal.getsignal(signal.SIGTERM)
+            if keep is not None:
+                signal.signal(signal.SIGTERM, keep)
 
 
 _CLUSTER_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"

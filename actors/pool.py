@@ -2,7 +2,8 @@
 
 Owns: one actor per engine with its resources and pinned cores (the cluster itself:
 `actors.cluster`), readiness with a timeout, translation of Ray errors into
-`rollout.errors`, and a shutdown that leaves no process or /dev/shm segment behind.
+`rollout.errors`, and a shutdown that leaves no process or /dev/shm segment behind (a driver
+SIGKILLed cannot shut down: what it left is recorded, and the next start removes it, `actors.leftovers`).
 The actor itself is `ray.remote(VLLMPolicy)`: a shell with no logic of its own.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import socket
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,7 +23,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.cluster import connect, missing_resources
-from policies.shm import Snapshot, sweep_when_gone
+from actors.leftovers import Record, reap
+from policies.shm import Snapshot, descendants, sweep_when_gone
 from policies.vllm_args import checked_engine_args, engine_env
 from policies.vllm_policy import VLLMPolicy
 from rollout.config import Config
@@ -206,7 +209,7 @@ class RayEngine:
 class RayEnginePool:
     """N engine actors in one placement group. Use `await RayEnginePool.start(cfg, path)`."""
 
-    def __init__(self, cfg: Config, actors: list[Any], pg: Any, started_ray: bool):
+    def __init__(self, cfg: Config, actors: list[Any], pg: Any, started_ray: bool, record: Record | None = None):
         self.cfg = cfg
         self.actors = actors
         self.engines = [RayEngine(a, i) for i, a in enumerate(actors)]
@@ -215,12 +218,17 @@ class RayEnginePool:
         self.model_path = ""
         self._shm: dict[int, tuple[list[str], list[int], str]] = {}  # engine -> (/dev/shm names, pids, host) at start
         self._starting: dict[int, Any] = {}  # engine -> its `start` call, until it answers
+        self._record = record  # what a SIGKILL of this driver would leave, for the next start (`actors.leftovers`)
+        self._ray_pids: set[int] = set()  # this driver's children that are its local cluster's
 
     @classmethod
     async def start(cls, cfg: Config, model_path: str) -> RayEnginePool:
         """Start every engine concurrently; raises EngineDeadError if one fails or times out."""
         checked_engine_args(cfg, model_path)  # bad engine args, and what vLLM's model config refuses, fail here
+        await asyncio.to_thread(reap)  # what killed drivers on this machine left
+        children = descendants(os.getpid())
         started_ray = connect(cfg)
+        record = Record()
         if missing := missing_resources(cfg, ray.cluster_resources()):  # else the placement group waits for the whole start timeout
             if started_ray:
                 ray.shutdown()
@@ -229,8 +237,11 @@ class RayEnginePool:
         bundle = {"CPU": e.cpus_per_engine, **({"GPU": e.gpus_per_engine} if e.gpus_per_engine else {})}
         pg = placement_group([bundle] * e.count, strategy=e.placement_strategy)
         actors: list[Any] = []
-        pool = cls(cfg, actors, pg, started_ray)
+        pool = cls(cfg, actors, pg, started_ray, record)
         pool.model_path = model_path
+        if started_ray and cfg.ray.address is None:  # a local cluster: its processes are this driver's children
+            pool._ray_pids = descendants(os.getpid()) - children
+            record.cluster(sorted(pool._ray_pids))
         try:
             await asyncio.wait_for(pg.ready(), timeout=e.start_timeout_s)
             actors.extend(pool._spawn(i) for i in range(e.count))
@@ -240,6 +251,8 @@ class RayEnginePool:
             held = await asyncio.wait_for(asyncio.gather(*pool._starting.values()), timeout=e.start_timeout_s)
             pool._starting.clear()
             pool._shm = dict(enumerate(held))
+            for i in range(e.count):
+                pool._remember(i)
         except BaseException as err:
             if isinstance(err, (asyncio.TimeoutError, GetTimeoutError, RayActorError, RayTaskError)):
                 pool._starting.clear()  # hung or failed: nothing to wait for
@@ -287,7 +300,20 @@ class RayEnginePool:
             cause = getattr(err, "cause", None)
             raise EngineDeadError(str(cause) if isinstance(cause, RolloutError) else f"engine {i} failed to restart: {err}") from err
         self._shm[i] = held
+        self._remember(i)
         return self.engines[i]
+
+    def _remember(self, i: int) -> None:
+        """Engine `i`'s /dev/shm names and processes in this run's record, and with a local cluster
+        every process below Ray's own by now (its workers, the engine actors and their vLLM
+        processes), for the start after a SIGKILL of this driver (`actors.leftovers`)."""
+        names, pids, host = self._shm[i]
+        if self._record is None or host != socket.gethostname():
+            return
+        local = bool(self._ray_pids)
+        if local:
+            self._record.cluster(sorted(self._ray_pids.union(*(descendants(p) for p in self._ray_pids))))
+        self._record.engine(i, names, pids, local)
 
     def share(self, payload: Any) -> Any:
         """Put `payload` in Ray's object store once; every engine reads the same copy."""
@@ -317,6 +343,8 @@ class RayEnginePool:
             self._pg = None
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
+        if self._record is not None:
+            self._record.close()
         log.info("engines shut down")
 
 

@@ -14,7 +14,6 @@ hand out groups and batches, and shut everything down (also on errors and cancel
 from __future__ import annotations
 
 import asyncio
-import signal
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Generator, Iterable
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from rollout.env import EnvFactory, load_env
 from rollout.errors import EngineClosedError, InvalidPromptError
 from rollout.log import configure, get_logger
 from rollout.metrics import EngineMetrics, MetricsWindow, PrometheusExporter
-from rollout.process import catch_sigterm, exit_on_sigterm, restore_sigterm
+from rollout.process import catch_sigterm, restore_sigterm
 from rollout.prompts import BadPrompt, ModelLimits, as_async, check_prompt, coerce, effective_sampling
 from rollout.queue import Submission, TrajectoryQueue
 from rollout.rewards import RewardFn, load_reward
@@ -107,10 +106,8 @@ class RolloutEngine:
                 self._commits = Commits(self._durable, auto=q.durable_commit == "auto")
                 self.epoch = self._durable.epoch
             self._start_epoch = self.epoch
-            if self.pool is None:
+            if self.pool is None:  # keeps this process's SIGTERM handler through Ray's start (`actors.cluster`)
                 self.pool = await start_pool(self.cfg, self.model_path)
-                if self._old_sigterm is not None:  # take it back: Ray's driver installs a handler that aborts
-                    signal.signal(signal.SIGTERM, exit_on_sigterm)
             self._queue = TrajectoryQueue(self.cfg.queue.max_groups, in_order=self.cfg.queue.order == "in_order")
             self._metrics = EngineMetrics(self, self._queue)
             on_trajectory = self._metrics.counting(self._on_trajectory)

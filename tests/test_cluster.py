@@ -107,3 +107,26 @@ def test_a_failed_start_removes_the_shared_memory_it_left_and_only_that():
     finally:
         if mine.exists():
             os.unlink(mine)
+
+
+@pytest.mark.parametrize("before", ["a driver's handler", "the default"])
+def test_the_driver_s_sigterm_handler_is_its_handler_after_ray_init(before):
+    """`ray.init` replaces SIGTERM's handler (a Python one, then the core worker's C++ one that
+    aborts); `_keep_sigterm` installs the driver's again, or Ray's Python one where the driver had none."""
+    import signal
+
+    from actors.cluster import _keep_sigterm
+
+    def driver(signum, frame):
+        raise SystemExit(128 + signum)
+
+    def rays(signum, frame):
+        raise SystemExit(signum)
+
+    old = signal.signal(signal.SIGTERM, driver if before == "a driver's handler" else signal.SIG_DFL)
+    try:
+        with _keep_sigterm():
+            signal.signal(signal.SIGTERM, rays)  # what ray.init does
+        assert signal.getsignal(signal.SIGTERM) is (driver if before == "a driver's handler" else rays)
+    finally:
+        signal.signal(signal.SIGTERM, old)

@@ -1,5 +1,7 @@
-"""A driver that is stopped: SIGTERM and SIGINT leave nothing behind; after SIGKILL, a new run on the
-same `queue.durable_dir` hands out exactly the groups that were finished but not taken."""
+"""A driver that is stopped: SIGTERM and SIGINT leave nothing behind, also mid start-up; after SIGKILL,
+the next start removes what it left (Ray processes, /dev/shm segments) and a new run on the same
+`queue.durable_dir` hands out exactly the groups that were finished but not taken. Two engines one
+after the other in one process each start and leave nothing."""
 
 from __future__ import annotations
 
@@ -7,11 +9,13 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 
 import anyio
 import pytest
 
+from policies.shm import mapped
 from rollout import RolloutEngine
 from rollout.durable import LOG_NAME
 from rollout.grouplog import AckRecord, GroupRecord, LogReader
@@ -118,11 +122,12 @@ def kill_orphans(pids: set[int]) -> None:
             return
 
 
-async def test_after_sigkill_a_new_run_hands_out_exactly_the_untaken_groups(tmp_path):
+async def test_after_sigkill_the_next_start_removes_what_was_left_and_hands_out_exactly_the_untaken_groups(tmp_path, capsys):
     durable = tmp_path / "log"
     before_shm = shm_segments()
     proc = start_driver(f"queue.durable_dir={durable}", "queue.max_groups=16")
     orphans: set[int] = set()
+    leaked: set[str] = set()
     try:
         line = await anyio.to_thread.run_sync(report_line, proc)
         assert line.startswith("{"), proc.stderr.read()[-3000:] if proc.poll() is not None else line
@@ -130,23 +135,132 @@ async def test_after_sigkill_a_new_run_hands_out_exactly_the_untaken_groups(tmp_
         orphans = descendants(proc.pid)
         proc.kill()  # SIGKILL: no clean-up of any kind
         proc.wait(timeout=30)
+        left = alive(orphans)
+        leaked = leaked_shm(before_shm) | {n for n in mapped(left) if n.startswith(("psm_", "sem.mp-"))}
+        assert left or leaked, "a SIGKILLed driver left nothing: this test would prove nothing"
+        with open(durable / LOG_NAME, "rb") as f:
+            records = [record for _, _, record in LogReader(f, durable / LOG_NAME)]
+        groups = {r.id: r.group for r in records if isinstance(r, GroupRecord)}
+        acked = {i for r in records if isinstance(r, AckRecord) for i in r.ids}
+        untaken = [g.prompt_id for rid, g in groups.items() if rid not in acked]
+        assert sorted(g.prompt_id for rid, g in groups.items() if rid in acked) == sorted(taken)
+        assert len(untaken) >= 3 and not set(untaken) & set(taken)
+        with open(durable / LOG_NAME, "ab") as f:
+            f.write(b"\x40\x00\x00\x00\x12\x34")  # a record torn by the power cut, mid-header
+
+        async with RolloutEngine(integration_config("engines.count=1", f"queue.durable_dir={durable}")) as engine:
+            # The start removed what the killed run left: its Ray processes, its engine's segments.
+            assert not alive(left), f"a killed run's processes outlived the next start: {alive(left)}"
+            assert not leaked & shm_segments(), f"a killed run's /dev/shm segments outlived the next start: {leaked & shm_segments()}"
+            again = [g async for g in engine.groups()]
     finally:
-        orphans |= descendants(proc.pid)
         proc.kill()
         kill_orphans(orphans)
         for name in leaked_shm(before_shm):
             os.unlink(f"/dev/shm/{name}")
-    with open(durable / LOG_NAME, "rb") as f:
-        records = [record for _, _, record in LogReader(f, durable / LOG_NAME)]
-    groups = {r.id: r.group for r in records if isinstance(r, GroupRecord)}
-    acked = {i for r in records if isinstance(r, AckRecord) for i in r.ids}
-    untaken = [g.prompt_id for rid, g in groups.items() if rid not in acked]
-    assert sorted(g.prompt_id for rid, g in groups.items() if rid in acked) == sorted(taken)
-    assert len(untaken) >= 3 and not set(untaken) & set(taken)
-    with open(durable / LOG_NAME, "ab") as f:
-        f.write(b"\x40\x00\x00\x00\x12\x34")  # a record torn by the power cut, mid-header
-
-    async with RolloutEngine(integration_config("engines.count=1", f"queue.durable_dir={durable}")) as engine:
-        again = [g async for g in engine.groups()]
+    logged = capsys.readouterr()
+    assert "removed what a killed run left" in logged.out + logged.err
     assert [g.prompt_id for g in again] == untaken  # exactly those, in the order they finished
     assert all(g.ok and len(g.trajectories) == 2 and all(t.token_ids for t in g.trajectories) for g in again)
+
+
+def watch(stream, marker: str) -> tuple[threading.Event, list[str]]:
+    """Read `stream` line by line in a thread (a full pipe would stall the driver); the event is set
+    once a line holds `marker`."""
+    seen, lines = threading.Event(), []
+
+    def read() -> None:
+        for line in stream:
+            lines.append(line)
+            if marker in line:
+                seen.set()
+        seen.set()  # the stream ended: whoever waits looks at the process
+
+    threading.Thread(target=read, daemon=True).start()
+    return seen, lines
+
+
+STARTING = """
+import anyio
+from rollout import RolloutEngine
+from tests.integration.conftest import integration_config
+
+async def main():
+    async with RolloutEngine(integration_config("engines.count=1", "logging.level=info")):
+        print("ENGINE UP", flush=True)  # the test signals the driver before this
+
+anyio.run(main)
+"""
+
+
+def test_sigterm_during_start_up_exits_143_and_leaves_nothing():
+    before_shm = shm_segments()
+    proc = start_python(STARTING)
+    started: set[int] = set()
+    try:
+        starting, err = watch(proc.stderr, "engines starting")
+        assert starting.wait(300) and proc.poll() is None, "".join(err)[-3000:]
+        deadline = time.monotonic() + 300
+        while not any("EngineCore" in _args(p) for p in descendants(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.2)  # polling the OS process table for the engine core; nothing to wait on
+        started = descendants(proc.pid)
+        assert proc.poll() is None and any("EngineCore" in _args(p) for p in started), "".join(err)[-3000:]
+        os.kill(proc.pid, signal.SIGTERM)
+        out = proc.stdout.read()
+        proc.wait(timeout=180)
+    finally:
+        proc.kill()
+        if proc.poll() is None or proc.returncode != 128 + signal.SIGTERM:
+            kill_orphans(started)
+    assert "ENGINE UP" not in out
+    assert proc.returncode == 128 + signal.SIGTERM, "".join(err)[-3000:]
+    assert not wait_gone(started), f"engine or Ray processes outlived the driver: {alive(started)}"
+    assert not leaked_shm(before_shm), f"leaked /dev/shm segments: {leaked_shm(before_shm)}"
+
+
+def _args(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+TWICE = """
+import json, os, anyio
+from safetensors.torch import load_file
+from policies.shm import descendants
+from rollout import RolloutEngine, Prompt
+from tests.integration.conftest import integration_config
+
+cfg = integration_config("engines.count=1", "sampling.n=2")
+
+async def main():
+    for run in range(2):
+        async with RolloutEngine(cfg) as engine:  # the first one still referenced while the second starts
+            assert await engine.update_weights(load_file(f"{engine.model_path}/model.safetensors")) == 1
+            engine.feed([Prompt(token_ids=[5 + run] * 8, id=f"run{run}")])
+            groups = [g async for g in engine.groups()]
+            assert len(groups) == 1 and groups[0].ok, groups
+            print(json.dumps({"run": run, "pids": sorted(descendants(os.getpid()))}), flush=True)
+
+anyio.run(main)
+"""
+
+
+def test_two_engines_one_after_the_other_in_one_process_each_start_and_leave_nothing():
+    before_shm = shm_segments()
+    proc = start_python(TWICE)
+    pids: set[int] = set()
+    try:
+        out, err = proc.communicate(timeout=600)
+        for line in out.splitlines():
+            if line.startswith("{"):
+                pids |= set(json.loads(line)["pids"])
+    finally:
+        proc.kill()
+    runs = [json.loads(x)["run"] for x in out.splitlines() if x.startswith("{")]
+    assert proc.returncode == 0 and runs == [0, 1], err[-3000:]
+    assert "Can't find actor" not in err and "Traceback" not in err, err[-3000:]
+    assert not wait_gone(pids), f"engine or Ray processes outlived the driver: {alive(pids)}"
+    assert not leaked_shm(before_shm), f"leaked /dev/shm segments: {leaked_shm(before_shm)}"
