@@ -87,6 +87,14 @@ async def test_vllm_trainer_loads_exactly_what_the_object_store_loads():
         assert engine.epoch == 2 and [s.epoch for s in await engine.stats()] == [2, 2]
         assert [(i, lp) for i, lp, _ in await greedy(engine)] == [(i, lp) for i, lp, _ in via_store]  # the old weights, intact
 
+        # a round called off after the engines started vLLM's update (another engine could not):
+        # vLLM's finish with nothing loaded puts the old tensors back; the epoch stays
+        for e in engine.pool.engines:
+            await e.call("start_transfer", 99)
+            await e.call("finish_transfer", 99, False)
+        assert [s.epoch for s in await engine.stats()] == [2, 2]
+        assert [(i, lp) for i, lp, _ in await greedy(engine)] == [(i, lp) for i, lp, _ in via_store]
+
         # and the transfer still works after all that
         await send(t, source, random_weights(base, seed=8))
         assert engine.epoch == 3 and [s.epoch for s in await engine.stats()] == [3, 3]
