@@ -24,9 +24,13 @@ def route(loads: Sequence[EngineLoad], n: int, capacity: int, prefer: int | None
     if prefer is not None and loads[prefer].healthy:
         return prefer if loads[prefer].requests + n <= capacity else None
     best: int | None = None
-    for i, load in enumerate(loads):
-        if not load.healthy or load.requests + n > capacity:
+    best_tokens = best_requests = 0
+    limit = capacity - n
+    for i, load in enumerate(loads):  # runs per group over every engine: no tuple or lookup per engine
+        requests = load.requests
+        if requests > limit or not load.healthy:
             continue
-        if best is None or (load.tokens, load.requests) < (loads[best].tokens, loads[best].requests):
-            best = i
+        tokens = load.tokens
+        if best is None or tokens < best_tokens or (tokens == best_tokens and requests < best_requests):
+            best, best_tokens, best_requests = i, tokens, requests
     return best

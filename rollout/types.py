@@ -76,16 +76,28 @@ def not_utf8(text: str) -> str | None:
 def not_utf8_in(value: Any, where: str) -> str | None:
     """The first string (a key or a value, at any depth of dicts and lists) in `value` that is not
     valid UTF-8, as "where.key: reason"; None when every one is."""
+    if isinstance(value, (dict, list, tuple)):
+        # msgspec's encoder checks every string in C (a prompt's 1k token ids: ~2 us, not ~40 us in
+        # Python); only a value it refuses, for a bad string or a type it cannot encode, is walked
+        try:
+            msgspec.msgpack.encode(value)
+            return None
+        except Exception:
+            pass
+    return _walk(value, where)
+
+
+def _walk(value: Any, where: str) -> str | None:
     if isinstance(value, str):
         return None if (reason := not_utf8(value)) is None else f"{where}: {reason}"
     if isinstance(value, dict):
         for key, item in value.items():
             name = f"{where}.{key}" if isinstance(key, str) and not_utf8(key) is None else where
-            if (found := not_utf8_in(key, f"{where} key") or not_utf8_in(item, name)) is not None:
+            if (found := _walk(key, f"{where} key") or _walk(item, name)) is not None:
                 return found
     elif isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
-            if type(item) is not int and (found := not_utf8_in(item, f"{where}[{i}]")) is not None:  # token ids: skipped fast
+            if type(item) is not int and (found := _walk(item, f"{where}[{i}]")) is not None:  # token ids: skipped fast
                 return found
     return None
 
