@@ -32,6 +32,7 @@ import cProfile
 import io
 import itertools
 import math
+import os
 import pstats
 import statistics
 import sys
@@ -132,6 +133,22 @@ def model_dir(root: str, vocab: int) -> str:
     return root
 
 
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds of this process's threads by name: the event loop's (`main`) and Ray's own."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # ended meanwhile
+            continue
+        name = "main" if int(tid) == os.getpid() else stat[stat.index("(") + 1 : stat.rindex(")")].rstrip("0123456789")
+        fields = stat[stat.rindex(")") + 2 :].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
@@ -213,7 +230,7 @@ async def _drive(o: Options, engine: RolloutEngine, pool: SimPool, prompts: list
     result: dict[str, Any] = {"engines": len(pool.engines)}
     if prompts is None:
         await asyncio.sleep(o.warmup)
-        before, cpu0, wall0 = await pool.counts(), time.process_time(), time.perf_counter()
+        before, cpu0, wall0, threads0 = await pool.counts(), time.process_time(), time.perf_counter(), thread_cpu()
         profiler = cProfile.Profile() if o.profile else None
         measuring = True
         if profiler:
@@ -226,6 +243,9 @@ async def _drive(o: Options, engine: RolloutEngine, pool: SimPool, prompts: list
             profiler.disable()
         cpu, wall, after = time.process_time() - cpu0, time.perf_counter() - wall0, await pool.counts()
         rss = rss_bytes()
+        threads = thread_cpu()
+        result["threads_cpu"] = {k: (v - threads0.get(k, 0.0)) / wall for k, v in sorted(threads.items(), key=lambda kv: -kv[1])
+                                 if v - threads0.get(k, 0.0) > 0.005 * wall}  # fmt: skip
         feeding.clear()
         result.update(_figures(o, len(pool.engines), window, cpu, wall, before, after, inflight, rss - rss0))
         if profiler:
@@ -256,6 +276,7 @@ def _figures(o: Options, n: int, w: dict, cpu: float, wall: float, before: dict,
         "driver_cpu": cpu / wall, "sim_cpu": (after["cpu_s"] - before["cpu_s"]) / wall,
         "us_per_token": 1e6 * cpu / max(toks, 1), "us_per_traj": 1e6 * cpu / max(trajs, 1),
         "lat_p50_ms": 1e3 * lat[len(lat) // 2], "lat_p99_ms": 1e3 * lat[min(len(lat) - 1, int(len(lat) * 0.99))],
+        "ray_calls_per_group": {k[6:]: o.n * (after[k] - before.get(k, 0)) / max(trajs, 1) for k in after if k.startswith("calls.")},
         "inflight": inflight, "rss_mib": rss / 2**20, "kib_per_inflight": rss / 1024 / max(inflight, 1),
     }  # fmt: skip
 
@@ -337,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
     print(table(rows))
     for r in rows:
+        print(f"  N={r['engines']}: Ray calls per group: " + ", ".join(f"{k} {v:.2f}" for k, v in r.get("ray_calls_per_group", {}).items()))
+        print(f"  N={r['engines']}: driver threads, cores: " + ", ".join(f"{k} {v:.2f}" for k, v in r.get("threads_cpu", {}).items()))
         for p in r.get("profile", []):
             print(f"  N={r['engines']}: {p['share']:6.1%} {p['self_s']:7.3f}s {p['calls']:>9} {p['function']}")
     if report:

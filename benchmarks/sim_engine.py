@@ -333,6 +333,7 @@ class SimHost:
         self.logprobs = [-rng.random() * 3 for _ in range(TABLE + cap)]
         self.engines = {i: self._new(i) for i in engine_ids}
         self.retired: dict[str, float] = {}  # counts of engines replaced by a restart
+        self.calls: dict[str, int] = {}  # the driver's calls, by method: its Ray hops
 
     def _new(self, i: int) -> SimEngine:
         return SimEngine(self.spec, i, self.lengths, self.tokens, self.logprobs)
@@ -340,6 +341,7 @@ class SimHost:
     async def call(self, i: int, name: str, *args: Any) -> Any:
         """Engine `i`'s method `name`, as the actor method of the same name would answer it."""
         engine = self.engines[i]
+        self.calls[name] = self.calls.get(name, 0) + 1
         if engine.stalled and not engine.dead:
             await engine.died.wait()
         if engine.dead:
@@ -372,6 +374,7 @@ class SimHost:
     def counts(self) -> dict[str, float]:
         """Summed over this host's engines, with the process's CPU seconds."""
         out = {"cpu_s": sum(resource.getrusage(resource.RUSAGE_SELF)[:2]), **self.retired}
+        out.update({f"calls.{k}": v for k, v in self.calls.items()})
         for e in self.engines.values():
             e._account()
             for k, v in e.counts.items():
@@ -412,20 +415,23 @@ class Local:
     def __init__(self, target: Any):
         self.target = target
 
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self.target, name)
+    def __getattr__(self, name: str) -> _LocalMethod:
+        return _LocalMethod(getattr(self.target, name))
 
-        class _Remote:
-            @staticmethod
-            def remote(*args: Any) -> asyncio.Future:
-                result = method(*args)
-                if inspect.isawaitable(result):
-                    return asyncio.ensure_future(result)
-                done = asyncio.get_running_loop().create_future()
-                done.set_result(result)
-                return done
 
-        return _Remote()
+class _LocalMethod:
+    __slots__ = ("method",)
+
+    def __init__(self, method: Any):
+        self.method = method
+
+    def remote(self, *args: Any) -> asyncio.Future:
+        result = self.method(*args)
+        if inspect.isawaitable(result):
+            return asyncio.ensure_future(result)
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(result)
+        return done
 
 
 class SimPool:
