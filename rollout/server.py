@@ -134,6 +134,9 @@ class Server:
             except InvalidPromptError as e:  # the engine's own checks: the field named as ours are
                 status = 400
                 return io.error(api.ApiError(400, str(e), call.param_of(str(e)) if isinstance(call, api.Call) else None))
+            except RetryableError as e:  # the engine busy: the client's retry will do
+                status = 429
+                return io.error(api.ApiError(429, str(e), kind="rate_limit_error", headers=RETRY_AFTER))
             except (EngineDeadError, EngineClosedError) as e:
                 status = 503
                 return io.error(api.ApiError(503, f"engine unavailable: {e}", kind="service_unavailable"))
