@@ -74,6 +74,9 @@ def _serve(cfg: Config, args: argparse.Namespace) -> int:
     """Start the engines and the server; print the URL once they serve; run until Ctrl-C or SIGTERM."""
     from rollout.engine import RolloutEngine
     from rollout.process import freeze_heap
+    from rollout.server_io import check_api_key
+
+    check_api_key(args.api_key if args.api_key is not None else cfg.serve.api_key)  # before any engine starts
 
     async def go() -> None:
         async with RolloutEngine(cfg) as engine:

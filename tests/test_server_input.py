@@ -144,3 +144,10 @@ async def test_n_gives_n_choices_on_completions_and_generate():
             assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
         chat = await s.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "n": 2})
         assert chat.status_code == 400 and chat.json()["error"]["param"] == "n"
+
+
+def test_rollout_serve_refuses_such_a_key_before_any_engine_starts(capsys):
+    from rollout.cli import main
+
+    assert main(["serve", "configs/tiny.yaml", "--api-key", "clé€"]) == 2
+    assert "serve.api_key (--api-key): character 2" in capsys.readouterr().err
