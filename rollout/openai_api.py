@@ -12,7 +12,7 @@ replaces the re-rendered conversation up to it, so a turn's prompt starts with e
 the turn before ran. Unknown fields are ignored. The text returned is what vLLM's server returns:
 a stop string, and a stop id's text, are cut from it (`visible_text`); the token ids keep every
 token. `n` choices on completions and generate are the samples of one group.
-Does not own: HTTP, auth, limits, reading bodies (`rollout.server`, `rollout.server_io`),
+Does not own: HTTP, auth, limits, decoding bodies (`rollout.server`, `rollout.server_io`),
 rendering (`rollout.chat`).
 """
 
@@ -29,7 +29,7 @@ import msgspec
 from rollout.chat import ChatRenderer
 from rollout.export import to_megatron
 from rollout.tool_calls import parse_tool_calls
-from rollout.types import INT32_MAX, Trajectory, not_utf8
+from rollout.types import INT32_MAX, Trajectory
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -68,54 +68,6 @@ class Call(msgspec.Struct):
         if (m := re.search(r"sampling\.(\w+)", message)) is not None:
             return self.where + m.group(1)
         return "max_tokens" if "+ max_tokens" in message else self.ids_param
-
-
-def decode(body: bytes) -> dict[str, Any]:
-    """The body as a JSON object whose strings are valid UTF-8, nested at most MAX_DEPTH deep."""
-    try:
-        data = msgspec.json.decode(body)
-    except msgspec.DecodeError as e:
-        raise ApiError(400, f"malformed JSON: {e}") from e
-    except UnicodeDecodeError as e:
-        raise ApiError(400, f"the request body is not valid UTF-8: byte {e.start}: {e.reason}") from e
-    except RecursionError as e:  # msgspec's own depth limit (about 1000)
-        raise ApiError(400, f"the request body is nested deeper than {MAX_DEPTH} levels") from e
-    if not isinstance(data, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    if (problem := _unfit(data)) is not None:
-        raise ApiError(400, problem[1], problem[0] or None)
-    return data
-
-
-MAX_DEPTH = 64  # JSON nesting a request may have: templates, tool schemas and our own walks recurse
-
-
-def _unfit(data: dict[str, Any]) -> tuple[str, str] | None:
-    """(top-level field, reason) of the first value nested deeper than MAX_DEPTH, or string (key or
-    value) that is not valid UTF-8 (a lone surrogate sent as `\\ud800`); None when all fit.
-    Iterative, so that no depth makes it recurse."""
-    stack: list[tuple[Any, int, str, str]] = [(v, 2, k, k) for k, v in data.items()]
-    for key in data:
-        if (reason := not_utf8(key)) is not None:
-            return "", f"a key of the request body {reason}"
-    while stack:
-        value, depth, field, where = stack.pop()
-        if isinstance(value, str):
-            if (reason := not_utf8(value)) is not None:
-                return field, f"{where}: {reason}"
-            continue
-        if not isinstance(value, (dict, list)):
-            continue
-        if depth > MAX_DEPTH:
-            return field, f"{field}: nested deeper than {MAX_DEPTH} levels"
-        if isinstance(value, dict):
-            for key, item in value.items():
-                if (reason := not_utf8(key)) is not None:
-                    return field, f"{where}: a key {reason}"
-                stack.append((item, depth + 1, field, f"{where}.{key}"))
-        else:
-            stack.extend((item, depth + 1, field, f"{where}[{i}]") for i, item in enumerate(value) if type(item) is not int)
-    return None
 
 
 def chat(data: dict[str, Any], renderer: ChatRenderer | None, session: str | None) -> Call:

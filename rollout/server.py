@@ -203,7 +203,7 @@ class Server:
     def _parse(self, body: bytes, parse: Callable[[dict[str, Any]], Any], streams: bool) -> tuple[dict[str, Any], Any, tuple[bool, bool]]:
         """The body decoded and checked, and the request it makes (`parse`): the CPU-heavy part of a
         request (JSON, rendering, tokenizing), run where `Preparer` says."""
-        data = api.decode(body)
+        data = io.decode(body)
         self._check_model(data)
         return data, parse(data), api.streamed(data) if streams else (False, False)
 

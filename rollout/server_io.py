@@ -1,7 +1,9 @@
 """What `rollout.server`'s routes stand on: reading requests so that one cannot stall the others,
 listening, bearer auth, the Prometheus figures.
 
-Owns: the body size limit (`serve.max_body_bytes`); preparing a request (JSON decoding,
+Owns: the body size limit (`serve.max_body_bytes`); decoding a body (JSON, an object, UTF-8
+throughout, nested at most MAX_DEPTH deep: a 400 naming the problem, never a RecursionError);
+preparing a request (JSON decoding,
 rendering, tokenizing) off the event loop when its body is large (`Preparer`: worker threads,
 HEAVY_THREADS at a time; small bodies take well under a millisecond and stay on the loop), and
 refusing a prompt that cannot fit the context before tokenizing it (`ServedChat`); binding the
@@ -26,6 +28,7 @@ from rollout import openai_api as api
 from rollout.chat import ChatRenderer
 from rollout.errors import InvalidConfigError
 from rollout.log import get_logger
+from rollout.types import not_utf8
 
 log = get_logger(__name__)
 T = TypeVar("T")
@@ -93,6 +96,54 @@ class Preparer:
         if len(body) <= INLINE_BYTES:
             return work(body)
         return await anyio.to_thread.run_sync(work, body, limiter=self.limiter)
+
+
+def decode(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object whose strings are valid UTF-8, nested at most MAX_DEPTH deep."""
+    try:
+        data = msgspec.json.decode(body)
+    except msgspec.DecodeError as e:
+        raise api.ApiError(400, f"malformed JSON: {e}") from e
+    except UnicodeDecodeError as e:
+        raise api.ApiError(400, f"the request body is not valid UTF-8: byte {e.start}: {e.reason}") from e
+    except RecursionError as e:  # msgspec's own depth limit (about 1000)
+        raise api.ApiError(400, f"the request body is nested deeper than {MAX_DEPTH} levels") from e
+    if not isinstance(data, dict):
+        raise api.ApiError(400, "the request body must be a JSON object")
+    if (problem := _unfit(data)) is not None:
+        raise api.ApiError(400, problem[1], problem[0] or None)
+    return data
+
+
+MAX_DEPTH = 64  # JSON nesting a request may have: templates, tool schemas and our own walks recurse
+
+
+def _unfit(data: dict[str, Any]) -> tuple[str, str] | None:
+    """(top-level field, reason) of the first value nested deeper than MAX_DEPTH, or string (key or
+    value) that is not valid UTF-8 (a lone surrogate sent as `\\ud800`); None when all fit.
+    Iterative, so that no depth makes it recurse."""
+    stack: list[tuple[Any, int, str, str]] = [(v, 2, k, k) for k, v in data.items()]
+    for key in data:
+        if (reason := not_utf8(key)) is not None:
+            return "", f"a key of the request body {reason}"
+    while stack:
+        value, depth, field, where = stack.pop()
+        if isinstance(value, str):
+            if (reason := not_utf8(value)) is not None:
+                return field, f"{where}: {reason}"
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth > MAX_DEPTH:
+            return field, f"{field}: nested deeper than {MAX_DEPTH} levels"
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if (reason := not_utf8(key)) is not None:
+                    return field, f"{where}: a key {reason}"
+                stack.append((item, depth + 1, field, f"{where}.{key}"))
+        else:
+            stack.extend((item, depth + 1, field, f"{where}[{i}]") for i, item in enumerate(value) if type(item) is not int)
+    return None
 
 
 async def read_body(request: Any, limit: int) -> bytes:
