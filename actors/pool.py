@@ -168,6 +168,9 @@ class RayEngine:
     async def reset_prefix_cache(self) -> None:
         await self._call(self.actor.reset_prefix_cache.remote())
 
+    async def batch(self) -> tuple[float, float, float]:
+        return await self._call(self.actor.batch.remote())
+
     async def stage_weights(self, epoch: int, weights: Any) -> int:
         return await self._call(self.actor.stage_weights.remote(epoch, weights))
 

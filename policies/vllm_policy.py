@@ -316,6 +316,10 @@ class VLLMPolicy(GroupCalls, WeightLoading):
             preemptions=self._evictions,
         )
 
+    async def batch(self) -> tuple[float, float, float]:
+        """The running batch so far (`rollout.backend.Engine.batch`)."""
+        return self._vllm.batch()
+
     async def reset_prefix_cache(self) -> None:
         await self._vllm.reset_prefix_cache()
 

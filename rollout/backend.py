@@ -44,6 +44,12 @@ class Engine(Protocol):
 
     async def reset_prefix_cache(self) -> None: ...
 
+    async def batch(self) -> tuple[float, float, float]:
+        """The running batch so far: (running request-seconds, request-seconds waiting in the
+        engine's queue, the engine's monotonic clock in seconds), cumulative since it started.
+        Two readings give a window's mean running batch: d(running) / d(clock)."""
+        ...
+
     # Weight updates, in two phases so that a failure to receive changes no engine.
     async def stage_weights(self, epoch: int, weights: Any) -> int:
         """Receive weights for `epoch` (a handle from `EnginePool.share`); returns bytes received."""

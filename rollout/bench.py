@@ -13,6 +13,9 @@ raw vLLM) of generated tokens per second is the figure that matters on a shared 
 absolute numbers are noise. Its interval (`median_interval`, assuming nothing about the noise)
 says how far that median can be trusted; more rounds narrow it. Rates are medians over rounds;
 latency, time to first token and engine shares are over every trajectory of every round.
+Both sides also report the mean running batch per engine (`Engine.batch`: requests inside
+vLLM up to its `max_num_seqs`, time-weighted over the run, idle time counting zero) and the
+mean waiting in vLLM's queue, so a gap in the ratio shows whether the batch ran empty.
 
 With `speculative:` on, the scheduler runs and the raw-vLLM runs also report speculative
 decoding figures, each side's counts summed over its runs (`rollout.specdecode`): per engine
@@ -137,6 +140,7 @@ async def run_bench(
                     await _reset_prefix_caches(engine)
                     if meter:
                         await meter.read()  # the window starts here: warm-up and the other side are not counted
+                    batch_at = await _batch(engine)
                     if side == "engine":
                         bar.start(f"round {r + 1}/{rounds}, engine side", _trajectory_count(cfg, prompts))
                         trajectories.clear()
@@ -149,10 +153,12 @@ async def run_bench(
                     else:
                         bar.start(f"round {r + 1}/{rounds}, raw vLLM side")
                         result = await _raw_baseline(engine, cfg, same)
+                    result.update(_mean_batch(batch_at, await _batch(engine)))
                     if meter:
                         _add_spec(spec[side], await meter.read())
                     runs[side].append(result)
                     row[side] = result["tokens_per_s"]
+                    row[f"{side}_batch"] = result["mean_running"]
                 if cfg.bench.baseline:
                     row["ratio"] = row["engine"] / max(row["raw_vllm"], 1e-9)
                     table.append(row)
@@ -187,8 +193,11 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "elapsed_s": statistics.median(r["elapsed_s"] for r in runs),
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
         "trajectories_per_s": statistics.median(r["trajectories_per_s"] for r in runs),
-        "per_run": [{k: r[k] for k in ("elapsed_s", "generated_tokens", "tokens_per_s", "trajectories_per_s")} for r in runs],
-    }
+        "mean_running": statistics.median(r["mean_running"] for r in runs),
+        "mean_waiting": statistics.median(r["mean_waiting"] for r in runs),
+        "per_run": [{k: r[k] for k in ("elapsed_s", "generated_tokens", "tokens_per_s", "trajectories_per_s", "mean_running",
+                                       "mean_waiting")} for r in runs],
+    }  # fmt: skip
     if "latencies_s" in runs[0]:
         latencies = [x for r in runs for x in r["latencies_s"]]
         ttfts = [x for r in runs for x in r["ttfts_s"]]
@@ -246,6 +255,21 @@ async def _warm_up(engine: RolloutEngine, cfg: Config, bar: Progress) -> None:
         engine.feed(configured_prompts(warm, engine.limits.vocab_size))
         async for _ in engine.groups():
             pass
+
+
+async def _batch(engine: RolloutEngine) -> list[tuple[float, float, float]]:
+    """Each engine's running-batch reading (`Engine.batch`) now."""
+    assert engine.pool is not None
+    return [await e.batch() for e in engine.pool.engines]
+
+
+def _mean_batch(before: list[tuple[float, float, float]], after: list[tuple[float, float, float]]) -> dict[str, float]:
+    """The mean running batch per engine over a run, and the mean waiting in the engine's queue:
+    each engine's request-seconds over its clock's seconds between two readings, averaged over
+    engines. Time-weighted, so an engine idle between waves counts zero while it idles."""
+    running = [(a[0] - b[0]) / max(a[2] - b[2], 1e-9) for b, a in zip(before, after)]
+    waiting = [(a[1] - b[1]) / max(a[2] - b[2], 1e-9) for b, a in zip(before, after)]
+    return {"mean_running": statistics.fmean(running), "mean_waiting": statistics.fmean(waiting)}
 
 
 async def _reset_prefix_caches(engine: RolloutEngine) -> None:

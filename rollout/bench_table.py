@@ -29,12 +29,18 @@ def format_table(report: dict[str, Any]) -> str:
             (f"  {ci['coverage']:.1%} interval {ci['low']:.3f}-{ci['high']:.3f}, width {ci['width']:.3f} "
              f"(sign test; more rounds narrow it: --rounds 12)"),
             "",
-            f"{'round':>5}  {'first':<12}{'this engine tok/s':>19}{'raw vLLM tok/s':>16}{'ratio':>8}",
+            f"{'round':>5}  {'first':<12}{'this engine tok/s':>19}{'raw vLLM tok/s':>16}{'ratio':>8}{'batch (ours/raw)':>18}",
         ]  # fmt: skip
+
+        def batch(r: dict[str, Any], a: str, b: str) -> str:  # reports written before the running batch have none
+            return f"{r[a]:>9.1f}/{r[b]:<8.1f}" if a in r and b in r else f"{'-':>18}"
+
         for r in rounds:
             first = "this engine" if r["order"] == "engine first" else "raw vLLM"
-            lines.append(f"{r['round']:>5}  {first:<12}{r['engine']:>19.1f}{r['raw_vllm']:>16.1f}{r['ratio']:>8.3f}")
-        lines.append(f"{'median':>5}  {'':<12}{ours['tokens_per_s']:>19.1f}{raw['tokens_per_s']:>16.1f}{report['ratio_tokens_per_s']:>8.3f}")
+            lines.append(f"{r['round']:>5}  {first:<12}{r['engine']:>19.1f}{r['raw_vllm']:>16.1f}{r['ratio']:>8.3f}"
+                         f"{batch(r, 'engine_batch', 'raw_vllm_batch')}")  # fmt: skip
+        lines.append(f"{'median':>5}  {'':<12}{ours['tokens_per_s']:>19.1f}{raw['tokens_per_s']:>16.1f}{report['ratio_tokens_per_s']:>8.3f}"
+                     f"{batch({'a': ours.get('mean_running'), 'b': raw.get('mean_running')} if 'mean_running' in ours else {}, 'a', 'b')}")  # fmt: skip
     runs = ours["runs"]
     lines += ["", f"{f'over {runs} run(s), median':<38}{'this engine':>14}{'raw vLLM' if raw else '':>14}"]
 
@@ -46,6 +52,9 @@ def format_table(report: dict[str, Any]) -> str:
     row("trajectories/s", "trajectories_per_s", "{:.2f}")
     row("generated tokens per run", "generated_tokens", "{:.0f}")
     row("wall time per run (s)", "elapsed_s", "{:.2f}")
+    if "mean_running" in ours:
+        row("mean running batch per engine", "mean_running", "{:.1f}")
+        row("mean waiting in vLLM per engine", "mean_waiting", "{:.1f}")
     lines.append(f"this engine, every trajectory of the {runs} run(s):")
     for key, label in (("latency_s", "latency"), ("ttft_s", "time to first token")):
         p = ours[key]

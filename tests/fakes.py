@@ -71,6 +71,7 @@ class FakeEngine:
         self.preemptions = 0  # what stats() reports; tests set it
         self.spec_per_request: tuple[int, int, int, list[int]] | None = None  # added to `spec` per finished request
         self._changed = anyio.Event()
+        self._batch = [0.0, time.monotonic(), 0]  # running request-seconds, at, requests then (`batch`)
 
     def block(self) -> anyio.Event:
         """Hold every request from now on until the returned event is set."""
@@ -148,6 +149,15 @@ class FakeEngine:
         self.dead = self.killed = True
         if self.gate is not None:
             self.gate.set()
+
+    async def batch(self) -> tuple[float, float, float]:
+        """Like the real policy's: every request in flight counts as running (no queue here)."""
+        self._sample_batch()
+        return self._batch[0], 0.0, self._batch[1]
+
+    def _sample_batch(self) -> None:
+        now = time.monotonic()
+        self._batch = [self._batch[0] + self._batch[2] * (now - self._batch[1]), now, self.inflight]
 
     async def reset_prefix_cache(self) -> None:
         if self.dead:
@@ -265,6 +275,7 @@ class FakeEngine:
         )
 
     def _notify(self) -> None:
+        self._sample_batch()
         self._changed.set()
         self._changed = anyio.Event()
 

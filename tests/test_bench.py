@@ -99,7 +99,8 @@ async def test_the_table_leads_with_the_median_ratio_and_pools_latency_over_roun
     assert lines[1].startswith(f"this engine / raw vLLM, generated tokens/s: {median:.3f}, median of 4 rounds")
     assert lines[2].strip().startswith(f"87.5% interval {ci['low']:.3f}-{ci['high']:.3f}, width {ci['width']:.3f}")
     rows = [line.split() for line in lines if line.split() and line.split()[0] in "1234"]
-    assert [r[0] for r in rows] == ["1", "2", "3", "4"] and [float(r[-1]) for r in rows] == [round(r["ratio"], 3) for r in report["rounds"]]
+    assert [r[0] for r in rows] == ["1", "2", "3", "4"] and [float(r[-2]) for r in rows] == [round(r["ratio"], 3) for r in report["rounds"]]
+    assert [r[-1] for r in rows] == [f"{r['engine_batch']:.1f}/{r['raw_vllm_batch']:.1f}" for r in report["rounds"]]
     assert lines.index(next(line for line in lines if line.lstrip().startswith("1 "))) > 2  # rounds come after the median
     assert len(report["engine"]["samples"]["latency_s"]) == 4 * 12  # every trajectory of every round, not round 1's
     assert report["engine"]["runs"] == report["raw_vllm"]["runs"] == report["rounds_used"] == 4
@@ -132,3 +133,16 @@ async def test_multiturn_bench_plays_the_same_episodes_on_three_sides():
         assert all(row[s]["failed"] == 0 for s in row)
     assert "this engine / naive loop" in multiturn_table(m)
     assert all(0 <= row["engine"]["kv_reused_fraction"] <= 1 for row in m["rounds"]) and "reused the KV" in multiturn_table(m)
+
+
+async def test_both_sides_report_their_mean_running_batch():
+    """Issue 29: the running batch sampled over each run, per side, so a gap in the ratio shows
+    whether an engine's batch ran empty. Fake engines run every request in flight at once."""
+    report = await run_bench(bench_config("bench.rounds=2", "bench.warmup_prompts=2"), "tiny", progress=False, pool=FakePool(2))
+    for side in ("engine", "raw_vllm"):
+        runs = report[side]["per_run"]
+        assert all(r["mean_running"] > 0 and r["mean_waiting"] == 0 for r in runs)
+        assert report[side]["mean_running"] == statistics.median(r["mean_running"] for r in runs)
+    assert [r["engine_batch"] for r in report["rounds"]] == [r["mean_running"] for r in report["engine"]["per_run"]]
+    table = format_table(report)
+    assert "mean running batch per engine" in table and "mean waiting in vLLM per engine" in table

@@ -8,7 +8,8 @@ non-streaming mode), `abort`, `pause_generation`, `resume_generation`, `update_w
 Private internals, each checked at start (`probe`), failing closed:
 - `AsyncLLM._logger_ref`: vLLM's output loop calls the stat logger in it once per engine step;
   `StepWatch` takes that slot (times first tokens within a step).
-- `AsyncLLM.output_processor.external_req_ids` / `.request_states[...]`: a running request's
+- `AsyncLLM.output_processor.external_req_ids` / `.request_states[...]` (its size: requests inside
+  vLLM, sampled per step for the running batch, `BatchMeter`): a running request's
   `is_prefilling`, `detokenizer.output_token_ids`, `logprobs_processor.logprobs`,
   `weight_version_starts` and `num_cached_tokens` (what a progress report keeps of it if the
   engine dies).
@@ -50,19 +51,49 @@ def sampled_logprobs(flat: Any) -> list[float]:
     return [flat.logprobs[i] for i in flat.start_indices]
 
 
+class BatchMeter:
+    """The running batch over time: the time integral of the requests inside vLLM (added, not yet
+    finished), split at `max_num_seqs` into running and waiting in its queue. Sampled once per engine
+    step (`StepWatch`) and at each reading, so an idle engine counts zero between its steps and
+    `rollout bench` divides the integral by the wall time of a run. Running is min(requests,
+    max_num_seqs): exact unless vLLM holds requests back for KV cache (then it is an upper bound)."""
+
+    __slots__ = ("count", "cap", "at", "last", "running_s", "waiting_s")
+
+    def __init__(self, count: Callable[[], int], cap: int) -> None:
+        self.count, self.cap = count, cap
+        self.at, self.last = time.monotonic(), 0
+        self.running_s = self.waiting_s = 0.0
+
+    def sample(self) -> None:
+        now = time.monotonic()
+        dt, running = now - self.at, min(self.last, self.cap)
+        self.running_s += running * dt
+        self.waiting_s += (self.last - running) * dt
+        self.at, self.last = now, self.count()
+
+    def read(self) -> tuple[float, float, float]:
+        """(running request-seconds, waiting request-seconds, monotonic seconds now), cumulative."""
+        self.sample()
+        return self.running_s, self.waiting_s, self.at
+
+
 class StepWatch:
     """Takes the place of the stat logger in vLLM's output loop, which reads it from a one-element
     list (`AsyncLLM._logger_ref`) and calls `record` once per engine step, after that step's
     outputs are processed. Calls `after_step`, and the logger it replaced, if any (speculative
-    decoding's counts), with everything it is given."""
+    decoding's counts), with everything it is given; samples `meter` (the running batch)."""
 
-    def __init__(self, inner: Any, after_step: Callable[[], None]) -> None:
+    def __init__(self, inner: Any, after_step: Callable[[], None], meter: BatchMeter | None = None) -> None:
         self.inner = inner
         self.after_step = after_step
+        self.meter = meter
 
     def record(self, *args: Any, **kwargs: Any) -> None:
         if self.inner is not None:
             self.inner.record(*args, **kwargs)
+        if self.meter is not None:
+            self.meter.sample()
         self.after_step()
 
 
@@ -71,6 +102,7 @@ class VllmFrontend:
 
     def __init__(self, llm: Any):
         self.llm = llm
+        self.meter: BatchMeter | None = None  # the running batch over time, once started
 
     @classmethod
     async def start(cls, args: Any, stat_loggers: list[Any] | None, after_step: Callable[[], None]) -> VllmFrontend:
@@ -91,7 +123,9 @@ class VllmFrontend:
             ref = getattr(frontend.llm, "_logger_ref", None)
             if not (isinstance(ref, list) and len(ref) == 1):
                 raise VllmChangedError("AsyncLLM._logger_ref is not the one-element list of vLLM 0.32's output loop")
-            ref[0] = StepWatch(ref[0], after_step)
+            op = frontend.llm.output_processor  # its request_states: probed below
+            frontend.meter = BatchMeter(lambda: len(op.request_states), config.scheduler_config.max_num_seqs)
+            ref[0] = StepWatch(ref[0], after_step, frontend.meter)
             await frontend.set_epoch(0)  # weight versions are epochs: the probe reads one back
             await frontend._probe()
         except BaseException:
@@ -219,6 +253,11 @@ class VllmFrontend:
 
     async def rpc(self, method: str) -> list[Any]:
         return await self.llm.collective_rpc(method)
+
+    def batch(self) -> tuple[float, float, float]:
+        """`BatchMeter.read`: cumulative running and waiting request-seconds, and the time now."""
+        assert self.meter is not None
+        return self.meter.read()
 
     def kv_capacity(self) -> tuple[int, int, int]:
         """(KV blocks, tokens per block, draft tokens per step) of this engine."""
