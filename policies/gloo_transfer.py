@@ -11,8 +11,9 @@ A round, as vLLM's NCCL backend does it, with two additions: 1) the trainer call
 says in the rendezvous store that it is receiving, and the trainer broadcasts only once every
 worker has, so a round the engines refuse (bad metadata, an engine that cannot start) fails at
 once with their error instead of leaving a broadcast pending; 3) buckets of `bucket_bytes`, cut
-from the metadata alike on both sides, one `ProcessGroupGloo` broadcast each; each worker feeds
-the tensors to `model.load_weights` inside vLLM's layerwise reload (`start_weight_update` /
+from the metadata alike on both sides, one `ProcessGroupGloo` broadcast each (the next is packed,
+and received, while one is on its way and loads); each worker feeds the tensors to
+`model.load_weights` inside vLLM's layerwise reload (`start_weight_update` /
 `finish_weight_update`, as vLLM's NCCL backend); 4) `finish_weight_update`.
 Does not own: the two-phase guarantee and epochs (`rollout.weight_sync`, `rollout.updates`).
 """
@@ -116,12 +117,13 @@ def _group(address: str, port: int, session: str, rank: int, world: int, timeout
     return store, dist.ProcessGroupGloo(dist.PrefixStore(f"{session}/", store), rank, world, opts)
 
 
-def _broadcast(pg: Any, buf: torch.Tensor) -> None:
+def _broadcast(pg: Any, buf: torch.Tensor) -> Any:
+    """Start a broadcast of `buf` from rank 0; returns its work (`.wait()`)."""
     import torch.distributed as dist
 
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
-    pg.broadcast([buf], opts).wait()
+    return pg.broadcast([buf], opts)
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
@@ -161,18 +163,21 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             raise RuntimeError("gloo weight transfer not initialized: call init_weight_transfer_engine first")
         self.store.set(f"{self.info.session}/ready/{update_info.round}/{self.rank}", b"")
         cut = buckets(update_info.names, update_info.dtype_names, update_info.shapes, self.info.bucket_bytes)
+        loading: list[tuple[str, torch.Tensor]] = []
         for k, bucket in enumerate(cut):
             buf = torch.empty(sum(b[3] for b in bucket), dtype=torch.uint8)  # fresh: the reload keeps views until a layer is whole
             try:
-                _broadcast(self.pg, buf)
+                work = _broadcast(self.pg, buf)
+                self.model.load_weights(loading)  # the previous bucket loads while this one arrives
+                work.wait()
             except Exception as e:
                 names = bucket[0][0] if len(bucket) == 1 else f"{bucket[0][0]} .. {bucket[-1][0]}"
                 raise RuntimeError(f"gloo transfer: bucket {k + 1}/{len(cut)} ({names}): {type(e).__name__}: {e}") from e
-            views, at = [], 0
+            loading, at = [], 0
             for name, dtype, shape, nbytes in bucket:
-                views.append((name, buf[at : at + nbytes].view(dtype).view(shape)))
+                loading.append((name, buf[at : at + nbytes].view(dtype).view(shape)))
                 at += nbytes
-            self.model.load_weights(views)
+        self.model.load_weights(loading)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))  # CPU: nothing to synchronize
@@ -304,6 +309,7 @@ def wait_ready(store: Any, session: str, round: int, ranks: Any, timeout_s: floa
 def send(pg: Any, pairs: Iterator[tuple[str, torch.Tensor]], info: GlooUpdateInfo, bucket_bytes: int) -> None:
     """Broadcast the round's tensors, bucket by bucket, as the workers cut them; each tensor checked
     against what the workers were told (a source that disagrees would load garbage)."""
+    sending: Any = None
     for bucket in buckets(info.names, info.dtype_names, info.shapes, bucket_bytes):
         parts = []
         for name, dtype, shape, _ in bucket:
@@ -311,7 +317,12 @@ def send(pg: Any, pairs: Iterator[tuple[str, torch.Tensor]], info: GlooUpdateInf
             if got != name or t.dtype != dtype or list(t.shape) != shape:
                 raise ValueError(f"WeightSource yielded {got!r} {t.dtype} {list(t.shape)}, metadata() declared {name!r} {dtype} {shape}")
             parts.append(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8))
-        _broadcast(pg, torch.cat(parts) if len(parts) > 1 else parts[0])
+        buf = torch.cat(parts) if len(parts) > 1 else parts[0]  # packed while the previous bucket is on its way
+        if sending is not None:
+            sending.wait()
+        sending = _broadcast(pg, buf)
+    if sending is not None:
+        sending.wait()
 
 
 class GlooCollective:

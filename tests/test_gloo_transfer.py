@@ -123,7 +123,7 @@ TRAINER = """
 import os, sys, torch
 from policies.gloo_transfer import _broadcast, _group
 store, pg = _group("127.0.0.1", int(sys.argv[1]), "t", 0, 2, 30.0, master=False)
-_broadcast(pg, torch.zeros(int(sys.argv[2]), dtype=torch.uint8))  # the first bucket, then the process dies
+_broadcast(pg, torch.zeros(int(sys.argv[2]), dtype=torch.uint8)).wait()  # the first bucket, then the process dies
 os._exit(1)
 """
 
