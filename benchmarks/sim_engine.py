@@ -443,6 +443,7 @@ class SimPool:
         self.per_host = math.ceil(count / len(hosts))
         self.engines = [SimRayEngine(EngineHandle(self.host(i), i), i) for i in range(count)]
         self.restarts: list[int] = []
+        self.restarted = asyncio.Event()  # set at each restart
 
     @classmethod
     def start(cls, spec: SimSpec, count: int, hosts: int = 4, local: bool = False) -> SimPool:
@@ -472,6 +473,7 @@ class SimPool:
         await self.host(i).restart_engine.remote(i)
         self.engines[i] = SimRayEngine(EngineHandle(self.host(i), i), i)
         self.restarts.append(i)
+        self.restarted.set()
         return self.engines[i]
 
     async def kill(self, i: int) -> None:

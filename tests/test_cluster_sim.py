@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 
 from benchmarks.cluster_sim import WEIGHTS, Options, config, main, model_dir, parse, run_one
@@ -86,6 +87,26 @@ async def test_a_killed_engine_loses_nothing(tmp_path):
     assert on_0 and sorted(g.prompt_id for g in groups) == sorted(p.id for p in prompts(6))
     moved = [t for g in groups if g.prompt_id in on_0 for t in g.trajectories]
     assert all(t.ok and t.engine_id != 0 for g in groups for t in g.trajectories) and len(moved) == 2 * len(on_0)
+
+
+async def test_a_stalled_engine_is_killed_by_the_health_watch_and_loses_nothing(tmp_path):
+    o = options()
+    pool = SimPool.start(o.spec, 3, 3, local=True)
+    for e in engines(pool):
+        e.hold = True
+    cfg = config(o, 3, model_dir(str(tmp_path), o.spec.vocab))
+    cfg = msgspec.structs.replace(cfg, engines=msgspec.structs.replace(cfg.engines, health_interval_s=0.05, health_timeout_s=0.2))
+    async with RolloutEngine(cfg, pool=pool) as engine:
+        engine.feed(prompts(6))
+        await until(pool, lambda: sum(len(e.parked) for e in engines(pool)) == 12)
+        on_0 = {s.req.prompt_id for s in pool.objects[0].engines[0].parked}
+        await pool.stall(0)  # answers nothing from now on: only the health watch can find out
+        for e in engines(pool)[1:]:
+            e.release()
+        groups = [g async for g in engine.groups()]
+        await asyncio.wait_for(pool.restarted.wait(), TIMEOUT)
+    assert on_0 and sorted(g.prompt_id for g in groups) == sorted(p.id for p in prompts(6)) and pool.restarts == [0]
+    assert all(t.ok and t.engine_id != 0 for g in groups for t in g.trajectories)
 
 
 @pytest.mark.parametrize(
