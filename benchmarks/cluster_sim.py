@@ -4,7 +4,7 @@ and per trajectory, the latency it adds, its memory per in-flight trajectory, an
 The driver is the real one: `RolloutEngine` with its scheduler, runner, staleness checks, hand-out,
 metrics, in-flight weight updates (`update_weights` every `--update-every` s) and, with `--durable`,
 the durable log; its engines are `actors.pool.RayEngine` handles, unchanged. Behind them, instead of
-vLLM, `benchmarks.sim_engine.SimEngine`s: simulated GPU engines (throughput, time to first token,
+vLLM, `benchmarks.sim_engine.SimEngine`s (hosted by `benchmarks.sim_pool`): simulated GPU engines (throughput, time to first token,
 output lengths with long tails, continuous batching, per-token epochs across updates, preemptions)
 run by `--hosts` Ray actors of many engines each, so every group crosses the real Ray hop.
 
@@ -34,7 +34,6 @@ import itertools
 import math
 import os
 import pstats
-import statistics
 import sys
 import tempfile
 import time
@@ -45,7 +44,8 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.sim_engine import LengthDist, SimPool, SimSpec  # noqa: E402
+from benchmarks.sim_engine import LengthDist, SimSpec  # noqa: E402
+from benchmarks.sim_pool import SimPool  # noqa: E402
 from rollout.config import Config, load_config  # noqa: E402
 from rollout.engine import RolloutEngine  # noqa: E402
 from rollout.types import Prompt  # noqa: E402

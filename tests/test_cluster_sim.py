@@ -11,7 +11,8 @@ import msgspec
 import pytest
 
 from benchmarks.cluster_sim import WEIGHTS, Options, config, main, model_dir, parse, run_one
-from benchmarks.sim_engine import SimEngine, SimPool, SimSpec
+from benchmarks.sim_engine import SimEngine, SimSpec
+from benchmarks.sim_pool import SimPool
 from rollout.engine import RolloutEngine
 from rollout.types import Prompt, expand_runs
 
@@ -20,7 +21,7 @@ TIMEOUT = 30  # seconds; only reached when a test is about to fail
 
 def options(**kw) -> Options:
     spec = SimSpec(**{"tokens_per_s": 4000, "ttft_s": 0, "capacity": 8, "length": "fixed:10", **kw.pop("spec", {})})
-    base = {"engines": [2], "max_tokens": 16, "prompt_len": 4, "n": 2, "batch": 1, "hosts": 2, "update_every": 0, "local": True}
+    base = {"engines": [2], "queued": 8, "max_tokens": 16, "prompt_len": 4, "n": 2, "batch": 1, "hosts": 2, "update_every": 0, "local": True}
     return Options(spec=spec, **{**base, **kw})
 
 
@@ -52,6 +53,12 @@ async def test_every_prompt_comes_out_once_with_consistent_epochs():
         expand_runs(runs, length)  # raises on runs that do not cover the tokens
         epochs = [e for _, e in runs]
         assert epochs == sorted(epochs) and epochs[-1] <= result["epoch"]
+
+
+async def test_with_the_durable_log_every_prompt_comes_out_once(tmp_path):
+    result = await asyncio.wait_for(run_one(options(durable=str(tmp_path / "log")), 2, prompts(12)), TIMEOUT)
+    assert (result["fed"], result["out"], result["lost"], result["duplicated"]) == (12, 12, 0, 0)
+    assert (tmp_path / "log").is_dir() and any((tmp_path / "log").iterdir())
 
 
 async def test_an_update_lands_inside_every_held_sample(tmp_path):
