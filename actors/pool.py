@@ -49,29 +49,35 @@ class RayEngine:
     def __init__(self, actor: Any, engine_id: int):
         self.actor = actor
         self.engine_id = engine_id
-        self._waiting: dict[str, asyncio.Future[list[Trajectory]]] = {}  # key -> its group's result
+        self._waiting: dict[str, _Group] = {}  # key -> its group, until its last sample or its error
         self._outbox: list[tuple[str, list[Request]]] = []  # started this turn, not submitted yet
         self._keys = itertools.count()
         self._collector: asyncio.Task | None = None
         self._calls: set[asyncio.Task] = set()  # submits and cancels in flight
 
     async def generate_group(self, requests: list[Request]) -> AsyncIterator[Trajectory]:
-        # A group is handed to the learner only when complete, so its trajectories come back together.
-        loop = asyncio.get_running_loop()
+        # Each sample comes back as it finishes, so the scheduler gives its slot on this engine to
+        # the next request at once (a group's slots held until its last sample ended let the
+        # engine's batch drain in waves). Leaving early (cancelled, closed) aborts the rest.
         key = str(next(self._keys))
-        result = self._waiting[key] = loop.create_future()
+        group = self._waiting[key] = _Group(len(requests))
         if not self._outbox:
-            loop.call_soon(self._submit)
+            asyncio.get_running_loop().call_soon(self._submit)
         self._outbox.append((key, requests))
         if self._collector is None:
             self._collector = asyncio.ensure_future(self._collect())
+        left = len(requests)
         try:
-            trajectories = await result
-        except asyncio.CancelledError:
-            self._cancel(key)
-            raise
-        for traj in trajectories:
-            yield traj
+            while left:
+                item = await group.inbox.get()
+                if isinstance(item, BaseException):
+                    raise item
+                for traj in item:
+                    left -= 1
+                    yield traj
+        finally:
+            if self._waiting.get(key) is group:  # given up before its last sample: abort the rest
+                self._cancel(key)
 
     def _submit(self) -> None:
         """Send the groups started this turn in one call. Runs as a loop callback, where an exception
@@ -124,17 +130,21 @@ class RayEngine:
         task.add_done_callback(self._calls.discard)
 
     async def _collect(self) -> None:
-        """While groups are out: bring back finished ones. A dead engine fails every one of them."""
+        """While groups are out: bring back finished samples. A dead engine fails every group out."""
         try:
             while self._waiting:
                 for r in msgspec.msgpack.decode(await self._call(self.actor.collect.remote()), type=list[GroupResult]):
-                    result = self._waiting.pop(r.key, None)
-                    if result is None or result.done():  # cancelled meanwhile
+                    group = self._waiting.get(r.key)
+                    if group is None:  # cancelled meanwhile
                         continue
                     if r.error is None:
-                        result.set_result(r.trajectories)
+                        group.left -= len(r.trajectories)
+                        if group.left <= 0:
+                            del self._waiting[r.key]
+                        group.inbox.put_nowait(r.trajectories)
                     else:
-                        result.set_exception(EngineDeadError(r.error) if r.dead else RetryableError(r.error))
+                        del self._waiting[r.key]
+                        group.inbox.put_nowait(EngineDeadError(r.error) if r.dead else RetryableError(r.error))
         except Exception as e:  # the engine's to answer for: every group out on it fails, loudly
             log.error("engine results lost", engine=self.engine_id, groups=len(self._waiting), error=f"{type(e).__name__}: {e}")
             self._fail(e, list(self._waiting))
@@ -146,8 +156,8 @@ class RayEngine:
         if not isinstance(error, RolloutError):
             error = RetryableError(f"engine {self.engine_id}: {type(error).__name__}: {error}")
         for key in keys:
-            if (result := self._waiting.pop(key, None)) is not None and not result.done():
-                result.set_exception(_copy(error))
+            if (group := self._waiting.pop(key, None)) is not None:
+                group.inbox.put_nowait(_copy(error))
 
     def close(self) -> None:
         """Stop this handle's calls in flight (the engine is being replaced or shut down)."""
@@ -207,6 +217,17 @@ class RayEngine:
         if isinstance(cause, RolloutError):
             return cause
         return RetryableError(f"engine {self.engine_id}: {cause or e}")
+
+
+class _Group:
+    """A group out on an engine: how many samples are still to come, and what came back so far
+    (lists of trajectories, or the error that ends the group)."""
+
+    __slots__ = ("left", "inbox")
+
+    def __init__(self, samples: int):
+        self.left = samples
+        self.inbox: asyncio.Queue[list[Trajectory] | RolloutError] = asyncio.Queue()
 
 
 class RayEnginePool:

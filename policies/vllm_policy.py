@@ -22,6 +22,7 @@ import itertools
 import os
 import socket
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -168,7 +169,7 @@ class VLLMPolicy(GroupCalls, WeightLoading):
         the KV cache holds at full length, so vLLM never has to preempt; by default it may, and
         each preemption is recorded (an eviction, see `policies.vllm_adapter.scheduler`).
         """
-        want, queued = self.cfg.engines.max_inflight_per_engine, self.cfg.engines.queued_per_engine
+        want, queued = self.cfg.engines.max_inflight_per_engine, self.cfg.engines.queue_depth
         if self.cfg.engines.preemption == "record":
             return want + queued
         blocks, size, lookahead = self._vllm.kv_capacity()  # lookahead: slots for draft tokens
@@ -277,9 +278,14 @@ class VLLMPolicy(GroupCalls, WeightLoading):
 
         Cancelling it aborts the unfinished requests.
         """
+        return [t async for t in self.stream_group(requests)]
+
+    async def stream_group(self, requests: list[Request]) -> AsyncIterator[Trajectory]:
+        """`finish_group`, each trajectory handed on as it finishes (`policies.group_calls`)."""
         owner = object()
         try:
-            return [t async for t in as_finished(self.generate(r, owner) for r in requests)]
+            async for t in as_finished(self.generate(r, owner) for r in requests):
+                yield t
         finally:
             for r in requests:
                 if (entry := self._samples.get(r.request_id)) is not None and entry[2] is owner:

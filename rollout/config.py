@@ -33,8 +33,11 @@ class EnginesConfig(Struct, frozen=True, forbid_unknown_fields=True):
     gpus_per_engine: Annotated[float, Meta(ge=0)] = 0
     max_inflight_per_engine: PositiveInt = 256  # requests one engine runs at once (vLLM's max_num_seqs)
     # ...and requests the scheduler hands it beyond those, waiting in vLLM's own queue: the step
-    # after a request ends already runs its successor, instead of one round trip later.
-    queued_per_engine: NonNegInt = 16
+    # after a request ends already runs its successor, instead of one engine-driver round trip
+    # later. It must cover what finishes within a round trip: on the tiny model a whole batch
+    # ends together (every sample runs to max_tokens). 1 to max_inflight_per_engine; None: as
+    # many as max_inflight_per_engine (`queue_depth`).
+    queued_per_engine: PositiveInt | None = None
     start_timeout_s: PositiveFloat = 600.0
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     # Health: every interval each engine reports its requests' progress (what a crash would keep);
@@ -52,6 +55,19 @@ class EnginesConfig(Struct, frozen=True, forbid_unknown_fields=True):
     # Pass-through vLLM engine args (any AsyncEngineArgs field), plus `kv_cache_gib` (the KV cache
     # size; default on CPU engines: 1 GiB; on GPU engines vLLM sizes it by gpu_memory_utilization).
     vllm: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting in each engine's queue beyond its running batch (`queued_per_engine`)."""
+        return self.max_inflight_per_engine if self.queued_per_engine is None else self.queued_per_engine
+
+    def __post_init__(self) -> None:
+        q = self.queued_per_engine
+        if q is not None and q > self.max_inflight_per_engine:
+            raise ValueError(
+                f"queued_per_engine: {q} exceeds engines.max_inflight_per_engine {self.max_inflight_per_engine} (vLLM's "
+                "max_num_seqs): a queue deeper than the batch it refills only holds requests back from other engines"
+            )
 
 
 class PromptsConfig(Struct, frozen=True, forbid_unknown_fields=True):

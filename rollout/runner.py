@@ -2,7 +2,8 @@
 when one dies.
 
 Owns: each engine's load and health (`loads`), waiting for room (`acquire`: least outstanding
-tokens via `router.route`, or the engine an episode is on), running a set of requests to their
+tokens via `router.route`, waiting for that engine's room unless another would run less than a
+full batch; or the engine an episode is on), running a set of requests to their
 end on one engine (`run`): if it dies (or the requests outlive `engines.request_timeout_s`), the
 unfinished ones continue on another engine from its last progress report, up to
 `engines.max_retries`; the health watch (`watch`: progress reports every
@@ -52,8 +53,9 @@ class Runner:
         """Wait for room for `n` requests of `cost` tokens each and take it; returns the engine.
         `on`: that engine (an episode's), while it is in rotation. Raises EngineDeadError when
         every engine is dead."""
-        capacity = self.cfg.engines.max_inflight_per_engine + self.cfg.engines.queued_per_engine
-        while (i := route(self.loads, n, capacity, prefer=on)) is None:
+        batch = self.cfg.engines.max_inflight_per_engine
+        capacity = batch + self.cfg.engines.queue_depth
+        while (i := route(self.loads, n, capacity, prefer=on, batch=batch)) is None:
             if not any(load.healthy or load.restarting for load in self.loads):
                 raise EngineDeadError("every engine is dead")
             freed = self._capacity_freed

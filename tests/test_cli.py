@@ -30,7 +30,7 @@ def run_args(tmp_path):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text('{"vocab_size": 260}')
     overrides = ["engines.count=1", "prompts.count=3", "prompts.min_len=4", "prompts.max_len=8", "sampling.n=2",
-                 "sampling.max_tokens=4", "engines.max_inflight_per_engine=2", "engines.queued_per_engine=0",
+                 "sampling.max_tokens=4", "engines.max_inflight_per_engine=2", "engines.queued_per_engine=1",
                  "logging.level=error", f"model.path={tmp_path / 'model'}"]  # fmt: skip
     return ["configs/tiny.yaml", "--no-progress", *sum((["-o", o] for o in overrides), [])]
 

@@ -87,6 +87,12 @@ def test_dump_round_trips():
             ["sampling.n=8", "engines.max_inflight_per_engine=4"],
             "sampling.n: 8 exceeds engines.max_inflight_per_engine 4",
         ),
+        (["engines.queued_per_engine=0"], "engines.queued_per_engine: expected `int` >= 1"),  # issue 29: nothing ever waits in vLLM
+        (["engines.queued_per_engine=-4"], "engines.queued_per_engine: expected `int` >= 1"),
+        (
+            ["engines.max_inflight_per_engine=8", "engines.queued_per_engine=9"],
+            "engines.queued_per_engine: 9 exceeds engines.max_inflight_per_engine 8",
+        ),
         (["model.dtype=fp8"], "model.dtype:"),
         (["sampling.stop_token_ids=[-1]"], "sampling.stop_token_ids[0]:"),
         (["sampling.stop=['x', '']"], "sampling.stop[1]: empty"),
@@ -196,3 +202,11 @@ def test_validate_checks_stop_conditions_against_the_model(override, message, ca
 
     assert main(["validate", "configs/tiny.yaml", "-o", override]) == 2  # before: "ok"
     assert message in capsys.readouterr().err
+
+
+def test_the_queue_depth_defaults_to_a_whole_batch_per_engine():
+    """Issue 29: 16 queued requests per engine covered no engine-driver round trip; a wave of a
+    whole batch ending together drained the engine. The default covers one."""
+    assert load_config(None).engines.queue_depth == 256
+    assert load_config(None, ["engines.max_inflight_per_engine=64"]).engines.queue_depth == 64
+    assert load_config(None, ["engines.queued_per_engine=8"]).engines.queue_depth == 8

@@ -178,14 +178,15 @@ async def test_as_finished_reports_a_coroutine_cancelled_from_within():
 async def test_a_group_cancelled_inside_the_engine_comes_back_failed(cfg):
     pool = await WirePool.start(cfg)
     policy = pool.policies[0]
-    real = policy.finish_group
+    real = policy.stream_group
 
     async def cancelled_inside(requests):
         if requests[0].request_id == "bad":
             raise asyncio.CancelledError()
-        return await real(requests)
+        async for t in real(requests):
+            yield t
 
-    policy.finish_group = cancelled_inside
+    policy.stream_group = cancelled_inside
     try:
         with anyio.fail_after(TIMEOUT), pytest.raises(RetryableError, match="cancelled"):  # before: never came back
             [t async for t in pool.engines[0].generate_group([request("bad", token_ids=[5])])]

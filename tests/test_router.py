@@ -71,3 +71,20 @@ def test_a_preferred_engine_is_waited_for_while_it_serves():
     assert route(loads, 1, capacity=5, prefer=0) == 0
     loads[0].healthy = False
     assert route(loads, 1, capacity=5, prefer=0) == 1  # gone: anywhere
+
+
+def test_the_engine_with_less_waiting_work_is_waited_for_rather_than_one_with_room():
+    """Issue 29: on long tails, the least outstanding tokens among engines with room sent a group
+    to whichever engine freed slots first. With `batch` (the running batch), the least loaded engine
+    is waited for while the one with room still runs a full batch."""
+    ls = loads((8, 100), (6, 5000))  # engine 0: full, little work left; engine 1: room, long samples
+    assert route(ls, n=2, capacity=8) == 1  # before: room decides
+    assert route(ls, n=2, capacity=8, batch=4) is None  # engine 1 runs a full batch anyway: wait for engine 0
+    assert route(loads((7, 100), (6, 5000)), n=1, capacity=8, batch=4) == 0  # engine 0 has room: it takes it
+
+
+def test_an_engine_below_a_full_batch_takes_the_group_rather_than_drain():
+    ls = loads((8, 100), (2, 5000))  # engine 1 would run 2 + 2 <= batch 4: never let it drain
+    assert route(ls, n=2, capacity=8, batch=4) == 1
+    assert route(loads((8, 100), (3, 5000)), n=2, capacity=8, batch=4) is None  # 3 + 2 > 4: its batch stays full
+    assert route(loads((8, 100, False), (6, 5000)), n=2, capacity=8, batch=4) == 1  # the idlest is dead: not waited for

@@ -43,8 +43,8 @@ def make_cfg(model_dir):
                 "sampling.n=2",
                 "sampling.max_tokens=6",
                 "engines.count=2",
-                "engines.max_inflight_per_engine=4",
-                "engines.queued_per_engine=0",
+                "engines.max_inflight_per_engine=3",
+                "engines.queued_per_engine=1",  # 4 requests per engine
                 "model.max_model_len=64",
                 "logging.level=error",
                 *overrides,
@@ -152,7 +152,7 @@ async def test_queued_requests_add_room_per_engine(make_cfg):
     gate = anyio.Event()
     for e in pool.engines:
         e.gate = gate
-    async with rollout(make_cfg("engines.queued_per_engine=2"), pool) as engine:  # 4 + 2 per engine
+    async with rollout(make_cfg("engines.queued_per_engine=3"), pool) as engine:  # 3 + 3 per engine
         engine.feed(prompts(8))
         for e in pool.engines:
             await e.wait_until(lambda e: e.inflight == 6)
@@ -166,7 +166,7 @@ async def test_queued_requests_add_room_per_engine(make_cfg):
 
 async def test_group_members_share_an_engine_under_load(make_cfg):
     pool = FakePool(2)
-    async with rollout(make_cfg("sampling.n=4"), pool) as engine:
+    async with rollout(make_cfg("sampling.n=4", "engines.max_inflight_per_engine=4"), pool) as engine:
         engine.feed(prompts(8))
         groups = await all_groups(engine)
     by_engine = {e.engine_id: {r.prompt_id for r in e.requests} for e in pool.engines}
