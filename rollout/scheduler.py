@@ -7,9 +7,13 @@ Owns the data path between the prompt sources and where groups go:
      `staleness.Admission`); for the learner's, reserve a queue slot (a full queue stops admission);
   3) validate it against the model and its sampling values (a bad one becomes a failed group,
      which gives its admission slot back);
-  4) wait for an engine with room for the whole group (`Runner.acquire`, least outstanding tokens);
+  4) wait for room for the whole group on the engine with the least work waiting and in flight
+     (`Runner.acquire`, `router.route`: another engine takes it only rather than run below a full
+     batch). Each engine holds its running batch plus `engines.queued_per_engine` more waiting in
+     vLLM's queue, so a finished request's successor starts in the next step, not a round trip later;
   5) run the group's `n` samples on that engine, so they share its prefix cache (`Runner.run`:
-     moved to another engine if that one dies); with `env` set each sample is an episode
+     each sample's slot comes back as that sample ends, not when its group does; the unfinished
+     ones move to another engine if that one dies); with `env` set each sample is an episode
      (`rollout.episodes`) whose turns stay on one engine while it lives;
   6) score its trajectories with the reward function, if any (off the engine path);
   7) hand the finished group to its destination as soon as its last sample ends: the learner's
