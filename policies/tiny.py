@@ -18,13 +18,17 @@ from pathlib import Path
 import msgspec
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
-# A minimal chat template for the byte tokenizer: `<role>content<eos>` per message (a tool list
-# and tool calls as JSON), `<assistant>` opens the model's turn, `<eos>` (id 2) ends it.
+# A minimal chat template for the byte tokenizer: `<role>content<eos>` per message (a tool list as
+# JSON), `<assistant>` opens the model's turn, `<eos>` (id 2) ends it. Tool calls are written
+# hermes-style, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, which vLLM's `hermes`
+# parser (`serve.tool_parser`, the default) reads back.
 CHAT_TEMPLATE = (
     "{%- if tools %}<tools>{{ tools | tojson }}<eos>{% endif -%}"
     "{%- for m in messages -%}"
     "<{{ m['role'] }}>{% if m['content'] %}{{ m['content'] }}{% endif %}"
-    "{%- if m.get('tool_calls') %}{{ m['tool_calls'] | tojson }}{% endif %}<eos>"
+    "{%- for c in m.get('tool_calls') or [] %}<tool_call>{\"name\": {{ c['function']['name'] | tojson }}, \"arguments\": "
+    "{% if c['function']['arguments'] is string %}{{ c['function']['arguments'] }}{% else %}{{ c['function']['arguments'] | tojson }}{% endif %}"
+    "}</tool_call>{%- endfor %}<eos>"
     "{%- endfor -%}"
     "{%- if add_generation_prompt %}<assistant>{% endif -%}"
 )
@@ -42,7 +46,10 @@ class TinySpec(msgspec.Struct, frozen=True):
     max_position_embeddings: int = 32768  # RoPE: any length; long-context configs need room
     init_std: float = 0.08
     seed: int = 0
-    tokenizer_version: int = 2  # 2: with a chat template
+    tokenizer_version: int = 3  # 2: with a chat template; 3: tool calls hermes-style
+    # Special tokens after the 256 bytes (ids 260, ...), for parsers that look one up (vLLM's
+    # `llama3_json` needs `<|python_tag|>`); vocab_size must count them.
+    extra_special: tuple[str, ...] = ()
 
     def key(self) -> str:
         return hashlib.sha256(msgspec.json.encode(self)).hexdigest()[:16]
@@ -124,10 +131,11 @@ def _write_tokenizer(spec: TinySpec, out: Path) -> None:
     byte_chars = sorted(alphabet, key=_byte_of)
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     vocab.update({ch: FIRST_BYTE_ID + i for i, ch in enumerate(byte_chars)})
+    vocab.update({t: FIRST_BYTE_ID + 256 + i for i, t in enumerate(spec.extra_special)})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.add_special_tokens([*SPECIAL_TOKENS, *spec.extra_special])
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(
         json.dumps(

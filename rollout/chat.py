@@ -7,13 +7,17 @@ one). Turn k+1's prompt is then exactly turn k's prompt + the tokens the model g
 tokens: what the learner trains on is what the engine ran. `append` renders a fixed two-message
 conversation with and without the new messages and keeps the difference (as verl and SkyRL do);
 a template for which that difference is not a clean suffix is refused with the reason.
+`chat_parsers`: vLLM's tool-call and reasoning parsers by name (`serve.tool_parser`,
+`serve.reasoning_parser`; `policies.parsers` runs them as vLLM's chat server does), for the
+server's replies and episodes' actions.
 Does not own: which messages (the environment or the HTTP client says), sampling, engines.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from rollout.errors import InvalidConfigError
 from rollout.log import get_logger
@@ -79,3 +83,27 @@ def chat_renderer(path: Any) -> ChatRenderer | None:
     except InvalidConfigError as e:
         get_logger(__name__).warning("episodes: no chat template, observations must be token ids", reason=str(e))
         return None
+
+
+class Parsers(Protocol):
+    """What rollout/ calls of `policies.parsers.ChatParsers` (its docstrings say what each does)."""
+
+    tools: bool  # a tool-call parser is set
+
+    def request(self, data: dict[str, Any]) -> Any: ...
+    def parse(self, request: Any, text: str, token_ids: list[int], prompt_ids: list[int]) -> dict[str, Any]: ...
+    def stream(self, request: Any, steps: list[list[int]], prompt_ids: list[int], decode: Callable[[list[int]], str]) -> list[dict[str, Any]]: ...
+
+
+def chat_parsers(renderer: ChatRenderer | None, tool: str | None, reasoning: str | None) -> Parsers | None:
+    """vLLM's parsers for the model's tokenizer, or None when neither is set (or there is no chat
+    template: no text to parse). Raises InvalidConfigError naming the key when the tokenizer lacks
+    what a parser needs (e.g. `llama3_json` looks up `<|python_tag|>`)."""
+    from policies.parsers import NO_PARSER, ChatParsers
+
+    if renderer is None or (tool in NO_PARSER and reasoning in NO_PARSER):
+        return None
+    try:
+        return ChatParsers(renderer.tokenizer, tool, reasoning)
+    except ValueError as e:
+        raise InvalidConfigError(f"serve.{e}") from e

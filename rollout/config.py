@@ -137,7 +137,16 @@ class ServeConfig(Struct, frozen=True, forbid_unknown_fields=True):
     model_name: str | None = None  # the model id clients send; default: model.path
     max_concurrency: PositiveInt = 1024  # requests in flight; past it: 429
     max_body_bytes: PositiveInt = 8 * 2**20
-    tool_parser: Literal["hermes", "json", "none"] = "hermes"  # how tool calls are read from the model's text
+    # vLLM's parsers by the names it registers (`vllm serve --tool-call-parser` / `--reasoning-parser`);
+    # "none" or null: none. Checked against vLLM's registries here (`policies.parsers`).
+    tool_parser: str | None = "hermes"  # how tool calls are read from the model's text
+    reasoning_parser: str | None = None  # how reasoning is split from the answer (e.g. qwen3, deepseek_r1)
+
+    def __post_init__(self) -> None:
+        if self.tool_parser not in (None, "none", "hermes") or self.reasoning_parser not in (None, "none"):
+            from policies.parsers import check_names  # imports vLLM: only for a name not known here
+
+            check_names(self.tool_parser, self.reasoning_parser)
 
 
 class RayConfig(Struct, frozen=True, forbid_unknown_fields=True):

@@ -11,7 +11,11 @@ message that carries `prompt_token_ids` + `generation_token_ids` (or `required_p
 replaces the re-rendered conversation up to it, so a turn's prompt starts with exactly the ids
 the turn before ran. Unknown fields are ignored. The text returned is what vLLM's server returns:
 a stop string, and a stop id's text, are cut from it (`visible_text`); the token ids keep every
-token. `n` choices on completions and generate are the samples of one group.
+token. `n` choices on completions and generate are the samples of one group. Tool calls and
+reasoning are vLLM's parsers' (`serve.tool_parser`, `serve.reasoning_parser`, `rollout.chat.Parsers`):
+`message.tool_calls`, `message.reasoning` (and `reasoning_content`, its older name), finish reason
+"tool_calls", and in a stream the parser's delta for the turn (`delta.tool_calls`,
+`delta.reasoning`), each as vLLM's chat server makes them.
 Does not own: HTTP, auth, limits, decoding bodies (`rollout.server`, `rollout.server_io`),
 rendering (`rollout.chat`).
 """
@@ -26,9 +30,8 @@ from typing import Any
 
 import msgspec
 
-from rollout.chat import ChatRenderer
+from rollout.chat import ChatRenderer, Parsers
 from rollout.export import to_megatron
-from rollout.tool_calls import parse_tool_calls
 from rollout.types import INT32_MAX, Trajectory
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -57,7 +60,8 @@ class Call(msgspec.Struct):
     prefix: int = 0  # leading ids taken as an earlier turn ran them (a spliced assistant message)
     as_token_ids: bool = False  # return_tokens_as_token_ids
     return_token_ids: bool = False
-    tools: bool = False
+    parse: Any = None  # what the parsers read of the request (`Parsers.request`); None: no parsers
+    stream: bool = False
     ids_param: str = "messages"  # the field the prompt's ids came from, named by errors about them
     where: str = ""  # where sampling fields sit: "" (top level) or "sampling_params."
     stop: list[str] = msgspec.field(default_factory=list)  # effective stop strings and ids (the server fills them)
@@ -70,7 +74,7 @@ class Call(msgspec.Struct):
         return "max_tokens" if "+ max_tokens" in message else self.ids_param
 
 
-def chat(data: dict[str, Any], renderer: ChatRenderer | None, session: str | None) -> Call:
+def chat(data: dict[str, Any], renderer: ChatRenderer | None, session: str | None, parsers: Parsers | None = None) -> Call:
     messages = data.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages: required, a non-empty list of messages", "messages")
@@ -88,8 +92,14 @@ def chat(data: dict[str, Any], renderer: ChatRenderer | None, session: str | Non
     if tools is not None and not isinstance(tools, list):
         raise ApiError(400, "tools: expected a list", "tools")
     ids, prefix = prompt_ids(messages, tools, data.get("required_prefix_token_ids"), _need(renderer))
+    parse = None
+    if parsers is not None:
+        try:
+            parse = parsers.request(data)
+        except ValueError as e:  # vLLM's request model refuses a field the parsers read
+            raise ApiError(400, str(e), str(e).split(":")[0]) from e
     return Call(ids, sampling(data), session, _str(data, "episode_id"), bool(data.get("logprobs")), prefix,
-                bool(data.get("return_tokens_as_token_ids")), bool(data.get("return_token_ids")), bool(tools))  # fmt: skip
+                bool(data.get("return_tokens_as_token_ids")), bool(data.get("return_token_ids")), parse, streamed(data)[0])  # fmt: skip
 
 
 def prompt_ids(messages: list[dict[str, Any]], tools: Any, required: Any, chat: ChatRenderer) -> tuple[list[int], int]:
@@ -175,15 +185,26 @@ def sampling(data: dict[str, Any], where: str = "") -> dict[str, Any]:
     return out
 
 
-def chat_response(call: Call, trajs: list[Trajectory], model: str, chat: ChatRenderer | None, parser: str) -> dict[str, Any]:
+def chat_response(call: Call, trajs: list[Trajectory], model: str, chat: ChatRenderer | None, parsers: Parsers | None = None) -> dict[str, Any]:
     (traj,) = trajs  # chat serves n=1
     text = visible_text(chat, traj.token_ids, traj.finish_reason, call.stop, call.stop_ids)
-    content, tool_calls = parse_tool_calls(text, parser) if call.tools else (text, [])
-    message: dict[str, Any] = {"role": "assistant", "content": content, **token_fields(traj)}
-    if tool_calls:
-        message["tool_calls"] = tool_calls
-    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": "tool_calls" if tool_calls else finish(traj),
+    parsed = {"reasoning": None, "content": text, "tool_calls": []}
+    if parsers is not None and call.parse is not None and chat is not None:
+        parsed = parsers.parse(call.parse, text, list(traj.token_ids), list(traj.prompt_token_ids))
+    message: dict[str, Any] = {"role": "assistant", "content": parsed["content"], "reasoning": parsed["reasoning"],
+                               "reasoning_content": parsed["reasoning"], **token_fields(traj)}  # fmt: skip
+    if parsed["tool_calls"]:
+        message["tool_calls"] = parsed["tool_calls"]
+    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": "tool_calls" if parsed["tool_calls"] else finish(traj),
                               "logprobs": {"content": logprob_items(traj, call.as_token_ids, chat)} if call.logprobs else None}  # fmt: skip
+    if call.stream and parsers is not None and call.parse is not None and chat is not None:
+        # vLLM's streaming path, one token per step (some parsers stream nothing given a whole call
+        # at once), on the text the client sees (a stop string cut as above); `events` sends the
+        # deltas as one, since the engine hands a turn over when it ends
+        steps = [[t] for t in traj.token_ids]
+        deltas = parsers.stream(call.parse, steps, list(traj.prompt_token_ids), lambda ids: chat.decode(ids)[: len(text)])
+        tools = any(d.get("tool_calls") for d in deltas)
+        choice["stream"] = {"deltas": deltas, "finish_reason": "tool_calls" if tools and finish(traj) == "stop" else finish(traj)}
     body = _envelope("chat.completion", model, trajs, [choice])
     if call.return_token_ids:
         body["prompt_token_ids"] = list(traj.prompt_token_ids)
@@ -232,7 +253,8 @@ def visible_text(chat: ChatRenderer | None, ids: list[int], finish_reason: str, 
 
 def events(body: dict[str, Any], usage: bool) -> bytes:
     """A finished chat or text completion as OpenAI's stream of server-sent events: per choice, the
-    whole answer and its token fields in one chunk (the engine hands over a turn when it ends),
+    whole answer and its token fields in one chunk (the engine hands over a turn when it ends; with
+    parsers, the role and token fields then the parser's delta for the turn, `chat_response`),
     the finish reason in the next; the usage last if asked (`stream_options.include_usage`), [DONE]."""
     chat = body["object"] == "chat.completion"
     head = {"id": body["id"], "object": "chat.completion.chunk" if chat else "text_completion", "created": body["created"],
@@ -242,12 +264,17 @@ def events(body: dict[str, Any], usage: bool) -> bytes:
         i = choice["index"]
         if chat:
             delta = {**choice["message"]}
-            if "tool_calls" in delta:
+            finish_reason = choice["finish_reason"]
+            if (stream := choice.get("stream")) is not None:  # vLLM's parser delta for the turn in place of the parsed message
+                delta = {k: v for k, v in delta.items() if k not in ("content", "reasoning", "reasoning_content", "tool_calls")}
+                delta.update(_merged(stream["deltas"]))
+                finish_reason = stream["finish_reason"]
+            elif "tool_calls" in delta:
                 delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(delta["tool_calls"])]
             first = {"index": i, "delta": delta, "logprobs": choice["logprobs"], "finish_reason": None}
             if "token_ids" in choice:
                 first["token_ids"] = choice["token_ids"]
-            last = {"index": i, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]}
+            last = {"index": i, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
         else:
             first = {**choice, "finish_reason": None}
             last = {"index": i, "text": "", "logprobs": None, "finish_reason": choice["finish_reason"]}
@@ -257,6 +284,29 @@ def events(body: dict[str, Any], usage: bool) -> bytes:
     if usage:
         chunks.append({**head, "choices": [], "usage": body["usage"]})
     return b"".join(b"data: " + msgspec.json.encode(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
+
+def _merged(deltas: list[dict[str, Any]]) -> dict[str, Any]:
+    """vLLM's per-token deltas as one: text joined, each tool call (by `index`) its id, name and
+    arguments joined."""
+    out: dict[str, Any] = {}
+    calls: dict[int, dict[str, Any]] = {}
+    for d in deltas:
+        for key in ("content", "reasoning"):
+            if d.get(key):
+                out[key] = out.get(key, "") + d[key]
+        for tc in d.get("tool_calls", []):
+            call = calls.setdefault(tc["index"], {"index": tc["index"], "function": {"arguments": ""}})
+            call.update({k: v for k, v in tc.items() if k in ("id", "type")})
+            fn = tc.get("function") or {}
+            if fn.get("name"):
+                call["function"]["name"] = fn["name"]
+            call["function"]["arguments"] += fn.get("arguments") or ""
+    if "reasoning" in out:
+        out["reasoning_content"] = out["reasoning"]
+    if calls:
+        out["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return out
 
 
 def streamed(data: dict[str, Any]) -> tuple[bool, bool]:

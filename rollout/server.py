@@ -33,6 +33,7 @@ import msgspec
 
 from rollout import openai_api as api
 from rollout import server_io as io
+from rollout.chat import chat_parsers
 from rollout.config import ServeConfig
 from rollout.episodes import assemble
 from rollout.errors import EngineClosedError, EngineDeadError, InvalidPromptError, RetryableError
@@ -56,6 +57,7 @@ class Server:
         self.api_key = io.check_api_key(api_key if api_key is not None else cfg.api_key)
         self.max_model_len = engine.cfg.model.max_model_len
         self.chat = io.served_chat(engine.model_path, self.max_model_len)
+        self.parsers = chat_parsers(self.chat, cfg.tool_parser, cfg.reasoning_parser)
         self.model = cfg.model_name or engine.cfg.model.path
         self.by_ids: OrderedDict[bytes, str] = OrderedDict()  # hash of a turn's prompt + generation -> session
         self.episodes: OrderedDict[str, list[Trajectory]] = OrderedDict()
@@ -148,7 +150,7 @@ class Server:
                 self._stats.request(request.url.path, status, time.perf_counter() - started)
 
         def session_of(request: Request) -> Callable[[dict[str, Any]], api.Call]:
-            return lambda data: api.chat(data, self.chat, request.headers.get("x-session-id") or api._str(data, "session_id"))
+            return lambda data: api.chat(data, self.chat, request.headers.get("x-session-id") or api._str(data, "session_id"), self.parsers)
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request) -> Any:
@@ -218,7 +220,7 @@ class Server:
     async def _chat(self, request: Any, data: dict[str, Any], call: api.Call) -> dict[str, Any]:
         call.episode = call.episode or request.headers.get("x-episode-id")
         trajs = await self._run(request, call)
-        return api.chat_response(call, trajs, self.model, self.chat, self.cfg.tool_parser)
+        return api.chat_response(call, trajs, self.model, self.chat, self.parsers)
 
     async def _completion(self, request: Any, data: dict[str, Any], call: api.Call) -> dict[str, Any]:
         return api.completion_response(call, await self._run(request, call), self.model, self.chat)

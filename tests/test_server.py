@@ -13,7 +13,6 @@ import pytest
 
 from rollout.config import load_config
 from rollout.engine import RolloutEngine
-from rollout.tool_calls import parse_tool_calls
 from tests.fakes import FakePool
 
 TIMEOUT = 10
@@ -218,12 +217,3 @@ async def test_served_turns_become_an_episode_for_the_learner():
         assert sum(ep.loss_mask) == sum(len(t.token_ids) for t in ep.turns) and 0 in ep.loss_mask
         again = await s.http.post("/v1/episodes/ep7/reward", json={"reward": 1})
         assert again.status_code == 404
-
-
-def test_tool_calls_are_read_from_the_models_text():
-    content, calls = parse_tool_calls('ok <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>', "hermes")
-    assert content == "ok" and calls[0]["function"] == {"name": "add", "arguments": '{"a": 1}'} and calls[0]["type"] == "function"
-    assert parse_tool_calls("<tool_call>not json</tool_call>", "hermes") == ("<tool_call>not json</tool_call>", [])
-    content, calls = parse_tool_calls('{"name": "add", "arguments": "{}"}', "json")
-    assert content is None and calls[0]["function"]["arguments"] == "{}"
-    assert parse_tool_calls('{"name": "add"}', "none") == ('{"name": "add"}', [])
