@@ -310,6 +310,23 @@ class VLLMPolicy(GroupCalls, WeightLoading):
     async def abort(self, request_ids: list[str]) -> None:
         await self._vllm.abort(request_ids)
 
+    async def pause_generation(self, mode: str) -> None:
+        """A learner's /pause (`rollout serve`): vLLM stays paused until `resume_generation`, through
+        any weight update meanwhile. keep: running requests freeze; wait: they finish first; abort:
+        vLLM aborts them and each runs again after the resume (continues, in abort_resume), so no
+        sample is lost and its epochs stay exact (`policies.ledger`)."""
+        await self._vllm.hold("wait" if mode == "wait" else "keep")
+        if mode == "abort" and (stop := list(self._pieces)):
+            for pid in stop:
+                self._pieces[pid].resubmit = True
+            await self._vllm.abort(stop)
+
+    async def resume_generation(self) -> None:
+        await self._vllm.release()
+
+    async def is_paused(self) -> bool:
+        return await self._vllm.is_paused()
+
     async def stats(self) -> EngineStats:
         return EngineStats(
             engine_id=self.engine_id,

@@ -16,7 +16,7 @@ format, sent when the turn ends), sessions, and episodes kept until rewarded (a 
 so the same seed, request and weights give the same tokens (the per-request vLLM seed is derived
 from the seed and the prompt id).
 Does not own: the wire format (`rollout.openai_api`), reading bodies off the loop, listening,
-auth, metrics (`rollout.server_io`), scheduling (`rollout.scheduler`).
+auth, metrics (`rollout.server_io`), scheduling (`rollout.scheduler`), vLLM's RL routes (`rollout.rl_routes`).
 """
 
 # No `from __future__ import annotations`: FastAPI reads the endpoints' annotations (the local
@@ -38,6 +38,7 @@ from rollout.config import ServeConfig
 from rollout.episodes import assemble
 from rollout.errors import EngineClosedError, EngineDeadError, InvalidPromptError, RetryableError
 from rollout.log import get_logger
+from rollout.rl_routes import add_rl_routes
 from rollout.types import Group, Prompt, Trajectory, printable
 from rollout.types import Request as EngineRequest  # `Request` is FastAPI's here
 
@@ -62,6 +63,7 @@ class Server:
         self.by_ids: OrderedDict[bytes, str] = OrderedDict()  # hash of a turn's prompt + generation -> session
         self.episodes: OrderedDict[str, list[Trajectory]] = OrderedDict()
         self.inflight = 0
+        self.running: dict[object, tuple[str, Callable[[], None]]] = {}  # requests in flight: (request id, abort it)
         self.url = ""
         self._server: Any = None
         self._done = anyio.Event()
@@ -192,6 +194,8 @@ class Server:
         async def metrics() -> Any:
             return PlainTextResponse(await self._stats.exposition(), media_type="text/plain; version=0.0.4")
 
+        add_rl_routes(app, self)  # vLLM's /pause, /resume, weight-transfer routes, ... (`rollout.rl_routes`)
+
         @app.exception_handler(404)
         async def not_found(request: Request, exc: Any) -> Response:
             return io.error(api.ApiError(404, f"no route {request.method} {request.url.path}", kind="not_found_error"))
@@ -227,10 +231,11 @@ class Server:
 
     async def _generate(self, request: Any, data: dict[str, Any], call: api.Call) -> dict[str, Any]:
         request_id = printable(data.get("request_id") or uuid.uuid4().hex)
-        return api.generate_response(await self._run(request, call), request_id)
+        return api.generate_response(await self._run(request, call, request_id), request_id)
 
-    async def _run(self, request: Any, call: api.Call) -> list[Trajectory]:
-        """One prompt (its `n` samples) through the engine; the client going away aborts it."""
+    async def _run(self, request: Any, call: api.Call, rid: str | None = None) -> list[Trajectory]:
+        """One prompt (its `n` samples) through the engine; the client going away aborts it, and so
+        does `/abort_requests` naming its id (`X-Request-Id`, else `rid`, else its prompt id)."""
         room = self.max_model_len - len(call.prompt_ids)
         if room < 1 or call.sampling.get("max_tokens", 1) > room:
             asked = len(call.prompt_ids) + call.sampling.get("max_tokens", 0)
@@ -247,22 +252,36 @@ class Server:
         submission = self.engine.submit([prompt], train=False)
         failure: Exception | None = None
         groups: list[Group] | None = None
-        async with anyio.create_task_group() as tg:
+        aborted, token = False, object()
+        try:
+            async with anyio.create_task_group() as tg:
 
-            async def watch() -> None:  # a client gone away: its engine request is aborted
-                while (await request.receive())["type"] != "http.disconnect":
-                    pass
-                submission.cancel()
+                def abort() -> None:  # POST /abort_requests (`rollout.rl_routes`)
+                    nonlocal aborted
+                    aborted = True
+                    submission.cancel()
+                    tg.cancel_scope.cancel()
+
+                self.running[token] = (request.headers.get("x-request-id") or rid or pid, abort)
+
+                async def watch() -> None:  # a client gone away: its engine request is aborted
+                    while (await request.receive())["type"] != "http.disconnect":
+                        pass
+                    submission.cancel()
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(watch)
+                try:
+                    groups = await submission.result()
+                except Exception as e:  # raised below, outside the task group (not in an ExceptionGroup)
+                    failure = e
                 tg.cancel_scope.cancel()
-
-            tg.start_soon(watch)
-            try:
-                groups = await submission.result()
-            except Exception as e:  # raised below, outside the task group (not in an ExceptionGroup)
-                failure = e
-            tg.cancel_scope.cancel()
+        finally:
+            self.running.pop(token, None)
         if failure is not None:
             raise failure
+        if groups is None and aborted:
+            raise api.ApiError(499, "aborted by POST /abort_requests", kind="request_aborted")
         if groups is None:
             raise api.ApiError(499, "the client closed the request", kind="client_closed_request")
         (group,) = groups

@@ -66,6 +66,7 @@ class FakeEngine:
         self.held: dict[str, Request] = {}  # requests in flight, by id
         self.killed = False
         self.commits: list[int] = []
+        self.pauses: list[str] = []  # pause_generation modes and "resume", in order
         self.worker: Any = None  # vLLM's weight-transfer engine of its model worker
         self.spec = SpecCounters(engine_id=engine_id)  # what spec_counters() reports; tests set it
         self.preemptions = 0  # what stats() reports; tests set it
@@ -194,6 +195,15 @@ class FakeEngine:
         if self.dead:
             raise EngineDeadError(f"fake engine {self.engine_id} is dead")
         return await getattr(self, method)(*args)
+
+    async def pause_generation(self, mode: str) -> None:  # a learner's /pause (`rollout serve`)
+        self.pauses.append(mode)
+
+    async def resume_generation(self) -> None:
+        self.pauses.append("resume")
+
+    async def is_paused(self) -> bool:
+        return bool(self.pauses) and self.pauses[-1] != "resume"
 
     async def init_transfer(self, info: dict) -> None:
         self.worker = transfer_worker(self.engine_id)

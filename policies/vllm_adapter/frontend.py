@@ -1,7 +1,7 @@
 """One vLLM AsyncLLM as the policy sees it: `VllmFrontend`, vLLM's public API plus what it lacks.
 
 Public surfaces used: `AsyncLLM.from_vllm_config`, `generate` (one output per request, vLLM's
-non-streaming mode), `abort`, `pause_generation`, `resume_generation`, `update_weight_version`,
+non-streaming mode), `abort`, `pause_generation`, `resume_generation`, `is_paused`, `update_weight_version`,
 `collective_rpc("reload_weights")`, the weight-transfer calls (`init_weight_transfer_engine`,
 `start_weight_update`, `update_weights`, `finish_weight_update`), `reset_prefix_cache`, `shutdown`, `RequestOutput` with its
 `weight_versions` spans, `SamplingParams(flat_logprobs=True)`.
@@ -103,6 +103,8 @@ class VllmFrontend:
     def __init__(self, llm: Any):
         self.llm = llm
         self.meter: BatchMeter | None = None  # the running batch over time, once started
+        self.held = False  # a learner's /pause (`hold`): vLLM stays paused until its /resume
+        self.updating = False  # a weight update's pause: vLLM stays paused until the update resumes it
 
     @classmethod
     async def start(cls, args: Any, stat_loggers: list[Any] | None, after_step: Callable[[], None]) -> VllmFrontend:
@@ -216,11 +218,29 @@ class VllmFrontend:
 
     # -- weight updates ----------------------------------------------------------------------
 
+    # Two owners pause vLLM: a weight update (`pause` .. `resume`) and a learner's /pause of
+    # `rollout serve` (`hold` .. `release`). vLLM resumes only once neither holds it, so an update
+    # inside a learner's pause leaves the engine paused, and a /resume inside an update waits for it.
     async def pause(self, mode: str, clear_cache: bool) -> None:
+        self.updating = True
         await self.llm.pause_generation(mode=mode, clear_cache=clear_cache)
 
     async def resume(self) -> None:
-        await self.llm.resume_generation()
+        self.updating = False
+        if not self.held:
+            await self.llm.resume_generation()
+
+    async def hold(self, mode: str) -> None:
+        self.held = True
+        await self.llm.pause_generation(mode=mode, clear_cache=False)
+
+    async def release(self) -> None:
+        self.held = False
+        if not self.updating:
+            await self.llm.resume_generation()
+
+    async def is_paused(self) -> bool:
+        return bool(await self.llm.is_paused())
 
     async def set_epoch(self, epoch: int) -> None:
         await self.llm.update_weight_version(str(epoch))

@@ -1,0 +1,161 @@
+"""vLLM's RL routes on `rollout serve` over fake engines whose model workers run the real gloo
+worker engine: vLLM's own `HTTPVLLMWeightSyncClient` and trainer factory drive a round over HTTP;
+each route's shape; calls out of order; the API key. Real engines: tests/integration/test_rl_serve.py."""
+
+from __future__ import annotations
+
+import contextlib
+
+import anyio
+import httpx
+import msgspec
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from policies.gloo_transfer import GlooTrainerInitInfo, StateDictSource
+from rollout.config import load_config
+from rollout.engine import RolloutEngine
+from tests.fakes import FakePool
+
+TIMEOUT = 30  # seconds; only reached when a test is about to fail
+STATE = {"embed.weight": torch.randn(40, 30), "norm.weight": torch.ones(30, dtype=torch.bfloat16)}
+ROUTES = [("POST", "/pause"), ("POST", "/resume"), ("GET", "/is_paused"), ("POST", "/abort_requests"),
+          ("POST", "/init_weight_transfer_engine"), ("POST", "/shutdown_weight_transfer_engine"), ("POST", "/start_weight_update"),
+          ("POST", "/update_weights"), ("POST", "/finish_weight_update"), ("POST", "/update_weight_version"),
+          ("GET", "/weight_info"), ("GET", "/get_world_size")]  # fmt: skip
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    (tmp_path / "config.json").write_text('{"vocab_size": 260}')
+    save_file(STATE, str(tmp_path / "model.safetensors"))
+    cfg = load_config(None, ["engines.count=2", "logging.level=error", "weight_sync.timeout_s=10", "sampling.max_tokens=4"])
+    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=str(tmp_path)))
+
+
+@contextlib.asynccontextmanager
+async def served(cfg, api_key: str | None = None):
+    pool = FakePool(2)
+    with anyio.fail_after(TIMEOUT):
+        async with RolloutEngine(cfg, pool=pool) as engine:
+            server = await engine.serve(port=0, api_key=api_key)
+            async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT) as http:
+                yield engine, server, pool, http
+
+
+def http_trainer(url: str, weights: dict):
+    """A learner written for vLLM's server: vLLM's HTTP client, vLLM's trainer factory (gloo)."""
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    world = httpx.get(f"{url}/get_world_size").json()["world_size"]
+    client, source = HTTPVLLMWeightSyncClient(url, timeout=TIMEOUT), StateDictSource(weights)
+    init = GlooTrainerInitInfo(world_size=1 + world, rank=0, bucket_bytes=1000, timeout_s=10)
+    return WeightTransferTrainerFactory.trainer_init(init, client=client, source=source), source
+
+
+def conflict(r: httpx.Response, call: str) -> None:
+    """vLLM's error shape, 409, naming the call."""
+    assert r.status_code == 409, r.text
+    err = r.json()["error"]
+    assert err["code"] == 409 and err["type"] == "Conflict" and call in err["message"], err
+
+
+async def test_vllms_http_client_drives_a_round_between_pause_and_resume(cfg):
+    async with served(cfg) as (engine, server, pool, http):
+        assert (await http.get("/get_world_size")).json() == {"world_size": 2}
+        assert (await http.get("/get_world_size", params={"include_dp": "false"})).json() == {"world_size": 1}
+        assert (await http.get("/weight_info")).json() == {"weight_version": "0", "epoch": 0}
+        assert (await http.get("/is_paused")).json() == {"is_paused": False}
+        assert (await http.post("/pause", params={"mode": "keep"})).json() == {"status": "paused"}
+        assert (await http.get("/is_paused")).json() == {"is_paused": True}
+        new = {n: t + 1 for n, t in STATE.items()}
+        t, source = await anyio.to_thread.run_sync(http_trainer, server.url, STATE)
+        source.update(new)
+        await anyio.to_thread.run_sync(t.send_weights)  # start, update (gloo bytes), finish: over HTTP
+        assert engine.epoch == 1 and [e.commits for e in pool.engines] == [[1], [1]]
+        assert all(torch.equal(e.worker.model.loaded[n], v) for e in pool.engines for n, v in new.items())
+        assert (await http.post("/resume")).json() == {"status": "resumed"}
+        assert (await http.get("/is_paused")).json() == {"is_paused": False}
+        assert [e.pauses for e in pool.engines] == [["keep", "resume"]] * 2
+        assert (await http.get("/weight_info")).json() == {"weight_version": "1", "epoch": 1}
+        r = await http.post("/update_weight_version", json={"new_version": "step-1"})
+        assert r.json() == {"success": True, "new_version": "step-1", "epoch": 1}
+        assert (await http.get("/weight_info")).json() == {"weight_version": "step-1", "epoch": 1}
+        traj = (await engine.submit(["hi"], train=False).result())[0].trajectories[0]
+        assert set(traj.token_epochs()) == {1}  # tokens after the round carry its epoch
+        assert (await http.post("/shutdown_weight_transfer_engine")).json() == {"message": "Weight transfer shut down"}
+        conflict(await http.post("/start_weight_update"), "before init_weight_transfer_engine")
+        t.shutdown()
+
+
+async def test_calls_out_of_order_answer_409_naming_the_call_and_the_epoch_stays(cfg):
+    async with served(cfg) as (engine, server, pool, http):
+        conflict(await http.post("/finish_weight_update"), "finish_weight_update called without start_weight_update")
+        conflict(await http.post("/update_weights", json={"update_info": {"names": []}}), "update_weights called without start_weight_update")
+        conflict(await http.post("/start_weight_update"), "start_weight_update called before init_weight_transfer_engine")
+        t, source = await anyio.to_thread.run_sync(http_trainer, server.url, STATE)
+        assert (await http.post("/start_weight_update")).json() == {"message": "Weight update started"}
+        conflict(await http.post("/start_weight_update"), "start_weight_update called while a weight update is active")
+        conflict(await http.post("/init_weight_transfer_engine", json={"init_info": {}}), "init_weight_transfer_engine called during")
+        r = await http.post("/finish_weight_update", json={"weight_version": "nothing-sent"})  # ends the round, nothing loaded
+        assert r.json() == {"message": "Weight update finished", "epoch": 0}
+        assert engine.epoch == 0 and [e.commits for e in pool.engines] == [[], []]
+        assert (await http.get("/weight_info")).json() == {"weight_version": "0", "epoch": 0}  # no label: no new epoch
+        t.shutdown()
+
+
+@pytest.mark.parametrize(("method", "path", "body", "param"), [
+    ("POST", "/pause?mode=sleep", None, "mode"),
+    ("GET", "/get_world_size?include_dp=maybe", None, "include_dp"),
+    ("POST", "/init_weight_transfer_engine", {"init": {}}, "init_info"),
+    ("POST", "/update_weights", {"update_info": 3}, "update_info"),
+    ("POST", "/update_weight_version", {"new_version": 2}, "new_version"),
+    ("POST", "/finish_weight_update", {"weight_version": ["v"]}, "weight_version"),
+    ("POST", "/abort_requests", {"request_ids": "r1"}, "request_ids"),
+])  # fmt: skip
+async def test_a_bad_body_or_query_answers_400_naming_the_field(cfg, method, path, body, param):
+    async with served(cfg) as (engine, server, pool, http):
+        r = await http.request(method, path, json=body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and err["code"] == 400, err
+        assert engine.epoch == 0 and all(e.pauses == [] for e in pool.engines)
+
+
+async def test_without_the_key_every_rl_route_answers_401(cfg):
+    async with served(cfg, api_key="sekrit") as (engine, server, pool, http):
+        for method, path in ROUTES:
+            r = await http.request(method, path, json={})
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", (path, r.text)
+            r = await http.request(method, path, json={}, headers={"Authorization": "Bearer wrong"})
+            assert r.status_code == 401, path
+        assert all(e.pauses == [] for e in pool.engines) and engine.epoch == 0
+        r = await http.get("/is_paused", headers={"Authorization": "Bearer sekrit"})
+        assert r.json() == {"is_paused": False}
+
+
+async def test_abort_requests_ends_the_named_http_requests_with_499(cfg):
+    async with served(cfg) as (engine, server, pool, http):
+        gates = [e.block() for e in pool.engines]
+        async with anyio.create_task_group() as tg:
+            answers: dict[str, httpx.Response] = {}
+
+            async def call(rid: str) -> None:  # "a" by the body's request_id, "b" by X-Request-Id
+                body = {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 3}, **({"request_id": rid} if rid == "a" else {})}
+                answers[rid] = await http.post("/inference/v1/generate", json=body, headers={"X-Request-Id": rid} if rid == "b" else {})
+
+            for rid in ("a", "b"):
+                tg.start_soon(call, rid)
+            while len(server.running) < 2:
+                await anyio.sleep(0.01)
+            assert (await http.post("/abort_requests", json={"request_ids": ["a"]})).json() == {"status": "aborted", "aborted": 1}
+            while "a" not in answers:
+                await anyio.sleep(0.01)
+            assert (await http.post("/abort_requests")).json() == {"status": "aborted", "aborted": 1}  # none named: all
+        assert answers["a"].status_code == answers["b"].status_code == 499
+        assert answers["a"].json()["error"]["message"] == "aborted by POST /abort_requests"
+        assert sum(e.cancelled for e in pool.engines) == 2 and not server.running
+        for g in gates:
+            g.set()
