@@ -371,6 +371,13 @@ class RolloutEngine:
         self._updates.epoch = epoch
 
     @property
+    def durable_torn(self) -> tuple[int, int]:
+        """(records, bytes) cut off the end of `queue.durable_dir`'s log when this run opened it: a
+        crash's torn last record (0 or 1 of them); (0, 0) without a durable log."""
+        d = self._durable
+        return (d.torn_records, d.torn_bytes) if d is not None else (0, 0)
+
+    @property
     def weight_updates(self) -> list[UpdateStats]:
         """Figures of every update so far (`UpdateStats`), oldest first."""
         return self._updates.history

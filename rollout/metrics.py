@@ -77,6 +77,8 @@ class Totals(msgspec.Struct):
     epoch: int = 0
     queue_ready: int = 0  # finished groups waiting for the learner
     queue_depth: int = 0  # ... and groups running
+    durable_torn_records: int = 0  # a crash's torn last record cut off the durable log at open
+    durable_torn_bytes: int = 0
 
 
 class EngineMetrics:
@@ -92,7 +94,8 @@ class EngineMetrics:
         self._last_preemptions: dict[int, int] = {}  # engine index -> its counter at the last reading
         self._spec_meter = SpecDecodeMeter(engine) if engine.cfg.speculative.enabled else None
         self._refreshing = anyio.Lock()
-        self._previous = self.totals()
+        # the durable log was opened (and a torn tail cut) before: the first window reports it
+        self._previous = msgspec.structs.replace(self.totals(), durable_torn_records=0, durable_torn_bytes=0)
 
     def counting(self, then: Callable[[Trajectory], None] | None) -> Callable[[Trajectory], None]:
         """The scheduler's `on_trajectory`: count each finished trajectory, then call `then`."""
@@ -145,6 +148,8 @@ class EngineMetrics:
             epoch=self._engine.epoch,
             queue_ready=len(self._queue),
             queue_depth=len(self._queue) + self._queue.in_flight,
+            durable_torn_records=self._engine.durable_torn[0],
+            durable_torn_bytes=self._engine.durable_torn[1],
         )
 
     async def window(self) -> dict[str, float]:
@@ -229,6 +234,8 @@ def figures(before: Totals, after: Totals, updates: list[Any], spec_decode: bool
         "rollout/queue_depth": after.queue_depth,
         "rollout/queue_ready": after.queue_ready,
         "rollout/preemptions": after.preemptions - before.preemptions,
+        "rollout/durable_torn_records": after.durable_torn_records - before.durable_torn_records,
+        "rollout/durable_torn_bytes": after.durable_torn_bytes - before.durable_torn_bytes,
     }
     lags = {lag: n - sb.lag_tokens.get(lag, 0) for lag, n in sa.lag_tokens.items() if n > sb.lag_tokens.get(lag, 0)}
     if lags:
@@ -306,6 +313,7 @@ class _Collector:
             ("rollout_stale_masked_tokens", "tokens masked out of the loss as too stale", s.masked_tokens),
             ("rollout_weight_updates", "weight updates", t.weight_updates),
             ("rollout_preemptions", "engine preemptions (KV dropped and recomputed)", t.preemptions),
+            ("rollout_durable_torn_records", "torn last records cut off the durable log at open (a crash)", t.durable_torn_records),
             ("rollout_spec_decode_drafts", "speculative decoding: verification steps with drafts", t.spec.drafts),
             ("rollout_spec_decode_draft_tokens", "speculative decoding: draft tokens", t.spec.draft_tokens),
             ("rollout_spec_decode_accepted_tokens", "speculative decoding: accepted draft tokens", t.spec.accepted_tokens),

@@ -334,3 +334,27 @@ async def test_the_pool_is_shut_down_even_when_closing_the_log_raises(make_cfg, 
     again = DurableLog(log_dir)
     again.open()  # the lock was released
     again.close()
+
+
+async def test_a_torn_last_record_is_counted_in_the_metrics_and_the_run_goes_on(make_cfg, log_dir):
+    """A crash's torn (here zero-filled) last record is cut off at open, with a warning, and counted
+    where dashboards look: `rollout/durable_torn_records` and `rollout_durable_torn_records_total`."""
+    from rollout.durable import LOG_NAME
+    from tests.test_durable import offsets, write_log
+    from tests.test_metrics import scrape
+
+    write_log(log_dir, 3)
+    path = log_dir / LOG_NAME
+    data = bytearray(path.read_bytes())
+    last = offsets(path)[-1]
+    data[last + 20 :] = bytes(len(data) - last - 20)
+    path.write_bytes(bytes(data))
+    with anyio.fail_after(TIMEOUT):
+        async with RolloutEngine(make_cfg("metrics.port=0"), pool=FakePool(2)) as engine:
+            assert [g.prompt_id async for g in engine.groups()] == ["g0", "g1"]
+            first = await engine.metrics()
+            assert (first["rollout/durable_torn_records"], first["rollout/durable_torn_bytes"]) == (1, len(data) - last)
+            assert (await engine.metrics())["rollout/durable_torn_records"] == 0  # a window: counted once
+            assert engine.exporter is not None
+            got = await anyio.to_thread.run_sync(scrape, engine.exporter.url)
+    assert got["rollout_durable_torn_records_total"] == 1

@@ -29,7 +29,7 @@ ALWAYS = {
     "rollout/window_s", "rollout/tokens", "rollout/tokens_per_s", "rollout/trajectories", "rollout/trajectories_per_s",
     "rollout/failed_trajectories", "rollout/groups", "rollout/stale_dropped", "rollout/stale_dropped_groups",
     "rollout/stale_masked_tokens", "rollout/epoch", "rollout/weight_updates", "rollout/update_stall_ms_max",
-    "rollout/queue_depth", "rollout/queue_ready", "rollout/preemptions",
+    "rollout/queue_depth", "rollout/queue_ready", "rollout/preemptions", "rollout/durable_torn_records", "rollout/durable_torn_bytes",
     "rollout/engine_busy_fraction/e0", "rollout/engine_busy_fraction/e1",
 }  # fmt: skip
 LAG = {"rollout/lag_mean", "rollout/lag_p99", "rollout/lag_max"}
