@@ -25,11 +25,11 @@ from rollout.chat import chat_renderer
 from rollout.config import Config, load_config
 from rollout.durable import Commits, DurableLog, DurableLogError
 from rollout.env import EnvFactory, load_env
-from rollout.errors import EngineClosedError, InvalidPromptError
+from rollout.errors import EngineClosedError, InvalidConfigError, InvalidPromptError
 from rollout.log import configure, get_logger
 from rollout.metrics import EngineMetrics, MetricsWindow, PrometheusExporter
 from rollout.process import catch_sigterm, restore_sigterm
-from rollout.prompts import BadPrompt, ModelLimits, as_async, check_prompt, coerce, effective_sampling
+from rollout.prompts import BadPrompt, ModelLimits, as_async, check_prompt, coerce, effective_sampling, sampling_problem
 from rollout.queue import Submission, TrajectoryQueue
 from rollout.rewards import RewardFn, load_reward
 from rollout.scheduler import Scheduler
@@ -100,6 +100,8 @@ class RolloutEngine:
         chat = await anyio.to_thread.run_sync(chat_renderer, path) if env is not None else None
         q = self.cfg.queue
         try:
+            if (bad := sampling_problem(self.cfg.sampling, limits.vocab_size)) is not None:  # as `rollout validate`
+                raise InvalidConfigError(f"sampling.{bad}")
             if q.durable_dir:  # before the engines: a directory that cannot be used starts nothing
                 self._durable = DurableLog(q.durable_dir, q.durable_compact_bytes)
                 self._recovered = await anyio.to_thread.run_sync(self._durable.open, self._resume_at)

@@ -250,3 +250,14 @@ def test_an_override_value_that_is_not_utf8_names_its_key():  # found by the fuz
 def test_every_value_a_sampling_accepts_encodes():
     s = msgspec.convert({"seed": 2**63 - 1, "top_k": 2**31 - 1, "stop_token_ids": [2**31 - 1]}, Sampling)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(s), type=Sampling) == s
+
+
+async def test_configured_stop_token_ids_outside_the_vocabulary_stop_the_start_naming_the_key(cfg):
+    """`rollout validate` refuses them; so does the engine's start, before any engine or prompt
+    runs (else every prompt would fail on its own with the same reason)."""
+    bad = msgspec.structs.replace(cfg, sampling=msgspec.structs.replace(cfg.sampling, stop_token_ids=[2, 260]))
+    pool = FakePool(1)
+    with anyio.fail_after(TIMEOUT):
+        with pytest.raises(InvalidConfigError, match=r"sampling.stop_token_ids\[1\]: 260 outside the vocabulary \(vocab size 260\)"):
+            async with RolloutEngine(bad, pool=pool):
+                pass
