@@ -11,8 +11,9 @@ A round, as vLLM's NCCL backend does it, with two additions: 1) the trainer call
 says in the rendezvous store that it is receiving, and the trainer broadcasts only once every
 worker has, so a round the engines refuse (bad metadata, an engine that cannot start) fails at
 once with their error instead of leaving a broadcast pending; 3) buckets of `bucket_bytes`, cut
-from the metadata alike on both sides, one `ProcessGroupGloo` broadcast each (the next is packed,
-and received, while one is on its way and loads); each worker feeds the tensors to
+from the metadata alike on both sides, broadcast over a `ProcessGroupGloo` per worker (trainer +
+that worker: the sends run side by side, and a failed worker breaks only its own pair; the next
+bucket is packed, and received, while one is on its way and loads); each worker feeds the tensors to
 `model.load_weights` inside vLLM's layerwise reload (`start_weight_update` /
 `finish_weight_update`, as vLLM's NCCL backend); 4) `finish_weight_update`.
 Does not own: the two-phase guarantee and epochs (`rollout.weight_sync`, `rollout.updates`).
@@ -105,16 +106,30 @@ def buckets(names: list[str], dtypes: list[str], shapes: list[list[int]], bucket
     return [b for b in out if b]
 
 
-def _group(address: str, port: int, session: str, rank: int, world: int, timeout_s: float, master: bool = False) -> tuple[Any, Any]:
-    """(store, ProcessGroupGloo): a standalone group over the trainer's TCPStore, never vLLM's."""
+def _store(address: str, port: int, timeout_s: float, master: bool = False) -> Any:
     import torch.distributed as dist
 
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(address, port, None, master, timeout=timeout, wait_for_workers=False)
+    return dist.TCPStore(address, port, None, master, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def _pair(store: Any, session: str, worker: int, timeout_s: float, *, trainer: bool) -> Any:
+    """The ProcessGroupGloo of the trainer (rank 0) and worker rank `worker` (rank 1), standalone
+    (never vLLM's). A pair per worker: broadcasts to all workers run side by side, each on its
+    own connection, and a worker that fails breaks only its own pair."""
+    import torch.distributed as dist
+
     opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = timeout
+    opts._timeout = datetime.timedelta(seconds=timeout_s)
     opts._devices = [dist.ProcessGroupGloo.create_default_device()]
-    return store, dist.ProcessGroupGloo(dist.PrefixStore(f"{session}/", store), rank, world, opts)
+    return dist.ProcessGroupGloo(dist.PrefixStore(f"{session}/pair{worker}/", store), 0 if trainer else 1, 2, opts)
+
+
+def _close(groups: list[Any]) -> None:
+    for pg in groups:
+        try:
+            pg.shutdown()
+        except Exception:  # a group broken by a dead peer has nothing left to close
+            pass
 
 
 def _broadcast(pg: Any, buf: torch.Tensor) -> Any:
@@ -144,8 +159,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.shutdown()
         p = self.parallel_config
         self.rank = p.data_parallel_index * p.world_size + p.rank + init_info.rank_offset
-        self.store, self.pg = _group(init_info.master_address, init_info.master_port, init_info.session, self.rank,
-                                     init_info.world_size, init_info.timeout_s)  # fmt: skip
+        self.store = _store(init_info.master_address, init_info.master_port, init_info.timeout_s)
+        self.pg = _pair(self.store, init_info.session, self.rank, init_info.timeout_s, trainer=False)
         self.info = init_info
 
     def start_weight_update(self) -> None:
@@ -183,11 +198,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.receive_weights(self.parse_update_info(update_info))  # CPU: nothing to synchronize
 
     def shutdown(self) -> None:
-        if self.pg is not None and hasattr(self.pg, "shutdown"):
-            try:
-                self.pg.shutdown()
-            except Exception:  # a group broken by a dead peer has nothing left to close
-                pass
+        _close([self.pg] if self.pg is not None else [])
         self.pg = self.store = self.info = None
 
 
@@ -225,7 +236,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.info = info
         self.store: Any = None
-        self.pg: Any = None
+        self.pgs: list[Any] = []  # one pair group per worker rank
         self.session = f"rollout-gloo-{uuid.uuid4().hex[:8]}"
         self.round = 0
 
@@ -236,17 +247,15 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info)
         if not engine.is_sender:
             return engine
-        import torch.distributed as dist
-
         i = init_info
-        store = dist.TCPStore(i.master_address, i.master_port, None, True, timeout=datetime.timedelta(seconds=i.timeout_s), wait_for_workers=False)
+        store = _store(i.master_address, i.master_port, i.timeout_s, master=True)
         worker = GlooInitInfo(master_address=i.master_address, master_port=store.port, rank_offset=1, world_size=i.world_size,
                               session=engine.session, bucket_bytes=i.bucket_bytes, timeout_s=i.timeout_s)  # fmt: skip
         exe = ThreadPoolExecutor(max_workers=1)
         try:  # the workers wait inside init for the group's rendezvous, and so does rank 0
-            joined = exe.submit(_group, i.master_address, store.port, engine.session, 0, i.world_size, i.timeout_s)
+            joined = exe.submit(lambda: [_pair(store, engine.session, r, i.timeout_s, trainer=True) for r in range(1, i.world_size)])
             client.init_weight_transfer_engine(asdict(worker))
-            _, engine.pg = joined.result()
+            engine.pgs = joined.result()
         finally:
             exe.shutdown(wait=False)
         engine.store = store
@@ -278,15 +287,11 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
     def _send(self, meta: list[ParamMeta], info: GlooUpdateInfo) -> None:
         assert self.info is not None and self.source is not None
-        send(self.pg, iter(self.source), info, self.info.bucket_bytes)
+        send(self.pgs, iter(self.source), info, self.info.bucket_bytes)
 
     def shutdown(self) -> None:
-        if self.pg is not None and hasattr(self.pg, "shutdown"):
-            try:
-                self.pg.shutdown()
-            except Exception:
-                pass
-        self.pg = self.store = None
+        _close(self.pgs)
+        self.pgs, self.store = [], None
 
 
 def wait_ready(store: Any, session: str, round: int, ranks: Any, timeout_s: float, receiving: Future | None = None) -> None:
@@ -306,10 +311,25 @@ def wait_ready(store: Any, session: str, round: int, ranks: Any, timeout_s: floa
             time.sleep(0.005)
 
 
-def send(pg: Any, pairs: Iterator[tuple[str, torch.Tensor]], info: GlooUpdateInfo, bucket_bytes: int) -> None:
-    """Broadcast the round's tensors, bucket by bucket, as the workers cut them; each tensor checked
-    against what the workers were told (a source that disagrees would load garbage)."""
-    sending: Any = None
+def send(pgs: list[Any], pairs: Iterator[tuple[str, torch.Tensor]], info: GlooUpdateInfo, bucket_bytes: int) -> None:
+    """Broadcast the round's tensors to every worker's pair group, bucket by bucket, as the workers
+    cut them; each tensor checked against what the workers were told (a source that disagrees
+    would load garbage). A worker whose pair fails is left out (its engine's own call fails and
+    leaves rotation); raises when none is left."""
+    live = list(pgs)
+    sending: list[tuple[Any, Any]] = []
+
+    def finish() -> None:
+        errors = []
+        for pg, work in sending:
+            try:
+                work.wait()
+            except Exception as e:
+                live.remove(pg)
+                errors.append(e)
+        if not live:
+            raise RuntimeError(f"gloo transfer: no worker left: {errors[0]}") from errors[0]
+
     for bucket in buckets(info.names, info.dtype_names, info.shapes, bucket_bytes):
         parts = []
         for name, dtype, shape, _ in bucket:
@@ -318,11 +338,9 @@ def send(pg: Any, pairs: Iterator[tuple[str, torch.Tensor]], info: GlooUpdateInf
                 raise ValueError(f"WeightSource yielded {got!r} {t.dtype} {list(t.shape)}, metadata() declared {name!r} {dtype} {shape}")
             parts.append(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8))
         buf = torch.cat(parts) if len(parts) > 1 else parts[0]  # packed while the previous bucket is on its way
-        if sending is not None:
-            sending.wait()
-        sending = _broadcast(pg, buf)
-    if sending is not None:
-        sending.wait()
+        finish()
+        sending = [(pg, _broadcast(pg, buf)) for pg in live]
+    finish()
 
 
 class GlooCollective:
@@ -335,7 +353,8 @@ class GlooCollective:
                  timeout_s: float = 300.0, session: str = "rollout"):  # fmt: skip
         self.rank, self.workers_from, self.world_size, self.session = rank, train_world_size, world_size, session
         self.bucket_bytes, self.timeout_s, self.round = bucket_bytes, timeout_s, 0
-        self.store, self.pg = _group(ip, port, session, rank, world_size, timeout_s, master=rank == 0)
+        self.store = _store(ip, port, timeout_s, master=rank == 0)
+        self.pgs = [_pair(self.store, session, r, timeout_s, trainer=True) for r in range(train_world_size, world_size)] if rank == 0 else []
 
     def broadcast(self, weights: Mapping[str, torch.Tensor]) -> None:
         """This round's tensors (HF name -> tensor) to every engine; ranks other than 0 return."""
@@ -345,12 +364,11 @@ class GlooCollective:
         info = GlooUpdateInfo(list(weights), [str(t.dtype).removeprefix("torch.") for t in weights.values()],
                               [list(t.shape) for t in weights.values()], self.round)  # fmt: skip
         wait_ready(self.store, self.session, self.round, range(self.workers_from, self.world_size), self.timeout_s)
-        send(self.pg, iter(weights.items()), info, self.bucket_bytes)
+        send(self.pgs, iter(weights.items()), info, self.bucket_bytes)
 
     def shutdown(self) -> None:
-        if self.pg is not None and hasattr(self.pg, "shutdown"):
-            self.pg.shutdown()
-        self.pg = self.store = None
+        _close(self.pgs)
+        self.pgs, self.store = [], None
 
 
 register()
