@@ -1,7 +1,9 @@
 """Example environments for multi-turn episodes (`env: "benchmarks.envs:Calculator"`).
 
-- `Calculator`: a tool-call environment. Each model turn is parsed as a JSON object: a tool call
-  `{"tool": "calculator", "expression": "3 * (4 + 5)"}` gets the result back as a `tool` message;
+- `Calculator`: a tool-call environment. A tool call `calculator(expression="3 * (4 + 5)")`, as
+  vLLM's parser (`serve.tool_parser`) reads it in the turn (`Action.tool_calls`; hermes:
+  `<tool_call>{"name": "calculator", "arguments": {"expression": ...}}</tool_call>`), or a turn that
+  is the JSON object `{"tool": "calculator", "expression": ...}`, gets the result back as a `tool` message;
   a final answer `{"answer": 27}` ends the episode with reward 1 if it equals the prompt's
   `metadata["answer"]`, else 0; anything else (not JSON, an unknown tool, a bad expression) gets
   an error message back, so the model can try again, until `episode.max_turns`.
@@ -68,6 +70,16 @@ class Calculator:
                                              'Answer: {"answer": <number>}.'}  # fmt: skip
 
     async def step(self, action: Action) -> Step:
+        if action.tool_calls:  # read by vLLM's tool parser
+            fn = action.tool_calls[0]["function"]
+            try:
+                args = json.loads(fn["arguments"])
+            except json.JSONDecodeError:
+                args = None
+            if not isinstance(args, dict):
+                return Step({"role": "tool", "content": "error: the arguments are not a JSON object"}, 0.0, False)
+            call = {**args, "tool": fn["name"]}
+            return self._calculate(call)
         try:
             call = json.loads(action.text)
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -77,6 +89,9 @@ class Calculator:
         if "answer" in call:
             ok = self.target is not None and _close(call["answer"], self.target, self.tolerance)
             return Step(None, 1.0 if ok else 0.0, True)
+        return self._calculate(call)
+
+    def _calculate(self, call: dict[str, Any]) -> Step:
         if call.get("tool") != "calculator":
             return Step({"role": "tool", "content": f"error: unknown tool {call.get('tool')!r}"}, 0.0, False)
         try:

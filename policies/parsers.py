@@ -79,6 +79,13 @@ class ChatParsers:
         except Exception as e:  # whatever else its validators raise on a client's garbage: still the client's
             raise ValueError(f"tools: vLLM's request model refuses them: {type(e).__name__}: {e}") from e
 
+    def any_tools(self) -> Any:
+        """A request that lets the parser read any tool call (`tool_choice` "auto", no tool list: an
+        episode's environment says nothing of its tools; vLLM's own validation wants a list with it)."""
+        request = self.request({})
+        request.tool_choice = "auto"
+        return request
+
     def parse(self, request: Any, text: str, token_ids: list[int], prompt_ids: list[int]) -> dict[str, Any]:
         """{"reasoning", "content", "tool_calls"} of a finished turn, as vLLM's non-streaming chat
         path makes them (tool_calls in OpenAI's shape, [] when none)."""

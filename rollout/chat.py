@@ -38,6 +38,7 @@ class ChatRenderer:
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidConfigError(f"model.path: the tokenizer in {model_dir} has no chat template")
         self.end_of_turn = self._end_of_turn()
+        self.parsers: Parsers | None = None  # vLLM's parsers for episodes' actions (`chat_renderer`)
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a whole conversation, opening the assistant's turn when asked."""
@@ -76,13 +77,17 @@ class ChatRenderer:
         return ids[0]
 
 
-def chat_renderer(path: Any) -> ChatRenderer | None:
-    """The model's chat template for episodes' text, or None when it has none (token ids only)."""
+def chat_renderer(path: Any, tool: str | None = None, reasoning: str | None = None) -> ChatRenderer | None:
+    """The model's chat template for episodes' text, with vLLM's parsers for its actions (the ones
+    `serve.tool_parser` / `serve.reasoning_parser` name), or None when it has none (token ids only).
+    Raises InvalidConfigError naming the key for parsers the tokenizer cannot serve."""
     try:
-        return ChatRenderer(path)
+        renderer = ChatRenderer(path)
     except InvalidConfigError as e:
         get_logger(__name__).warning("episodes: no chat template, observations must be token ids", reason=str(e))
         return None
+    renderer.parsers = chat_parsers(renderer, tool, reasoning)
+    return renderer
 
 
 class Parsers(Protocol):
@@ -91,6 +96,7 @@ class Parsers(Protocol):
     tools: bool  # a tool-call parser is set
 
     def request(self, data: dict[str, Any]) -> Any: ...
+    def any_tools(self) -> Any: ...
     def parse(self, request: Any, text: str, token_ids: list[int], prompt_ids: list[int]) -> dict[str, Any]: ...
     def stream(self, request: Any, steps: list[list[int]], prompt_ids: list[int], decode: Callable[[list[int]], str]) -> list[dict[str, Any]]: ...
 

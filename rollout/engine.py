@@ -97,7 +97,8 @@ class RolloutEngine:
         path = await anyio.to_thread.run_sync(resolve_model_path, self.cfg.model.path, self.cfg.model.seed)
         self.model_path = str(path)
         limits = ModelLimits.from_model_dir(path, self.cfg.model.max_model_len, self.cfg.engines.max_inflight_per_engine)
-        chat = await anyio.to_thread.run_sync(chat_renderer, path) if env is not None else None
+        serve = self.cfg.serve  # the model's tool-call and reasoning formats, for episodes' actions too
+        chat = await anyio.to_thread.run_sync(chat_renderer, path, serve.tool_parser, serve.reasoning_parser) if env is not None else None
         q = self.cfg.queue
         try:
             if (bad := sampling_problem(self.cfg.sampling, limits.vocab_size)) is not None:  # as `rollout validate`

@@ -45,6 +45,12 @@ class Action(msgspec.Struct, frozen=True):
     token_ids: list[int]
     finish_reason: str  # "stop" (it ended its turn) or "length"
     turn: int  # 0-based
+    # What vLLM's parsers (`serve.tool_parser`, `serve.reasoning_parser`) read in `text`, as a chat
+    # reply carries them: the text outside tool calls and reasoning, the calls in OpenAI's shape
+    # (`{"id", "type": "function", "function": {"name", "arguments": JSON string}}`), the reasoning.
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    reasoning: str | None = None
 
 
 class Step(msgspec.Struct, frozen=True):

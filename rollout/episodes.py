@@ -66,7 +66,7 @@ async def run_episode(
             if not turn.ok or turn.finish_reason == "abort":
                 finish, error = turn.finish_reason, turn.error
                 break
-            action = Action(renderer.decode(turn.token_ids) if renderer else "", list(turn.token_ids), turn.finish_reason, k)
+            action = _action(turn, renderer, k)
             what = f"step of turn {k}"
             step = as_step(await call(env.step, action, cfg.step_timeout_s, what), what)
             turn.reward = step.reward
@@ -124,6 +124,16 @@ def _observation_ids(observation: Any, turn: Trajectory, renderer: ChatRenderer 
         ids = ([] if ended else [chat.end_of_turn]) + _render(chat.append, messages, f"observation of turn {k}")
     check_ids(ids, limits.vocab_size, f"observation of turn {k}")
     return ids
+
+
+def _action(turn: Trajectory, renderer: ChatRenderer | None, k: int) -> Action:
+    """The turn as the environment sees it: its text, and what vLLM's parsers read in it."""
+    text = renderer.decode(turn.token_ids) if renderer else ""
+    if renderer is None or renderer.parsers is None:
+        return Action(text, list(turn.token_ids), turn.finish_reason, k, content=text)
+    p = renderer.parsers
+    parsed = p.parse(p.any_tools(), text, list(turn.token_ids), list(turn.prompt_token_ids))
+    return Action(text, list(turn.token_ids), turn.finish_reason, k, parsed["content"], parsed["tool_calls"], parsed["reasoning"])
 
 
 def _render(render: Callable[[list[dict[str, Any]]], list[int]], messages: list[dict[str, Any]], what: str) -> list[int]:

@@ -137,3 +137,27 @@ def test_a_chat_reply_carries_tool_calls_and_reasoning_as_vllms_server_does_stre
     assert "tool_calls" not in no_tools["choices"][0]["message"] and no_tools["choices"][0]["finish_reason"] == "stop"
     with pytest.raises(api.ApiError, match="tool_choice"):
         api.chat({"messages": [{"role": "user", "content": "x"}], "tool_choice": 7}, chat, None, parsers)
+
+
+async def test_an_episodes_action_carries_the_tool_calls_vllms_parser_reads_and_the_calculator_answers_them():
+    from benchmarks.envs import Calculator
+    from rollout.chat import chat_renderer
+    from rollout.episodes import _action
+
+    chat = chat_renderer(build_tiny(), "hermes", "qwen3")
+    text = '<think>use the tool</think>Let me see. <tool_call>{"name": "calculator", "arguments": {"expression": "1 + 2"}}</tool_call>'
+    ids = [*chat.encode(text), EOS_ID]
+    action = _action(Trajectory(request_id="r", prompt_id="p", prompt_token_ids=[5], token_ids=ids, finish_reason="stop"), chat, 0)
+    assert action.text == text and action.reasoning == "use the tool" and action.content == "Let me see. "
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in action.tool_calls] == [("calculator", {"expression": "1 + 2"})]
+    assert (await Calculator().step(action)).observation == {"role": "tool", "content": "3"}
+    plain = _action(Trajectory(request_id="r", prompt_id="p", token_ids=[*chat.encode("2+2"), EOS_ID], finish_reason="stop"), chat_renderer(build_tiny()), 1)
+    assert plain.content == plain.text == "2+2" and plain.tool_calls == [] and plain.reasoning is None
+
+
+def test_a_parser_the_tokenizer_cannot_serve_is_refused_naming_the_key():
+    from rollout.chat import chat_parsers
+
+    with pytest.raises(InvalidConfigError, match=r"serve\.tool_parser: .*llama3_json.*python_tag"):
+        chat_parsers(ChatRenderer(build_tiny()), "llama3_json", None)
+    assert chat_parsers(ChatRenderer(build_tiny()), "none", None) is None
