@@ -52,15 +52,15 @@ def integration_config(*overrides: str):
     )
 
 
-@pytest.fixture(scope="session")
-async def engine():
-    # pytest-asyncio sets up and tears down an async fixture in different tasks, but a task
-    # group must be entered and exited by one task: hold the engine open in a task of its own.
+async def held_engine(cfg):
+    """An engine for an async fixture: yields it, then closes it. pytest-asyncio sets up and tears
+    down an async fixture in different tasks, but a task group must be entered and exited by one
+    task: the engine is held open in a task of its own."""
     ready, stop = asyncio.Event(), asyncio.Event()
     holder: list[RolloutEngine] = []
 
     async def hold() -> None:
-        async with RolloutEngine(integration_config()) as e:
+        async with RolloutEngine(cfg) as e:
             holder.append(e)
             ready.set()
             await stop.wait()
@@ -72,6 +72,12 @@ async def engine():
     yield holder[0]
     stop.set()
     await task
+
+
+@pytest.fixture(scope="session")
+async def engine():
+    async for e in held_engine(integration_config()):
+        yield e
 
 
 def engine_processes() -> set[int]:

@@ -13,7 +13,6 @@ parsers and client are the real ones. The tiny model's tokenizer here has `<|pyt
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import openai
@@ -25,7 +24,7 @@ from rollout.config import ServeConfig
 from rollout.server import Server
 
 from ..test_parsers import ARGS, CASES, TOOLS
-from .conftest import integration_config
+from .conftest import held_engine, integration_config
 
 
 
@@ -34,22 +33,8 @@ async def engine():
     model = build_tiny(TinySpec(vocab_size=261, extra_special=("<|python_tag|>",)))
     cfg = integration_config(f"model.path={model}", "engines.count=1", "model.max_model_len=2048",
                              "engines.vllm={kv_cache_gib: 1, logits_processors: ['tests.forced_output:ForcedOutput']}")  # fmt: skip
-    ready, stop = asyncio.Event(), asyncio.Event()
-    holder: list[RolloutEngine] = []
-
-    async def hold() -> None:  # a task group is entered and exited by one task
-        async with RolloutEngine(cfg) as e:
-            holder.append(e)
-            ready.set()
-            await stop.wait()
-
-    task = asyncio.ensure_future(hold())
-    await asyncio.wait([task, asyncio.ensure_future(ready.wait())], return_when=asyncio.FIRST_COMPLETED)
-    if task.done():
-        task.result()
-    yield holder[0]
-    stop.set()
-    await task
+    async for e in held_engine(cfg):
+        yield e
 
 
 async def serve(engine: RolloutEngine, tool: str | None, reasoning: str | None) -> Server:
