@@ -33,7 +33,7 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollout.bench import spec_decode_rows  # noqa: E402
+from rollout.bench_table import spec_decode_rows  # noqa: E402
 from rollout.config import Config, SpeculativeConfig, load_config  # noqa: E402
 from rollout.engine import RolloutEngine  # noqa: E402
 from rollout.specdecode import SpecDecodeMeter, window  # noqa: E402

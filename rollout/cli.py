@@ -4,6 +4,7 @@
     rollout bench configs/tiny.yaml --rounds 12 --plot bench.png
     rollout run configs/tiny.yaml --out trajectories.jsonl
     rollout validate configs/tiny.yaml
+    rollout bench                         (no CONFIG: the packaged configs/tiny.yaml)
     rollout serve configs/tiny.yaml --port 8000 [--api-key KEY]
 Exit codes: 0 ok, 2 bad config or input, 1 anything else.
 """
@@ -21,7 +22,7 @@ from typing import BinaryIO
 import anyio
 import msgspec
 
-from rollout.config import Config, dump_config, load_config
+from rollout.config import Config, dump_config, load_config, packaged_config
 from rollout.errors import InvalidConfigError, InvalidPromptError, RolloutError
 
 
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         ("serve", "serve the engines over an OpenAI-compatible HTTP API (chat, completions, token in/out)"),
     ):
         p = sub.add_parser(name, help=help_)
-        p.add_argument("config", help="YAML experiment file")
+        p.add_argument("config", nargs="?", help="YAML experiment file (default: the packaged tiny.yaml, the embedded model)")
         p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE", help="dotted override, repeatable")
         p.add_argument("--log-json", action="store_true", help="log JSON lines instead of console text")
         if name == "bench":
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--port", type=int, help="port (default: serve.port, 8000; 0: a free one)")
             p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every request")
     args = parser.parse_args(argv)
+    args.config = args.config or packaged_config("tiny.yaml")
     try:
         overrides = list(args.override) + (["logging.json=true"] if args.log_json else [])
         if getattr(args, "rounds", None) is not None:

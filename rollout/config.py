@@ -6,6 +6,7 @@ checks, and error messages that name the offending key path (`engines.count: exp
 
 from __future__ import annotations
 
+import importlib.resources
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -293,6 +294,12 @@ class Config(Struct, frozen=True, forbid_unknown_fields=True):
         k = self.staleness.batch_groups
         if k is not None and k > self.queue.max_groups:
             raise ValueError(f"staleness.batch_groups: {k} can never fill, queue.max_groups is {self.queue.max_groups}")
+
+
+def packaged_config(name: str) -> Path:
+    """A file of the project's `configs/`, from the checkout or an installed wheel (data of the
+    `configs` package)."""
+    return Path(str(importlib.resources.files("configs").joinpath(name)))
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
