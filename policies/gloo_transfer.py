@@ -6,26 +6,26 @@ the learner), their init and update infos, `StateDictSource` (a state dict as vL
 `WeightSource`, with a name map) and `register`, which puts both engines in vLLM's factories under
 "gloo". `register` runs in every vLLM engine and worker process through the
 `vllm.general_plugins` entry point (pyproject.toml), and on import of this module in the learner.
-A round, as vLLM's NCCL backend does it, with two additions: 1) the trainer calls
-`start_weight_update`, then `update_weights` (names, dtypes, shapes) in a thread; 2) each worker
-says in the rendezvous store that it is receiving, and the trainer broadcasts only once every
-worker has, so a round the engines refuse (bad metadata, an engine that cannot start) fails at
-once with their error instead of leaving a broadcast pending; 3) buckets of `bucket_bytes`, cut
-from the metadata alike on both sides, broadcast over a `ProcessGroupGloo` per worker (trainer +
-that worker: the sends run side by side, and a failed worker breaks only its own pair; the next
-bucket is packed, and received, while one is on its way and loads); each worker feeds the tensors to
-`model.load_weights` inside vLLM's layerwise reload (`start_weight_update` /
-`finish_weight_update`, as vLLM's NCCL backend); 4) `finish_weight_update`.
+A round, as vLLM's NCCL backend does it, except where the bytes wait: 1) the trainer calls
+`start_weight_update` (nothing changes in the model), then `update_weights` (names, dtypes,
+shapes): each worker posts a receive per bucket into a staging buffer and the call returns, so a
+round the engines refuse (bad metadata, an engine that cannot start) fails before any broadcast
+and the engines keep generating while the bytes come; 2) buckets of `bucket_bytes`, cut from the
+metadata alike on both sides, broadcast over a `ProcessGroupGloo` per worker (trainer + that
+worker: the sends run side by side, and a failed worker breaks only its own pair), two buckets
+on their way per pair while the next is packed; 3) `finish_weight_update`, inside the engine's
+pause: each worker waits for its buckets and feeds them to `model.load_weights` inside vLLM's
+layerwise reload, so the pause holds the load alone.
 Does not own: the two-phase guarantee and epochs (`rollout.weight_sync`, `rollout.updates`).
 """
 
 from __future__ import annotations
 
 import datetime
-import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
@@ -142,8 +142,15 @@ def _broadcast(pg: Any, buf: torch.Tensor) -> Any:
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
-    """Worker side: joins the trainer's gloo group, receives each round's buckets, loads them
-    inside vLLM's layerwise reload (so CPU kernels are repacked at `finish_weight_update`)."""
+    """Worker side: joins the trainer's gloo group; stages each round's bytes while the engine keeps
+    serving, and loads them only at `finish_weight_update` (the engine's pause), inside vLLM's
+    layerwise reload (so CPU kernels are repacked there).
+
+    `start_weight_update` changes nothing; `update_weights` posts a receive per bucket into a fresh
+    staging buffer and returns at once (gloo's own threads receive: vLLM's engine core, blocked
+    in this call otherwise, keeps stepping); `finish_weight_update` waits for them (a failure
+    names the bucket and leaves the model untouched), then loads. Cost: a staging copy of the
+    weights per worker from `update_weights` to the end of the load."""
 
     init_info_cls = GlooInitInfo
     update_info_cls = GlooUpdateInfo
@@ -154,6 +161,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.store: Any = None
         self.pg: Any = None
         self.rank = 0
+        self.staged: list[tuple[str, list[tuple[str, torch.dtype, list[int], int]], torch.Tensor, Any]] = []  # (what, bucket, buffer, work)
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         self.shutdown()
@@ -164,35 +172,40 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.info = init_info
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        initialize_layerwise_reload(self.model)
-
-    def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        finalize_layerwise_reload(self.model, self.model_config)
+        self.staged = []  # the model is untouched until finish_weight_update
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         if self.pg is None or self.info is None:
             raise RuntimeError("gloo weight transfer not initialized: call init_weight_transfer_engine first")
-        self.store.set(f"{self.info.session}/ready/{update_info.round}/{self.rank}", b"")
         cut = buckets(update_info.names, update_info.dtype_names, update_info.shapes, self.info.bucket_bytes)
-        loading: list[tuple[str, torch.Tensor]] = []
         for k, bucket in enumerate(cut):
-            buf = torch.empty(sum(b[3] for b in bucket), dtype=torch.uint8)  # fresh: the reload keeps views until a layer is whole
+            buf = torch.empty(sum(b[3] for b in bucket), dtype=torch.uint8)
+            names = bucket[0][0] if len(bucket) == 1 else f"{bucket[0][0]} .. {bucket[-1][0]}"
+            self.staged.append((f"bucket {k + 1}/{len(cut)} ({names})", bucket, buf, _broadcast(self.pg, buf)))
+        self.store.set(f"{self.info.session}/ready/{update_info.round}/{self.rank}", b"")
+
+    def finish_weight_update(self) -> None:
+        staged, self.staged = self.staged, []
+        pairs: list[tuple[str, torch.Tensor]] = []
+        for what, bucket, buf, work in staged:
             try:
-                work = _broadcast(self.pg, buf)
-                self.model.load_weights(loading)  # the previous bucket loads while this one arrives
                 work.wait()
             except Exception as e:
-                names = bucket[0][0] if len(bucket) == 1 else f"{bucket[0][0]} .. {bucket[-1][0]}"
-                raise RuntimeError(f"gloo transfer: bucket {k + 1}/{len(cut)} ({names}): {type(e).__name__}: {e}") from e
-            loading, at = [], 0
+                raise RuntimeError(f"gloo transfer: {what}: {type(e).__name__}: {e}; the model is unchanged") from e
+            at = 0
             for name, dtype, shape, nbytes in bucket:
-                loading.append((name, buf[at : at + nbytes].view(dtype).view(shape)))
+                pairs.append((name, buf[at : at + nbytes].view(dtype).view(shape)))
                 at += nbytes
-        self.model.load_weights(loading)
+        if pairs:
+            self._reload(pairs)
+
+    def _reload(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        """vLLM's layerwise reload of `pairs` (what its NCCL backend does across its calls)."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+        self.model.load_weights(pairs)
+        finalize_layerwise_reload(self.model, self.model_config)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))  # CPU: nothing to synchronize
@@ -200,6 +213,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def shutdown(self) -> None:
         _close([self.pg] if self.pg is not None else [])
         self.pg = self.store = self.info = None
+        self.staged = []
 
 
 class StateDictSource(WeightSource):
@@ -271,61 +285,41 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self.round += 1
         info = GlooUpdateInfo([m.name for m in meta], [str(m.dtype).removeprefix("torch.") for m in meta], [list(m.shape) for m in meta], self.round)
         self.client.start_weight_update()
-        exe = ThreadPoolExecutor(max_workers=1)
-        try:
-            receiving = exe.submit(self.client.update_weights, asdict(info))
-            self._wait_ready(receiving)
-            self._send(meta, info)
-            receiving.result()
-        finally:
-            exe.shutdown(wait=False)  # a failed broadcast leaves the workers' call to fail on their own timeout
-        self.client.finish_weight_update()
-
-    def _wait_ready(self, receiving: Future | None) -> None:
-        assert self.info is not None
-        wait_ready(self.store, self.session, self.round, range(1, self.info.world_size), self.info.timeout_s, receiving)
-
-    def _send(self, meta: list[ParamMeta], info: GlooUpdateInfo) -> None:
-        assert self.info is not None and self.source is not None
+        self.client.update_weights(asdict(info))  # checked, and every worker's receives posted (the engines keep serving)
         send(self.pgs, iter(self.source), info, self.info.bucket_bytes)
+        self.client.finish_weight_update()  # the engines pause for the load alone
 
     def shutdown(self) -> None:
         _close(self.pgs)
         self.pgs, self.store = [], None
 
 
-def wait_ready(store: Any, session: str, round: int, ranks: Any, timeout_s: float, receiving: Future | None = None) -> None:
-    """Until every worker rank of `ranks` said it receives round `round`; raises the engines'
-    error as soon as `receiving` (their update_weights call) fails."""
-    keys = [f"{session}/ready/{round}/{r}" for r in ranks]
-    deadline = time.monotonic() + timeout_s
-    while keys:
-        if receiving is not None and receiving.done():
-            receiving.result()  # raises the engines' error
-            raise RuntimeError("the engines' update_weights returned before every worker received the weights")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"gloo transfer: {len(keys)} workers not receiving within {timeout_s:g} s")
-        if store.check(keys[:1]):  # polled: the store's own wait cannot watch `receiving` meanwhile
-            keys.pop(0)
-        else:
-            time.sleep(0.005)
+def wait_ready(store: Any, session: str, round: int, ranks: Any, timeout_s: float) -> None:
+    """Until every worker rank of `ranks` posted its receives of round `round` (a trainer with no
+    client to call, `GlooCollective`, broadcasts only then)."""
+    try:
+        store.wait([f"{session}/ready/{round}/{r}" for r in ranks], datetime.timedelta(seconds=timeout_s))
+    except Exception as e:
+        raise TimeoutError(f"gloo transfer: workers not receiving round {round} within {timeout_s:g} s: {e}") from e
 
 
-def send(pgs: list[Any], pairs: Iterator[tuple[str, torch.Tensor]], info: GlooUpdateInfo, bucket_bytes: int) -> None:
-    """Broadcast the round's tensors to every worker's pair group, bucket by bucket, as the workers
-    cut them; each tensor checked against what the workers were told (a source that disagrees
-    would load garbage). A worker whose pair fails is left out (its engine's own call fails and
-    leaves rotation); raises when none is left."""
+def send(pgs: list[Any], pairs: Iterator[tuple[str, torch.Tensor]], info: GlooUpdateInfo, bucket_bytes: int, inflight: int = 2) -> None:
+    """Broadcast the round's tensors to every worker's pair group, bucket by bucket as the workers
+    cut them, `inflight` buckets on their way at a time (the next one packed meanwhile); each
+    tensor checked against what the workers were told (a source that disagrees would load
+    garbage). A worker whose pair fails is left out (its engine's own call fails and leaves
+    rotation); raises when none is left."""
     live = list(pgs)
-    sending: list[tuple[Any, Any]] = []
+    sending: deque[list[tuple[Any, Any]]] = deque()
 
-    def finish() -> None:
+    def finish(works: list[tuple[Any, Any]]) -> None:
         errors = []
-        for pg, work in sending:
+        for pg, work in works:
             try:
                 work.wait()
             except Exception as e:
-                live.remove(pg)
+                if pg in live:
+                    live.remove(pg)
                 errors.append(e)
         if not live:
             raise RuntimeError(f"gloo transfer: no worker left: {errors[0]}") from errors[0]
@@ -337,10 +331,12 @@ def send(pgs: list[Any], pairs: Iterator[tuple[str, torch.Tensor]], info: GlooUp
             if got != name or t.dtype != dtype or list(t.shape) != shape:
                 raise ValueError(f"WeightSource yielded {got!r} {t.dtype} {list(t.shape)}, metadata() declared {name!r} {dtype} {shape}")
             parts.append(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8))
-        buf = torch.cat(parts) if len(parts) > 1 else parts[0]  # packed while the previous bucket is on its way
-        finish()
-        sending = [(pg, _broadcast(pg, buf)) for pg in live]
-    finish()
+        buf = torch.cat(parts) if len(parts) > 1 else parts[0]
+        while len(sending) >= inflight:
+            finish(sending.popleft())
+        sending.append([(pg, _broadcast(pg, buf)) for pg in live])
+    while sending:
+        finish(sending.popleft())
 
 
 class GlooCollective:

@@ -6,8 +6,10 @@ epoch). A state dict or directory: phase 1 (`stage_weights`): a state dict from 
 store is written as safetensors to a staging directory; a directory is taken as is. Phase 2
 (`commit_weights`): pause as `weight_sync.mode` says, load (vLLM's layerwise `reload_weights`),
 tag the epoch, resume. vLLM's weight-transfer calls (`rollout.weight_sync` drives them):
-`start_transfer` pauses the same way and runs vLLM's `start_weight_update`, `transfer` its
-`update_weights`, `finish_transfer` its `finish_weight_update`, then the epoch tag and resume.
+`start_transfer` runs vLLM's `start_weight_update`, `transfer` its `update_weights`,
+`finish_transfer` its `finish_weight_update`, then the epoch tag and resume; the pause (as
+`weight_sync.mode` says) comes before `finish_weight_update` when the backend stages the bytes
+(ours, `gloo`: the engine generates while they come), else before `start_weight_update`.
 An engine that fails to load stays paused and refuses work, so it never serves torn weights.
 Does not own: checking weights (`policies.weights`, `rollout.weight_sync`), moving bytes
 (vLLM's weight-transfer engines, `policies.gloo_transfer`), vLLM's internals (`policies.vllm_adapter`).
@@ -37,6 +39,7 @@ class WeightLoading:
     _pieces: dict[str, Any]
     _samples: dict[str, Any]
     _staged: dict[int, tuple[Any, bool]]  # epoch -> (weights dir, a dir of ours to delete)
+    _staging = False  # this weight-transfer round's backend stages the bytes: the pause waits for finish_transfer
     # and the policy's `_state(piece)` and `_started(piece)`
 
     async def stage_weights(self, epoch: int, weights: Packed | str) -> int:
@@ -94,9 +97,16 @@ class WeightLoading:
         await self._vllm.init_transfer(init_info)
 
     async def start_transfer(self, epoch: int) -> None:
-        """Pause as `weight_sync.mode` says, then vLLM's `start_weight_update` (the layerwise reload
-        takes the parameters off). On failure the engine resumes as it was and this raises."""
-        mode, self._transfer_t0, self._transfer_t1 = self.cfg.weight_sync.mode, time.perf_counter(), None
+        """vLLM's `start_weight_update`. A backend that stages the bytes before the load (ours,
+        `gloo`: `policies.gloo_transfer`) changes nothing here: the engine keeps generating while
+        the bytes come, and `finish_transfer` pauses for the load alone. Others (vLLM's `nccl`,
+        `ipc`: the layerwise reload takes the parameters off here) pause first, as
+        `weight_sync.mode` says. On failure the engine resumes as it was and this raises."""
+        mode, self._transfer_t0, self._transfer_t1, self._recomputed = self.cfg.weight_sync.mode, time.perf_counter(), None, 0
+        self._staging = _stages(self.cfg)
+        if self._staging:
+            await self._vllm.start_update()
+            return
         self._open.clear()
         try:
             if mode == "drain":
@@ -111,7 +121,7 @@ class WeightLoading:
             raise
 
     async def transfer(self, update_info: Any) -> None:
-        """vLLM's `update_weights` (bytes from the learner, loaded as they come), within
+        """vLLM's `update_weights` (bytes from the learner: staged, or loaded as they come), within
         `weight_sync.timeout_s`. A failure leaves the engine paused and refusing work: it may hold
         torn weights."""
         self._transfer_t1 = time.perf_counter()
@@ -125,11 +135,22 @@ class WeightLoading:
             raise e from None
 
     async def finish_transfer(self, epoch: int, loaded: bool = True) -> dict[str, float]:
-        """vLLM's `finish_weight_update`, then the epoch tag and resume. `loaded=False` calls a
-        started round off: vLLM puts the old tensors back and the epoch stays."""
+        """vLLM's `finish_weight_update` (staged bytes: pause first, as `weight_sync.mode` says,
+        the drain's wait outside `weight_sync.timeout_s`), then the epoch tag and resume.
+        `loaded=False` calls a started round off before any transfer: the epoch stays (vLLM puts
+        the old tensors back; a staging backend has nothing to drop)."""
         t2 = time.perf_counter()
+        staged = self._staging and loaded
         try:
+            if staged:
+                self._transfer_t0 = t2
+                self._open.clear()
+                if self.cfg.weight_sync.mode == "drain":
+                    await self._vllm.pause("wait", clear_cache=True)
             async with asyncio.timeout(self.cfg.weight_sync.timeout_s):
+                if staged:
+                    self._recomputed = await self._quiesce(self.cfg.weight_sync.mode)
+                    t2 = time.perf_counter()
                 await self._vllm.finish_update()
                 if loaded:
                     await self._vllm.set_epoch(epoch)
@@ -139,8 +160,11 @@ class WeightLoading:
             await self._break(f"finish failed: {type(e).__name__}: {e}")
             raise
         self._open.set()
-        t0, t1 = self._transfer_t0, self._transfer_t1 or t2
         t3 = time.perf_counter()
+        if staged:  # received: from the transfer call to this one; load: the pause's load, tag and resume
+            return {"pause_s": t2 - self._transfer_t0, "load_s": t3 - t2, "stall_s": t3 - self._transfer_t0,
+                    "recomputed_tokens": self._recomputed, "received": self._transfer_t0 - (self._transfer_t1 or t2)}  # fmt: skip
+        t0, t1 = self._transfer_t0, self._transfer_t1 or t2
         return {"pause_s": t1 - t0, "load_s": t3 - t1, "stall_s": t3 - t0, "recomputed_tokens": self._recomputed, "received": t2 - t1}
 
     async def _break(self, why: str) -> None:
@@ -180,3 +204,13 @@ class WeightLoading:
         self.epoch = epoch
         await self._vllm.resume()
         return t1, t2, recomputed
+
+
+def _stages(cfg: Any) -> bool:
+    """Whether the engines' vLLM weight-transfer backend stages the bytes before the load: ours,
+    `gloo` (the default on CPU, `policies.vllm_args`; `engines.vllm.weight_transfer_config` wins)."""
+    from policies.gloo_transfer import BACKEND
+
+    conf = cfg.engines.vllm.get("weight_transfer_config") or {}
+    backend = conf.get("backend") if isinstance(conf, dict) else getattr(conf, "backend", None)
+    return (backend or ("nccl" if cfg.engines.gpus_per_engine else BACKEND)) == BACKEND

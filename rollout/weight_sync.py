@@ -16,14 +16,17 @@ CPU; vLLM's `nccl` / `ipc` on GPUs). What we add to vLLM's calls:
    fixes the engines and the epoch the round would load (`max(epoch, allocated) + 1`). No engine
    changes yet.
 3) `update_weights`: the update's names, dtypes and shapes are checked against the model first
-   (InvalidWeightsError naming the tensor; no engine changed). Then every engine pauses as
-   `weight_sync.mode` says and runs vLLM's `start_weight_update`; if one cannot, the started ones
-   go back to their old weights and nothing changes. Only then is the epoch allocated (never used
-   again) and the bytes received and loaded; an engine that fails or exceeds
-   `weight_sync.timeout_s` leaves rotation (it may hold torn weights; it refuses work and restarts).
-4) `finish_weight_update`: every engine finishes the load, tags the epoch and resumes: the new
-   epoch starts here, and is returned and recorded (`engine.weight_updates`). Without every
-   checkpoint tensor received, no engine serves the round.
+   (InvalidWeightsError naming the tensor; no engine changed). Then every engine runs vLLM's
+   `start_weight_update` (vLLM's `nccl` / `ipc`: after pausing as `weight_sync.mode` says; our
+   `gloo` stages the bytes, so its engines keep generating); if one cannot, the started ones go
+   back to their old weights and nothing changes. Only then is the epoch allocated (never used
+   again) and the bytes received (`gloo`: into a staging copy in each worker, the model
+   untouched); an engine that fails or exceeds `weight_sync.timeout_s` leaves rotation (it may
+   hold torn weights; it refuses work and restarts).
+4) `finish_weight_update`: every engine (`gloo`: pausing now, as `weight_sync.mode` says, for the
+   load alone) finishes the load, tags the epoch and resumes: the new epoch starts here, and is
+   returned and recorded (`engine.weight_updates`). Without every checkpoint tensor received, no
+   engine serves the round. Tokens produced before an engine's pause carry the old epoch.
 A round with no call for `weight_sync.timeout_s` (a learner gone between calls) is ended: engines
 that loaded bytes leave rotation, the others resume on their weights. Restarts: the epoch's bytes
 live only in the learner, so a restarted engine waits out of rotation for the next update
@@ -147,7 +150,8 @@ class WeightTransfer:
             await self._transfer(rnd, update_info)
 
     async def _start_engines(self, rnd: _Round) -> None:
-        """Every engine pauses and starts vLLM's update, or none stays changed."""
+        """Every engine starts vLLM's update (pausing first unless its backend stages the bytes:
+        `policies.weight_loading`), or none stays changed."""
         got = await asyncio.gather(*(e.call("start_transfer", rnd.epoch) for e in rnd.engines), return_exceptions=True)
         if bad := failures(rnd.live, got):
             ok = [e for e, r in zip(rnd.engines, got) if not isinstance(r, BaseException)]

@@ -221,7 +221,7 @@ class FakeEngine:
         if self.fail_commit and loaded:
             raise RuntimeError("reload failed")
         if loaded:
-            self.worker.finish_weight_update()
+            await anyio.to_thread.run_sync(self.worker.finish_weight_update)  # waits for the staged bytes
             self.commits.append(epoch)
             self.epoch = epoch
         else:
@@ -344,10 +344,8 @@ def transfer_worker(engine_id: int) -> object:
                 self.pending[name] = t.clone()
 
     class Worker(GlooWeightTransferEngine):
-        def start_weight_update(self) -> None:
-            self.model.pending.clear()
-
-        def finish_weight_update(self) -> None:
+        def _reload(self, pairs: list) -> None:  # vLLM's layerwise reload needs a vLLM model
+            self.model.load_weights(pairs)
             self.model.loaded, self.model.pending = {**self.model.loaded, **self.model.pending}, {}
 
     parallel = types.SimpleNamespace(data_parallel_index=0, world_size=1, rank=0)

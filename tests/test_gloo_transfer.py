@@ -1,8 +1,9 @@
 """The gloo weight-transfer backend without engines: vLLM's factories build both sides, a trainer
 sends to two workers (plain torch modules, in threads of this process) through a small client
-with vLLM's four calls. Bytes arrive exact, in buckets; a round the workers refuse fails at once
-in the trainer; a trainer gone mid-transfer and a trainer that never sends fail each worker within
-its timeout, naming the bucket and its tensors.
+with vLLM's four calls. Bytes arrive exact, in buckets, staged until finish_weight_update; a round
+the workers refuse fails at once in the trainer; a trainer gone mid-transfer and a trainer that
+never sends fail each worker's finish within its timeout, naming the bucket and its tensors, the
+model untouched.
 """
 
 from __future__ import annotations
@@ -32,13 +33,11 @@ class Module(torch.nn.Module):
 
 
 class Worker(GlooWeightTransferEngine):
-    """vLLM's layerwise reload needs a vLLM model: here start/finish only record the calls."""
+    """vLLM's layerwise reload needs a vLLM model: here the load is the module's `load_weights`."""
 
-    def start_weight_update(self) -> None:
+    def _reload(self, pairs) -> None:
         self.model.loaded.clear()
-
-    def finish_weight_update(self) -> None:
-        pass
+        self.model.load_weights(pairs)
 
 
 def worker(rank: int, weights) -> Worker:
@@ -109,6 +108,27 @@ def test_the_trainer_sends_exact_bytes_to_every_worker_round_after_round():
     trainer.shutdown()
 
 
+def test_bytes_are_staged_while_the_model_serves_and_loaded_only_at_finish():
+    """vLLM's update_weights posts the receives and returns before any byte is sent (the engine
+    core is free to keep generating); the bytes land in a staging buffer, and the model changes
+    only in finish_weight_update (the engine's pause)."""
+    from policies.gloo_transfer import GlooUpdateInfo, send
+
+    trainer, client, source = setup(timeout_s=3)
+    w = weights(1)
+    source.update(w)
+    info = GlooUpdateInfo(list(w), [str(v.dtype).removeprefix("torch.") for v in w.values()], [list(v.shape) for v in w.values()], 1)
+    client.start_weight_update()
+    client.update_weights(vars(info))  # returns at once: nothing was sent yet
+    send(trainer.pgs, iter(w.items()), info, trainer.info.bucket_bytes)
+    for wk in client.workers:
+        assert wk.model.loaded == [] and not any(torch.equal(wk.model.w[k], v) for k, v in w.items())
+    client.finish_weight_update()
+    for wk in client.workers:
+        assert wk.model.loaded == list(w) and all(torch.equal(wk.model.w[k], v) for k, v in w.items())
+    trainer.shutdown()
+
+
 def test_a_refused_round_fails_in_the_trainer_at_once():
     trainer, client, source = setup(timeout_s=300)
     client.refuse = "unknown model.extra.weight"
@@ -151,9 +171,11 @@ def test_a_learner_gone_mid_transfer_fails_the_worker_naming_the_bucket():
     wk.start_weight_update()
     t0 = time.monotonic()
     info = {"names": names, "dtype_names": [str(v.dtype).removeprefix("torch.") for v in w.values()], "shapes": [list(v.shape) for v in w.values()]}
-    with pytest.raises(RuntimeError, match=r"gloo transfer: bucket 2/\d+ \(model.layers.0.w"):
-        wk.update_weights(info)
+    wk.update_weights(info)  # posts the receives
+    with pytest.raises(RuntimeError, match=r"gloo transfer: bucket 2/\d+ \(model.layers.0.w.*the model is unchanged"):
+        wk.finish_weight_update()
     assert time.monotonic() - t0 < 25
+    assert wk.model.loaded == [] and all(not t.any() for t in wk.model.w.values())  # nothing of the torn round was loaded
     assert child.wait(30) == 1
     wk.shutdown()
 
@@ -177,8 +199,9 @@ def test_a_transfer_that_hangs_fails_the_worker_at_its_timeout():
     wk.init_transfer_engine(GlooInitInfo(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2, session="h", timeout_s=3.0))
     t.join()
     t0 = time.monotonic()
+    wk.update_weights({"names": list(w), "dtype_names": [str(v.dtype).removeprefix("torch.") for v in w.values()],
+                       "shapes": [list(v.shape) for v in w.values()]})  # fmt: skip
     with pytest.raises(RuntimeError, match=r"gloo transfer: bucket 1/1 \(model.embed.weight .. model.norm.weight\)"):
-        wk.update_weights({"names": list(w), "dtype_names": [str(v.dtype).removeprefix("torch.") for v in w.values()],
-                           "shapes": [list(v.shape) for v in w.values()]})  # fmt: skip
+        wk.finish_weight_update()
     assert 2 < time.monotonic() - t0 < 20
     wk.shutdown()
