@@ -9,7 +9,8 @@
 Owns: the routes and their mapping onto the engine. The weight-transfer routes call the engine's
 `weight_sync_client()` (`rollout.weight_sync`: the two-phase guarantee, epochs allocated once,
 `finish_weight_update` starts the new epoch); /pause and /resume hold every live engine's vLLM
-paused (`VLLMPolicy.pause_generation`), through any update meanwhile; /abort_requests aborts HTTP
+paused (`VLLMPolicy.pause_generation`), through any update meanwhile, restarted engines too (those
+parked for the next update included: `WeightUpdates.held`); /abort_requests aborts HTTP
 requests in flight (never the learner's own rollouts: their samples are its training data).
 Errors in vLLM's shape (`{"error": {"message", "type", "param", "code"}}`): a call out of order
 409, weights that do not fit the model 400, an engine failing 500, none alive 503; each names the
@@ -120,10 +121,12 @@ class RLRoutes:
         mode = request.query_params.get("mode", "abort")
         if mode not in PAUSE_MODES:
             raise api.ApiError(400, f"mode: expected one of {', '.join(PAUSE_MODES)}, got {mode[:40]!r}", "mode", "BadRequestError")
+        self.engine._updates.held = True  # before the engines are listed: a restart ending meanwhile matches it
         await self._on_engines("pause_generation", mode)
         return {"status": "paused"}
 
     async def resume(self, request: Any) -> dict[str, Any]:
+        self.engine._updates.held = False
         await self._on_engines("resume_generation")
         return {"status": "resumed"}
 
@@ -140,11 +143,10 @@ class RLRoutes:
         return {"status": "aborted", "aborted": len(chosen)}
 
     async def _on_engines(self, method: str, *args: Any) -> list[Any]:
-        """`method` on every live engine at once; raises the first failure (naming the engine)."""
-        loads = self.engine._live_scheduler().runner.loads
-        live = [(i, e) for i, e in enumerate(self.engine.pool.engines) if loads[i].healthy]
-        if not live:
-            raise EngineDeadError("every engine is dead")
+        """`method` on every live engine at once (in rotation, or restarted and parked for the next
+        update); raises the first failure (naming the engine)."""
+        self.engine._live_scheduler()
+        live = [(i, self.engine.pool.engines[i]) for i in self.engine._updates._members()]
         got = await asyncio.gather(*(e.call(method, *args) for _, e in live), return_exceptions=True)
         for (i, _), r in zip(live, got):
             if isinstance(r, BaseException):

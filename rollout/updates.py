@@ -13,7 +13,9 @@ learner sends, the driver checks metadata and runs the same phases, using what i
 Restarts: a restarted engine loads the current epoch's exact bytes when the driver holds them (a
 state dict in the object store; a directory that has not changed). After a learner's transfer
 the bytes live only in the learner: the restarted engine is parked, out of rotation, and loads
-the next update, whatever its source; never other bytes under the current epoch.
+the next update, whatever its source; never other bytes under the current epoch. While a
+learner holds `rollout serve`'s /pause (`held`), a restarted engine is paused before it rejoins
+or parks, so the pause holds until the learner's /resume (`rollout.rl_routes`).
 Does not own: checking weights against the model (`policies.weights`, `rollout.weight_sync`),
 loading them into vLLM (`policies.vllm_policy`), scheduling (`rollout.scheduler`).
 """
@@ -50,6 +52,7 @@ class WeightUpdates:
         self._restarts: dict[int, int] = {}
         self._parked: dict[int, Any] = {}  # restarted engines waiting for the next update (after a learner's transfer)
         self.incarnations: dict[int, int] = {}  # engine -> +1 per restart or failed transfer (the learner's group is broken)
+        self.held = False  # a learner's /pause (`rollout.rl_routes`) holds every engine, restarted ones too
         self._scheduler: Any = None
         self._pool: Any = None
         self._model_path = ""
@@ -213,6 +216,7 @@ class WeightUpdates:
             self.incarnations[i] = self.incarnations.get(i, 0) + 1  # new worker processes: not in the learner's group
             async with self.lock:  # no update may slip between loading and readmission
                 if self._weights is LEARNER:
+                    await self._hold(engine)
                     self._parked[i] = engine
                     log.warning(
                         "engine restarted; it waits out of rotation for the next weight update (the current epoch came "
@@ -221,6 +225,7 @@ class WeightUpdates:
                     return
                 if self._weights is not None:  # none yet (a resumed run): it serves the model's, like the others
                     await self._restore(engine)
+                await self._hold(engine)
                 scheduler.runner.revive(i, engine)
         except Exception as e:
             reason = f"restart {n} failed: {type(e).__name__}: {e}"
@@ -228,6 +233,16 @@ class WeightUpdates:
                 scheduler.runner.give_up(i, reason)
             else:
                 log.error("engine restart failed; trying again", engine=i, reason=reason)
+
+    async def _hold(self, engine: Any) -> None:
+        """Pause a restarted engine while a learner's /pause holds (`held`), or resume it after a
+        /resume that came meanwhile. The last check runs with no await before the engine rejoins
+        (or parks), so a /pause or /resume (which sets `held`, then calls the engines it sees) finds
+        it there or has it matched here."""
+        paused = False
+        while self.held != paused:
+            paused = self.held
+            await (engine.call("pause_generation", "keep") if paused else engine.call("resume_generation"))
 
     async def _restore(self, engine: Any) -> None:
         """Load the current epoch's weights, exactly those bytes, into a restarted engine, within

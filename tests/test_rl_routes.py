@@ -1,6 +1,6 @@
 """vLLM's RL routes on `rollout serve` over fake engines whose model workers run the real gloo
 worker engine: vLLM's own `HTTPVLLMWeightSyncClient` and trainer factory drive a round over HTTP;
-each route's shape; calls out of order; the API key. Real engines: tests/integration/test_rl_serve.py."""
+each route's shape; calls out of order; the API key. Real engines: tests/integration/test_rl_http.py."""
 
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ ROUTES = [("POST", "/pause"), ("POST", "/resume"), ("GET", "/is_paused"), ("POST
 def cfg(tmp_path):
     (tmp_path / "config.json").write_text('{"vocab_size": 260}')
     save_file(STATE, str(tmp_path / "model.safetensors"))
-    cfg = load_config(None, ["engines.count=2", "logging.level=error", "weight_sync.timeout_s=10", "sampling.max_tokens=4"])
+    cfg = load_config(None, ["engines.count=2", "logging.level=error", "weight_sync.timeout_s=10", "sampling.max_tokens=4",
+                             "engines.restart_backoff_s=0"])  # fmt: skip
     return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=str(tmp_path)))
 
 
@@ -53,6 +54,25 @@ def http_trainer(url: str, weights: dict):
     client, source = HTTPVLLMWeightSyncClient(url, timeout=TIMEOUT), StateDictSource(weights)
     init = GlooTrainerInitInfo(world_size=1 + world, rank=0, bucket_bytes=1000, timeout_s=10)
     return WeightTransferTrainerFactory.trainer_init(init, client=client, source=source), source
+
+
+async def until(what: str, predicate) -> None:
+    """Until `predicate()` holds (re-checked as the engine's tasks run); fails naming `what`."""
+    try:
+        with anyio.fail_after(TIMEOUT):
+            while not predicate():
+                await anyio.sleep(0.01)
+    except TimeoutError:
+        raise AssertionError(f"not within {TIMEOUT} s: {what}") from None
+
+
+async def crash(engine, pool, i: int) -> None:
+    """Engine `i` dies (as the health watch reports a dead engine); waits for its restart to be
+    done: back in rotation, or parked out of it until the next update."""
+    old = pool.engines[i]
+    engine._scheduler.runner.mark_dead(i, f"engine {i}: killed by the test")
+    await until(f"engine {i} restarted", lambda: pool.engines[i] is not old and (
+        engine._scheduler.runner.loads[i].healthy or i in engine._updates._parked))  # fmt: skip
 
 
 def conflict(r: httpx.Response, call: str) -> None:
@@ -159,3 +179,46 @@ async def test_abort_requests_ends_the_named_http_requests_with_499(cfg):
         assert sum(e.cancelled for e in pool.engines) == 2 and not server.running
         for g in gates:
             g.set()
+
+
+async def test_an_engine_restarted_while_the_learner_holds_pause_comes_back_paused(cfg):
+    """The learner's /pause holds until its /resume: an engine restarted meanwhile is paused before
+    it takes a request, and the /resume resumes it with the others."""
+    async with served(cfg) as (engine, server, pool, http):
+        assert (await http.post("/pause", params={"mode": "keep"})).json() == {"status": "paused"}
+        await crash(engine, pool, 1)
+        assert engine._scheduler.runner.loads[1].healthy and pool.engines[1].pauses == ["keep"]
+        assert (await http.post("/resume")).json() == {"status": "resumed"}
+        assert [e.pauses for e in pool.engines] == [["keep", "resume"]] * 2
+        await crash(engine, pool, 0)  # after the /resume: not paused
+        assert pool.engines[0].pauses == [] and (await http.get("/is_paused")).json() == {"is_paused": False}
+
+
+async def test_an_engine_restarted_after_an_http_round_waits_out_of_rotation_for_the_next(cfg):
+    """After a round of vLLM's trainer API the epoch's bytes live only in the learner: an engine
+    restarted then waits out of rotation (paused, if the learner holds /pause), takes no request,
+    and rejoins at the learner's next round, which must init its group again."""
+    async with served(cfg) as (engine, server, pool, http):
+        t, source = await anyio.to_thread.run_sync(http_trainer, server.url, STATE)
+        source.update({n: v + 1 for n, v in STATE.items()})
+        await anyio.to_thread.run_sync(t.send_weights)
+        assert engine.epoch == 1
+        assert (await http.post("/pause", params={"mode": "keep"})).json() == {"status": "paused"}
+        await crash(engine, pool, 1)
+        parked = pool.engines[1]
+        assert not engine._scheduler.runner.loads[1].healthy and parked.pauses == ["keep"] and parked.commits == []
+        assert (await http.post("/resume")).json() == {"status": "resumed"}
+        assert parked.pauses == ["keep", "resume"]  # the learner's /resume reaches it too
+        groups = await engine.submit(["a", "b", "c", "d"], train=False).result()
+        assert {t.engine_id for g in groups for t in g.trajectories} == {0} and parked.requests == []
+        assert {e for g in groups for t in g.trajectories for e in t.token_epochs()} == {1}
+        r = await http.post("/start_weight_update")  # its new workers are not in the learner's group
+        assert r.status_code == 500 and "engines [1] restarted or left since init_weight_transfer_engine" in r.json()["error"]["message"]
+        t.shutdown()
+        t, source = await anyio.to_thread.run_sync(http_trainer, server.url, {n: v + 2 for n, v in STATE.items()})
+        await anyio.to_thread.run_sync(t.send_weights)
+        assert engine.epoch == 2 and parked.commits == [2] and engine._scheduler.runner.loads[1].healthy
+        assert all(torch.equal(parked.worker.model.loaded[n], v + 2) for n, v in STATE.items())
+        groups = await engine.submit(["e", "f", "g", "h"], train=False).result()
+        assert {e for g in groups for t in g.trajectories for e in t.token_epochs()} == {2}
+        t.shutdown()
