@@ -222,3 +222,53 @@ async def test_an_engine_restarted_after_an_http_round_waits_out_of_rotation_for
         groups = await engine.submit(["e", "f", "g", "h"], train=False).result()
         assert {e for g in groups for t in g.trajectories for e in t.token_epochs()} == {2}
         t.shutdown()
+
+
+async def test_weights_that_do_not_fit_answer_400_naming_the_tensor_and_change_no_engine(cfg):
+    async with served(cfg) as (engine, server, pool, http):
+        t, source = await anyio.to_thread.run_sync(http_trainer, server.url, STATE)
+        assert (await http.post("/start_weight_update")).status_code == 200
+        info = {"names": ["norm.weight", "extra.weight"], "dtype_names": ["float32", "float32"], "shapes": [[3], [1]]}
+        r = await http.post("/update_weights", json={"update_info": info})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == 400 and "norm.weight: float32 [3], model has bfloat16 [30]; unknown extra.weight" in err["message"], err
+        assert "no engine changed" in err["message"] and engine.epoch == 0
+        assert not any(e.commits or e.worker.model.pending for e in pool.engines)
+        conflict(await http.post("/finish_weight_update"), "finish_weight_update called without start_weight_update; the epoch stays 0")
+        source.update({n: v + 1 for n, v in STATE.items()})
+        await anyio.to_thread.run_sync(t.send_weights)  # the round ended; the next goes through
+        assert engine.epoch == 1
+        t.shutdown()
+
+
+async def test_an_engine_failing_answers_500_naming_it_and_the_others_serve(cfg):
+    import requests
+
+    async with served(cfg) as (engine, server, pool, http):
+        t, source = await anyio.to_thread.run_sync(http_trainer, server.url, STATE)
+        pool.engines[1].fail_commit = True
+        source.update({n: v + 1 for n, v in STATE.items()})
+        with pytest.raises(requests.HTTPError) as e:  # vLLM's client raises for the status
+            await anyio.to_thread.run_sync(t.send_weights)
+        assert e.value.response.status_code == 500 and e.value.request.path_url == "/finish_weight_update"
+        assert "epoch 1: engine 1: RuntimeError: reload failed; out of rotation" in e.value.response.json()["error"]["message"]
+        assert engine.epoch == 1 and pool.engines[0].commits == [1]
+        t.shutdown()
+
+
+async def test_with_no_engine_alive_the_rl_routes_answer_503(cfg):
+    cfg = msgspec.structs.replace(cfg, engines=msgspec.structs.replace(cfg.engines, max_restarts=0))
+    async with served(cfg) as (engine, server, pool, http):
+        for i in (0, 1):
+            engine._scheduler.runner.mark_dead(i, f"engine {i}: killed by the test")
+        for method, path in [("POST", "/pause"), ("POST", "/resume"), ("GET", "/is_paused"), ("POST", "/init_weight_transfer_engine"),
+                             ("GET", "/get_world_size")]:  # fmt: skip
+            r = await http.request(method, path, json={"init_info": {}} if "init" in path else None)
+            assert r.status_code == 503 and "every engine is dead" in r.json()["error"]["message"], (path, r.text)
+
+
+async def test_vllms_routes_not_served_here_answer_404(cfg):
+    async with served(cfg) as (engine, server, pool, http):
+        for path in ("/start_draft_weight_update", "/weight_checker"):
+            assert (await http.post(path, json={"action": "checksum"})).status_code == 404, path
