@@ -1,0 +1,137 @@
+"""vLLM's RL routes on a real `rollout serve` (2 real CPU engines of the tiny model in Ray actors,
+its HTTP server on loopback), driven as a learner written for vLLM's server drives vLLM: vLLM's own
+`HTTPVLLMWeightSyncClient` under vLLM's `WeightTransferTrainerFactory` (our gloo trainer engine),
+unmodified, between vLLM's `/pause` and `/resume`.
+
+- Each round: chat requests in flight, `/pause` (vLLM's default mode, abort; then keep), a chat
+  request sent while paused, the full update round over HTTP (`trainer.send_weights()`: start,
+  update with the gloo bytes, finish), `/resume`. The request sent while paused runs entirely on
+  the new epoch; the ones in flight keep exact, non-decreasing epochs; every later one carries the
+  new epoch. What loaded is the learner's bytes: greedy tokens and logprobs equal those of the
+  same weights pushed through the object store.
+- `/is_paused`, `/weight_info`, `/get_world_size` and the round's calls answer with vLLM's
+  response bodies (`vllm/entrypoints/rl/online/api_router.py`); ours add `epoch`.
+Nothing here waits on a clock or on engine load: each wait is on an HTTP answer or a finished
+task, and each has a timeout that fails the test with what it was waiting for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import httpx
+from safetensors.torch import load_file
+
+from policies.gloo_transfer import GlooTrainerInitInfo, StateDictSource
+from rollout import RolloutEngine
+
+from .conftest import integration_config
+from .test_weights import random_weights
+
+TIMEOUT = 120  # seconds for any one HTTP call or wait; only reached when the test is about to fail
+LONG = {"max_tokens": 48, "min_tokens": 48, "temperature": 0.8}  # in flight across the update
+GREEDY = {"max_tokens": 12, "temperature": 0.0}
+
+
+@contextlib.asynccontextmanager
+async def serving() -> AsyncIterator[tuple[RolloutEngine, Any, httpx.AsyncClient, list[asyncio.Task]]]:
+    """The engine, its server, a client, and a list for the test's request tasks: those still
+    running when the test fails are cancelled before the client closes."""
+    cfg = integration_config("engines.count=2", "weight_sync.timeout_s=60", "model.max_model_len=256")
+    async with RolloutEngine(cfg) as engine:
+        server = await engine.serve(port=0)
+        async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT) as http:
+            tasks: list[asyncio.Task] = []
+            try:
+                yield engine, server, http, tasks
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def within(what: str, awaitable: Any) -> Any:
+    """`awaitable`'s result, or a failure naming `what` after TIMEOUT seconds (never a hang)."""
+    try:
+        return await asyncio.wait_for(awaitable, TIMEOUT)
+    except TimeoutError:
+        raise AssertionError(f"no answer within {TIMEOUT} s: {what}") from None
+
+
+async def ok(what: str, call: Any) -> dict:
+    r = await within(what, call)
+    assert r.status_code == 200, (what, r.status_code, r.text)
+    return r.json()
+
+
+async def chat(http: httpx.AsyncClient, model: str, text: str, sampling: dict) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": text}], **sampling}
+    return (await ok(f"chat {text!r}", http.post("/v1/chat/completions", json=body)))["choices"][0]["message"]
+
+
+def epochs(message: dict) -> list[int]:
+    """The epoch of each generated token, from the message's `rollout.policy_epochs` runs."""
+    runs, n = message["rollout"]["policy_epochs"], len(message["generation_token_ids"])
+    return [e for k, (start, e) in enumerate(runs) for _ in range(start, runs[k + 1][0] if k + 1 < len(runs) else n)]
+
+
+def learner(url: str, weights: dict) -> tuple[Any, StateDictSource]:
+    """A learner written for vLLM's server: vLLM's HTTP client and trainer factory, as they come."""
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    world = httpx.get(f"{url}/get_world_size", timeout=TIMEOUT).json()["world_size"]
+    client, source = HTTPVLLMWeightSyncClient(url, timeout=TIMEOUT), StateDictSource(weights)
+    init = GlooTrainerInitInfo(world_size=1 + world, rank=0, timeout_s=60)
+    return WeightTransferTrainerFactory.trainer_init(init, client=client, source=source), source
+
+
+async def test_vllms_http_client_updates_a_real_rollout_serve_between_pause_and_resume():
+    async with serving() as (engine, server, http, tasks):
+        get = lambda path, **kw: ok(f"GET {path}", http.get(path, **kw))  # noqa: E731
+        post = lambda path, **kw: ok(f"POST {path}", http.post(path, **kw))  # noqa: E731
+        assert await get("/get_world_size") == {"world_size": 2}  # 2 engines x 1 model worker
+        assert await get("/get_world_size", params={"include_dp": "false"}) == {"world_size": 1}
+        assert await get("/is_paused") == {"is_paused": False}
+        assert await get("/weight_info") == {"weight_version": "0", "epoch": 0}
+        base = load_file(f"{engine.model_path}/model.safetensors")
+        t, source = await within("trainer_init over HTTP", anyio.to_thread.run_sync(learner, server.url, base))
+
+        for epoch, mode in ((1, None), (2, "keep")):  # None: vLLM's default, abort
+            weights = random_weights(base, seed=40 + epoch)
+            flying = [asyncio.ensure_future(chat(http, server.model, f"in flight {epoch}.{i}", LONG)) for i in range(2)]
+            tasks += flying
+            assert await post("/pause", params={"mode": mode} if mode else {}) == {"status": "paused"}
+            assert await get("/is_paused") == {"is_paused": True}
+            paused = asyncio.ensure_future(chat(http, server.model, f"sent while paused {epoch}", LONG))
+            tasks.append(paused)
+            source.update(weights)
+            await within(f"send_weights, round {epoch}", anyio.to_thread.run_sync(t.send_weights))
+            assert engine.epoch == epoch and engine.weight_updates[-1].failed == []
+            assert await get("/is_paused") == {"is_paused": True}, "the update's own resume leaves the learner's pause"
+            assert not paused.done(), "a request ran while the learner held /pause"
+            assert await get("/weight_info") == {"weight_version": str(epoch), "epoch": epoch}
+            assert await post("/resume") == {"status": "resumed"}
+            assert await get("/is_paused") == {"is_paused": False}
+            assert epochs(await within("the request sent while paused", paused)) == [epoch] * LONG["max_tokens"]
+            for m in await within("the requests in flight", asyncio.gather(*flying)):
+                e = epochs(m)
+                assert len(e) == LONG["max_tokens"] and e == sorted(e) and set(e) <= {epoch - 1, epoch}, e
+            after = await chat(http, server.model, f"after {epoch}", LONG)
+            assert epochs(after) == [epoch] * LONG["max_tokens"] and after["policy_epoch"] == [[[0, epoch]]]
+
+        label = await post("/update_weight_version", json={"new_version": "step-2"})
+        assert label == {"success": True, "new_version": "step-2", "epoch": 2}
+        assert await get("/weight_info") == {"weight_version": "step-2", "epoch": 2}
+        via_http = await chat(http, server.model, "greedy", GREEDY)
+        assert await within("update_weights through the object store", engine.update_weights(weights)) == 3
+        via_store = await chat(http, server.model, "greedy", GREEDY)
+        same = ("generation_token_ids", "generation_log_probs")
+        assert [via_http[k] for k in same] == [via_store[k] for k in same], "the learner's bytes loaded exactly"
+        assert set(epochs(via_http)) == {2} and set(epochs(via_store)) == {3}
+        assert await post("/shutdown_weight_transfer_engine") == {"message": "Weight transfer shut down"}
+        await anyio.to_thread.run_sync(t.shutdown)
