@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from policies.gloo_transfer import GlooTrainerInitInfo, StateDictSource
 from rollout.config import load_config
 from rollout.engine import RolloutEngine
-from tests.fakes import FakePool
+from tests.fakes import FakeEngine, FakePool
 
 TIMEOUT = 30  # seconds; only reached when a test is about to fail
 STATE = {"embed.weight": torch.randn(40, 30), "norm.weight": torch.ones(30, dtype=torch.bfloat16)}
@@ -272,3 +272,40 @@ async def test_vllms_routes_not_served_here_answer_404(cfg):
     async with served(cfg) as (engine, server, pool, http):
         for path in ("/start_draft_weight_update", "/weight_checker"):
             assert (await http.post(path, json={"action": "checksum"})).status_code == 404, path
+
+
+async def test_a_pause_or_resume_during_a_restart_reaches_the_restarted_engine(cfg):
+    """/pause while engine 1 restarts (not in rotation, so not among the engines the route calls):
+    it comes back paused. /resume while that pause is still on its way to it: it comes back resumed."""
+
+    class Gated(FakeEngine):
+        async def pause_generation(self, mode: str) -> None:
+            pausing.set()
+            await let_pause.wait()
+            await super().pause_generation(mode)
+
+    class Pool(FakePool):
+        async def restart(self, i: int) -> FakeEngine:
+            restarting.set()
+            await let_restart.wait()
+            self.restarts.append(i)
+            self.engines[i] = Gated(i)
+            return self.engines[i]
+
+    restarting, let_restart, pausing, let_pause = anyio.Event(), anyio.Event(), anyio.Event(), anyio.Event()
+    with anyio.fail_after(TIMEOUT):
+        async with RolloutEngine(cfg, pool=Pool(2)) as engine:
+            pool = engine.pool
+            server = await engine.serve(port=0)
+            async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT) as http:
+                engine._scheduler.runner.mark_dead(1, "engine 1: killed by the test")
+                await restarting.wait()
+                assert (await http.post("/pause", params={"mode": "keep"})).json() == {"status": "paused"}
+                assert pool.engines[1].pauses == []  # the old engine: not called
+                let_restart.set()
+                await pausing.wait()  # the restart pauses the new engine; /resume comes before that returns
+                assert (await http.post("/resume")).json() == {"status": "resumed"}
+                assert pool.engines[0].pauses == ["keep", "resume"]
+                let_pause.set()
+                await until("engine 1 back in rotation", lambda: engine._scheduler.runner.loads[1].healthy)
+                assert pool.engines[1].pauses == ["keep", "resume"] and (await http.get("/is_paused")).json() == {"is_paused": False}
