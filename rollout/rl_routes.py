@@ -37,6 +37,7 @@ from rollout.log import get_logger
 
 log = get_logger(__name__)
 PAUSE_MODES = ("abort", "wait", "keep")
+TRUE, FALSE = ("true", "1", "yes", "on", "t", "y"), ("false", "0", "no", "off", "f", "n")
 
 
 class InitBody(msgspec.Struct):
@@ -191,9 +192,9 @@ class RLRoutes:
         """include_dp (default): model workers over every engine (each engine is a data-parallel
         replica), what a learner's group adds itself to; false: one engine's."""
         flag = request.query_params.get("include_dp", "true").lower()
-        if flag not in ("true", "false", "1", "0"):
+        if flag not in TRUE + FALSE:  # what FastAPI's bool query (vLLM's route) accepts
             raise api.ApiError(400, f"include_dp: expected true or false, got {flag[:40]!r}", "include_dp", "BadRequestError")
-        if flag in ("true", "1"):
+        if flag in TRUE:
             return {"world_size": self.client.transfer.world_size()}
         v = self.engine.cfg.engines.vllm
         return {"world_size": int(v.get("tensor_parallel_size", 1)) * int(v.get("pipeline_parallel_size", 1))}

@@ -85,7 +85,9 @@ def conflict(r: httpx.Response, call: str) -> None:
 async def test_vllms_http_client_drives_a_round_between_pause_and_resume(cfg):
     async with served(cfg) as (engine, server, pool, http):
         assert (await http.get("/get_world_size")).json() == {"world_size": 2}
-        assert (await http.get("/get_world_size", params={"include_dp": "false"})).json() == {"world_size": 1}
+        for no in ("false", "0", "off", "No"):  # as FastAPI reads vLLM's bool query
+            assert (await http.get("/get_world_size", params={"include_dp": no})).json() == {"world_size": 1}
+        assert (await http.get("/get_world_size", params={"include_dp": "yes"})).json() == {"world_size": 2}
         assert (await http.get("/weight_info")).json() == {"weight_version": "0", "epoch": 0}
         assert (await http.get("/is_paused")).json() == {"is_paused": False}
         assert (await http.post("/pause", params={"mode": "keep"})).json() == {"status": "paused"}
