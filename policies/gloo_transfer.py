@@ -12,8 +12,9 @@ shapes): each worker posts a receive per bucket into a staging buffer and the ca
 round the engines refuse (bad metadata, an engine that cannot start) fails before any broadcast
 and the engines keep generating while the bytes come; 2) buckets of `bucket_bytes`, cut from the
 metadata alike on both sides, broadcast over a `ProcessGroupGloo` per worker (trainer + that
-worker: the sends run side by side, and a failed worker breaks only its own pair), two buckets
-on their way per pair while the next is packed; 3) `finish_weight_update`, inside the engine's
+worker: the sends run side by side, and a failed worker breaks only its own pair), each tensor
+broadcast on its own into its place in the worker's staging (no packing copy on either side),
+two buckets on their way per pair; 3) `finish_weight_update`, inside the engine's
 pause: each worker waits for its buckets and feeds them to `model.load_weights` inside vLLM's
 layerwise reload, so the pause holds the load alone.
 Does not own: the two-phase guarantee and epochs (`rollout.weight_sync`, `rollout.updates`).
@@ -106,6 +107,15 @@ def buckets(names: list[str], dtypes: list[str], shapes: list[list[int]], bucket
     return [b for b in out if b]
 
 
+def _slices(buf: torch.Tensor, bucket: list[tuple[str, torch.dtype, list[int], int]]) -> list[torch.Tensor]:
+    """`buf` cut into the bucket's tensors, in order: each is broadcast on its own (no packing)."""
+    out, at = [], 0
+    for *_, nbytes in bucket:
+        out.append(buf[at : at + nbytes])
+        at += nbytes
+    return out
+
+
 def _store(address: str, port: int, timeout_s: float, master: bool = False) -> Any:
     import torch.distributed as dist
 
@@ -161,7 +171,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.store: Any = None
         self.pg: Any = None
         self.rank = 0
-        self.staged: list[tuple[str, list[tuple[str, torch.dtype, list[int], int]], torch.Tensor, Any]] = []  # (what, bucket, buffer, work)
+        self.staged: list[tuple[str, list[tuple[str, torch.dtype, list[int], int]], torch.Tensor, list[Any]]] = []  # (what, bucket, buffer, works)
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         self.shutdown()
@@ -181,15 +191,16 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         for k, bucket in enumerate(cut):
             buf = torch.empty(sum(b[3] for b in bucket), dtype=torch.uint8)
             names = bucket[0][0] if len(bucket) == 1 else f"{bucket[0][0]} .. {bucket[-1][0]}"
-            self.staged.append((f"bucket {k + 1}/{len(cut)} ({names})", bucket, buf, _broadcast(self.pg, buf)))
+            self.staged.append((f"bucket {k + 1}/{len(cut)} ({names})", bucket, buf, [_broadcast(self.pg, part) for part in _slices(buf, bucket)]))
         self.store.set(f"{self.info.session}/ready/{update_info.round}/{self.rank}", b"")
 
     def finish_weight_update(self) -> None:
         staged, self.staged = self.staged, []
         pairs: list[tuple[str, torch.Tensor]] = []
-        for what, bucket, buf, work in staged:
+        for what, bucket, buf, works in staged:
             try:
-                work.wait()
+                for work in works:
+                    work.wait()
             except Exception as e:
                 raise RuntimeError(f"gloo transfer: {what}: {type(e).__name__}: {e}; the model is unchanged") from e
             at = 0
@@ -304,11 +315,12 @@ def wait_ready(store: Any, session: str, round: int, ranks: Any, timeout_s: floa
 
 
 def send(pgs: list[Any], pairs: Iterator[tuple[str, torch.Tensor]], info: GlooUpdateInfo, bucket_bytes: int, inflight: int = 2) -> None:
-    """Broadcast the round's tensors to every worker's pair group, bucket by bucket as the workers
-    cut them, `inflight` buckets on their way at a time (the next one packed meanwhile); each
-    tensor checked against what the workers were told (a source that disagrees would load
-    garbage). A worker whose pair fails is left out (its engine's own call fails and leaves
-    rotation); raises when none is left."""
+    """Broadcast the round's tensors to every worker's pair group, in the buckets the workers cut,
+    each tensor on its own (no packing copy: on a busy learner process, concatenating buckets
+    cost more than the transfer), `inflight` buckets on their way at a time; each tensor checked
+    against what the workers were told (a source that disagrees would load garbage). A worker
+    whose pair fails is left out (its engine's own call fails and leaves rotation); raises when
+    none is left."""
     live = list(pgs)
     sending: deque[list[tuple[Any, Any]]] = deque()
 
@@ -325,16 +337,16 @@ def send(pgs: list[Any], pairs: Iterator[tuple[str, torch.Tensor]], info: GlooUp
             raise RuntimeError(f"gloo transfer: no worker left: {errors[0]}") from errors[0]
 
     for bucket in buckets(info.names, info.dtype_names, info.shapes, bucket_bytes):
-        parts = []
+        while len(sending) >= inflight:
+            finish(sending.popleft())
+        works = []
         for name, dtype, shape, _ in bucket:
             got, t = next(pairs)
             if got != name or t.dtype != dtype or list(t.shape) != shape:
                 raise ValueError(f"WeightSource yielded {got!r} {t.dtype} {list(t.shape)}, metadata() declared {name!r} {dtype} {shape}")
-            parts.append(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8))
-        buf = torch.cat(parts) if len(parts) > 1 else parts[0]
-        while len(sending) >= inflight:
-            finish(sending.popleft())
-        sending.append([(pg, _broadcast(pg, buf)) for pg in live])
+            flat = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)  # a view of a contiguous CPU tensor: no copy
+            works += [(pg, _broadcast(pg, flat)) for pg in live]
+        sending.append(works)
     while sending:
         finish(sending.popleft())
 
