@@ -13,6 +13,7 @@ ideal speed-up is 2x: the sync loop pays generation + training per step, the asy
 of the two. Each run starts its own engines; engine start and `--warmup` steps are not timed.
 
     python benchmarks/simulated_learner.py configs/tiny.yaml --steps 8 --groups 16 --report simulated_learner.json
+    python benchmarks/simulated_learner.py configs/tiny.yaml --transfer    # pushes through vLLM's trainer API
 """
 
 from __future__ import annotations
@@ -42,8 +43,11 @@ def configured(cfg: Config, max_lag: int, mode: str, groups: int) -> Config:
     )
 
 
-async def learner_loop(cfg: Config, groups: int, warmup: int, steps: int, step_time: float | None) -> dict[str, Any]:
-    """Run `warmup + steps` learner steps; `step_time` None: 0 in warm-up, then the median warm-up wait."""
+async def learner_loop(cfg: Config, groups: int, warmup: int, steps: int, step_time: float | None, transfer: bool) -> dict[str, Any]:
+    """Run `warmup + steps` learner steps; `step_time` None: 0 in warm-up, then the median warm-up wait.
+    `transfer`: push through vLLM's trainer API (gloo), else `engine.update_weights` (Ray's object store)."""
+    from benchmarks.weight_plane import transfer_update
+
     from safetensors.torch import load_file
 
     async with RolloutEngine(cfg) as engine:
@@ -51,6 +55,7 @@ async def learner_loop(cfg: Config, groups: int, warmup: int, steps: int, step_t
         for f in sorted(Path(engine.model_path).glob("*.safetensors")):
             weights.update(load_file(str(f)))
         count = (warmup + steps + (cfg.staleness.max_lag or 0) + 2) * groups
+        push = await transfer_update(engine, weights) if transfer else engine.update_weights
         engine.feed(configured_prompts(msgspec.structs.replace(cfg.prompts, count=count), engine.limits.vocab_size))
         rows: list[dict[str, float]] = []
         lag_before: dict[int, int] = {}
@@ -65,7 +70,7 @@ async def learner_loop(cfg: Config, groups: int, warmup: int, steps: int, step_t
             t1 = time.perf_counter()
             await asyncio.sleep(step_time if step >= warmup else 0.0)  # the trainer's step
             t2 = time.perf_counter()
-            await engine.update_weights(weights)
+            await push(weights)
             t3 = time.perf_counter()
             ok = [t for t in batch.trajectories if t.ok]
             rows.append({"wait_s": t1 - t0, "train_s": t2 - t1, "push_s": t3 - t2, "samples": len(ok),
@@ -77,6 +82,7 @@ async def learner_loop(cfg: Config, groups: int, warmup: int, steps: int, step_t
     wall = sum(r["wait_s"] + r["train_s"] + r["push_s"] for r in measured)
     return {
         "max_lag": cfg.staleness.max_lag,
+        "path": "vLLM's trainer API (gloo)" if transfer else "Ray's object store",
         "weight_sync_mode": cfg.weight_sync.mode,
         "step_time_s": step_time,
         "steps": len(measured),
@@ -101,13 +107,14 @@ def table(sync: dict[str, Any], async_: dict[str, Any]) -> str:
         return " ".join(f"{k}:{v / total:.0%}" for k, v in r["lag_tokens"].items())
 
     lines = [
-        f"learner step {sync['step_time_s']:.2f} s (= batch generation time), {sync['steps']} steps per run",
-        f"{'run':<6} {'max_lag':>7} {'mode':<6} {'samples/s':>10} {'learner idle':>12} {'push':>6} {'stall med':>10}  lag (share of tokens)",
+        f"learner step {sync['step_time_s']:.2f} s (= batch generation time), {sync['steps']} steps per run, weights through "
+        f"{sync['path']}; learner idle: waiting for a batch, blocked: in the update call (shares of its wall time)",
+        f"{'run':<6} {'max_lag':>7} {'mode':<6} {'samples/s':>10} {'learner idle':>12} {'blocked':>8} {'stall med':>10}  lag (share of tokens)",
     ]
     for name, r in (("sync", sync), ("async", async_)):
         lines.append(
             f"{name:<6} {r['max_lag']:>7} {r['weight_sync_mode']:<6} {r['samples_per_s']:>10.2f} "
-            f"{r['learner_idle_fraction']:>12.1%} {r['push_fraction']:>6.1%} {r['stall_s_median'] * 1e3:>8.1f}ms  {lag(r)}"
+            f"{r['learner_idle_fraction']:>12.1%} {r['push_fraction']:>8.1%} {r['stall_s_median'] * 1e3:>8.1f}ms  {lag(r)}"
         )
     lines.append(f"async / sync samples/s: {async_['samples_per_s'] / sync['samples_per_s']:.2f}x")
     return "\n".join(lines)
@@ -122,15 +129,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per run")
     ap.add_argument("--step-time", default="auto", help="seconds per learner step, or auto (= batch generation time)")
     ap.add_argument("--max-lag", type=int, default=1, help="staleness.max_lag of the async run")
+    ap.add_argument("--transfer", action="store_true", help="push through vLLM's trainer API (gloo), not Ray's object store")
     ap.add_argument("--report", default="simulated_learner.json")
     args = ap.parse_args(argv)
     if args.warmup < 1 and args.step_time == "auto":
         ap.error("--step-time auto needs --warmup >= 1")
     cfg = load_config(args.config, ["logging.level=warning", *args.override])
     step_time = None if args.step_time == "auto" else float(args.step_time)
-    sync = asyncio.run(learner_loop(configured(cfg, 0, "drain", args.groups), args.groups, args.warmup, args.steps, step_time))
+    sync = asyncio.run(learner_loop(configured(cfg, 0, "drain", args.groups), args.groups, args.warmup, args.steps, step_time, args.transfer))
     print(f"sync: {sync['samples_per_s']:.2f} samples/s, step {sync['step_time_s']:.2f} s", flush=True)
-    async_ = asyncio.run(learner_loop(configured(cfg, args.max_lag, "keep", args.groups), args.groups, args.warmup, args.steps, sync["step_time_s"]))
+    async_ = asyncio.run(learner_loop(configured(cfg, args.max_lag, "keep", args.groups), args.groups, args.warmup, args.steps, sync["step_time_s"],
+                                    args.transfer))  # fmt: skip
     print(table(sync, async_))
     report = {"config": args.config, "overrides": args.override, "groups": args.groups, "sync": sync, "async": async_,
               "speedup": async_["samples_per_s"] / sync["samples_per_s"]}  # fmt: skip

@@ -11,7 +11,9 @@ model's own weights back and time:
 - memcpy: one plain copy of the same bytes into a preallocated, already touched buffer, in this
   process, in the same run (the physical floor of moving the bytes once on this machine);
 - prepare / load phase: the update's split at the first pause (`UpdateStats.prepare_s`, `.seconds`);
-- /dev/shm: the peak of `/dev/shm` usage above its level before the update (sampled every 5 ms).
+- /dev/shm: the peak of `/dev/shm` usage above its level before the update (sampled every 5 ms);
+- send (gloo): the learner's call less vLLM's start / update / finish calls: its broadcast of
+  the bytes, while the engines stage them.
 Reports medians over the repeats, ratios to memcpy, one table, and a JSON report.
 
     python benchmarks/weight_plane.py --sizes 0.5B --methods store,gloo --repeats 3
@@ -108,7 +110,7 @@ async def transfer_update(engine: RolloutEngine, weights: dict[str, Any], bucket
 
     from policies.gloo_transfer import GlooTrainerInitInfo, StateDictSource
 
-    client, source = engine.weight_sync_client(), StateDictSource(weights)
+    client, source = TimedClient(engine.weight_sync_client()), StateDictSource(weights)
     init = GlooTrainerInitInfo(world_size=1 + client.world_size(), rank=0, bucket_bytes=bucket_bytes, timeout_s=600)
     trainer = await anyio.to_thread.run_sync(lambda: WeightTransferTrainerFactory.trainer_init(init, client=client, source=source))
 
@@ -117,7 +119,32 @@ async def transfer_update(engine: RolloutEngine, weights: dict[str, Any], bucket
         await anyio.to_thread.run_sync(trainer.send_weights)
         return engine.epoch
 
+    update.calls = client.last  # type: ignore[attr-defined]
     return update
+
+
+class TimedClient:
+    """The weight-sync client, timing vLLM's start / update / finish calls (`last`: seconds each,
+    last round), so the learner's send (the rest of its call) shows apart."""
+
+    TIMED = ("start_weight_update", "update_weights", "finish_weight_update")
+
+    def __init__(self, client: Any):
+        self.client, self.last = client, {}
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self.client, name)
+        if name not in self.TIMED:
+            return fn
+
+        def timed(*args: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self.last[name] = time.perf_counter() - start
+
+        return timed
 
 
 def memcpy_s(weights: dict[str, Any]) -> float:
@@ -160,6 +187,7 @@ async def bench_size(size: str, methods: list[str], repeats: int, args: argparse
                 runs.append({
                     "update_s": seconds, "prepare_s": u.prepare_s, "load_phase_s": u.seconds, "stall_s": max(u.stall_s.values()),
                     "memcpy_s": copy, "shm_peak_bytes": shm.stop(),
+                    "send_s": seconds - sum(update.calls.values()) if hasattr(update, "calls") else float("nan"),
                 })  # fmt: skip
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             med["update_x_memcpy"] = med["update_s"] / med["memcpy_s"]
@@ -173,13 +201,13 @@ def row(size: str, nbytes: int, method: str, m: dict[str, float]) -> str:
     return (
         f"{size:>5} {nbytes / 2**30:>6.2f} {method:>6} {m['update_s']:>8.3f} {m['prepare_s']:>8.3f} {m['load_phase_s']:>8.3f} "
         f"{m['stall_s']:>8.3f} {m['memcpy_s']:>8.3f} {m['update_x_memcpy']:>7.1f} {m['stall_x_memcpy']:>7.1f} "
-        f"{m['shm_peak_bytes'] / 2**20:>9.0f}"
+        f"{m['shm_peak_bytes'] / 2**20:>9.0f} {m['send_s']:>7.3f}"
     )
 
 
 HEADER = (
     f"{'size':>5} {'GiB':>6} {'method':>6} {'update s':>8} {'prepare':>8} {'phase 2':>8} {'stall s':>8} {'memcpy s':>8} "
-    f"{'upd/cp':>7} {'stl/cp':>7} {'shm MiB':>9}"
+    f"{'upd/cp':>7} {'stl/cp':>7} {'shm MiB':>9} {'send s':>7}"
 )
 
 

@@ -4,6 +4,8 @@ For each mode: start the engines, warm them up, then alternate rounds of the sam
 without updates and with an update every `--interval` seconds (the model's own weights pushed
 back, so every round generates the same distribution of tokens). Reports per mode:
 - the stall each engine saw per update (pause -> resume; median and max) and the load alone;
+- the learner's update call (until every engine serves the new epoch) while the engines generate,
+  against the same call with the engines idle (3 calls before the rounds), median of each;
 - generated tokens/s with updates vs without, as the median of the per-round ratios;
 - the KV each update makes running requests recompute (`recompute`, `abort_resume`), in seconds at
   the engines' measured prefill rate, and a warning line for a mode whose recompute takes longer
@@ -47,13 +49,17 @@ async def one_round(engine: RolloutEngine, prompts: PromptsConfig, weights: Any,
     engine.feed(configured_prompts(prompts, engine.limits.vocab_size))
     done = asyncio.Event()
 
+    calls: list[float] = []
+    phases: list[dict[str, float]] = []  # through vLLM's trainer API: seconds in each of its calls
+
     async def updater() -> None:
         while True:
             try:
                 await asyncio.wait_for(done.wait(), interval)
                 return
             except asyncio.TimeoutError:
-                await (update or engine.update_weights)(weights)
+                calls.append(await timed(update or engine.update_weights, weights))
+                phases.append(dict(getattr(update, "calls", {})))
 
     task = asyncio.ensure_future(updater()) if interval else None
     async for group in engine.groups():
@@ -62,7 +68,15 @@ async def one_round(engine: RolloutEngine, prompts: PromptsConfig, weights: Any,
     done.set()
     if task:
         await task
-    return {"tokens": tokens, "elapsed_s": elapsed, "tokens_per_s": tokens / elapsed, "updates": engine.weight_updates[first_update:]}
+    return {"tokens": tokens, "elapsed_s": elapsed, "tokens_per_s": tokens / elapsed, "updates": engine.weight_updates[first_update:], "update_s": calls,
+            "phases": phases}  # fmt: skip
+
+
+async def timed(update: Any, weights: Any) -> float:
+    """Seconds of one update call: the learner's wait until every engine serves the new epoch."""
+    start = time.perf_counter()
+    await update(weights)
+    return time.perf_counter() - start
 
 
 async def bench_mode(cfg: Config, mode: str, rounds: int, interval: float, transfer: bool = False) -> dict[str, Any]:
@@ -77,6 +91,7 @@ async def bench_mode(cfg: Config, mode: str, rounds: int, interval: float, trans
         await one_round(engine, warm, weights, interval=None)
         update = await transfer_update(engine, weights) if transfer else engine.update_weights
         await update(weights)  # the first update pays one-off costs
+        idle = [await timed(update, weights) for _ in range(3)]  # the engines idle: the same call's floor
         prefill = await prefill_rate(engine, cfg)
         plain, updated = [], []
         for _ in range(rounds):
@@ -85,6 +100,8 @@ async def bench_mode(cfg: Config, mode: str, rounds: int, interval: float, trans
     stalls = [s for r in updated for u in r["updates"] for s in u.stall_s.values()]
     loads = [s for r in updated for u in r["updates"] for s in u.load_s.values()]
     ratios = [u["tokens_per_s"] / p["tokens_per_s"] for p, u in zip(plain, updated)]
+    busy = [s for r in updated for s in r["update_s"]]
+    phases = [p for r in updated for p in r["phases"] if p]
     # What one update costs the engines in KV recompute, at the prefill rate measured above: an
     # engine whose recompute takes longer than the update interval never gets back to decoding.
     recomputed = [n for r in updated for u in r["updates"] for n in u.recomputed_tokens.values()]
@@ -95,6 +112,8 @@ async def bench_mode(cfg: Config, mode: str, rounds: int, interval: float, trans
         "stall_s": {"median": _median(stalls), "max": max(stalls, default=float("nan"))},
         "stalls_s": stalls,
         "load_s": {"median": _median(loads), "max": max(loads, default=float("nan"))},
+        "update_s": {"idle": idle, "generating": busy, "idle_median": _median(idle), "generating_median": _median(busy),
+                     "calls_generating_median": {k: _median([p[k] for p in phases]) for k in (phases[0] if phases else {})}},  # fmt: skip
         "tokens_per_s_plain": [r["tokens_per_s"] for r in plain],
         "tokens_per_s_updating": [r["tokens_per_s"] for r in updated],
         "ratio": _median(ratios),
@@ -124,15 +143,22 @@ def _median(xs: list[float]) -> float:
 
 def table(results: list[dict[str, Any]], interval: float) -> str:
     lines = [
-        f"update every {interval:g} s | stall per engine and update (pause -> resume) | tokens/s updating / not",
-        f"{'mode':<13} {'updates':>7} {'stall med':>10} {'stall max':>10} {'load med':>9} {'recompute':>10} {'ratio':>7}  per round",
+        f"update every {interval:g} s | stall per engine and update (pause -> resume) | update call (median) generating vs idle "
+        "| tokens/s updating / not",
+        f"{'mode':<13} {'updates':>7} {'stall med':>10} {'stall max':>10} {'load med':>9} {'recompute':>10} {'upd gen':>9} "
+        f"{'upd idle':>9} {'gen/idle':>8} {'ratio':>7}  per round",
     ]
     for r in results:
+        u = r["update_s"]
         lines.append(
             f"{r['mode']:<13} {r['updates']:>7} {r['stall_s']['median'] * 1e3:>8.1f}ms {r['stall_s']['max'] * 1e3:>8.1f}ms "
-            f"{r['load_s']['median'] * 1e3:>7.1f}ms {r['recompute_s_per_update'] * 1e3:>8.1f}ms {r['ratio']:>7.3f}  "
+            f"{r['load_s']['median'] * 1e3:>7.1f}ms {r['recompute_s_per_update'] * 1e3:>8.1f}ms {u['generating_median'] * 1e3:>7.1f}ms "
+            f"{u['idle_median'] * 1e3:>7.1f}ms {u['generating_median'] / u['idle_median']:>8.2f} {r['ratio']:>7.3f}  "
             + " ".join(f"{x:.3f}" for x in r["ratios"])
         )
+    for r in results:
+        if calls := r["update_s"]["calls_generating_median"]:
+            lines.append(f"{r['mode']}: vLLM's calls while generating (median): " + ", ".join(f"{k} {v * 1e3:.1f}ms" for k, v in calls.items()))
     for r in results:
         if r["collapses"]:
             lines.append(
