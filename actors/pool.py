@@ -22,8 +22,10 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from actors.channel import Channel
 from actors.cluster import connect, missing_resources
 from actors.leftovers import Record, reap
+from policies.group_calls import CANCEL, HELLO, RESULTS, SUBMIT
 from policies.shm import Snapshot, descendants, sweep_when_gone
 from policies.vllm_args import checked_engine_args, engine_env
 from policies.vllm_policy import VLLMPolicy
@@ -39,21 +41,23 @@ log = get_logger(__name__)
 class RayEngine:
     """One engine actor, seen through the `rollout.backend.Engine` interface.
 
-    Groups travel in batches both ways: the groups started in one turn of the event loop go out
-    in one `submit` call, and one `collect` call at a time brings back every group finished since
-    the previous one. A Ray call costs ~0.4 ms of CPU at each end whatever it carries, and groups
-    start and finish in bursts: on the tiny bench a submit carries ~10 groups, and the driver's
-    CPU fell by ~40% against one call per group.
+    Groups cross the driver's zmq data path (`actors.channel`), not one Ray call each: the groups
+    started in one turn of the event loop go out in one submit frame, and each results frame brings
+    back every sample the engine finished in one turn of its loop. One Ray call lasts as long as
+    the engine (`serve`, started with the first group): when it fails, the engine died, and every
+    group out on it fails with EngineDeadError (its samples move on from their progress reports).
     """
 
-    def __init__(self, actor: Any, engine_id: int):
+    def __init__(self, actor: Any, engine_id: int, channel: Channel):
         self.actor = actor
         self.engine_id = engine_id
+        self._channel = channel
+        self._identity = channel.register(engine_id, self._on_frame)
         self._waiting: dict[str, _Group] = {}  # key -> its group, until its last sample or its error
-        self._outbox: list[tuple[str, list[Request]]] = []  # started this turn, not submitted yet
+        self._outbox: list[tuple[str, list[Request]]] = []  # started this turn, or before the engine said hello
         self._keys = itertools.count()
-        self._collector: asyncio.Task | None = None
-        self._calls: set[asyncio.Task] = set()  # submits and cancels in flight
+        self._serving: asyncio.Task | None = None  # the `serve` call, while it lasts
+        self._connected = False  # the engine said hello on this `serve` call
 
     async def generate_group(self, requests: list[Request]) -> AsyncIterator[Trajectory]:
         # Each sample comes back as it finishes, so the scheduler gives its slot on this engine to
@@ -64,8 +68,8 @@ class RayEngine:
         if not self._outbox:
             asyncio.get_running_loop().call_soon(self._submit)
         self._outbox.append((key, requests))
-        if self._collector is None:
-            self._collector = asyncio.ensure_future(self._collect())
+        if self._serving is None:
+            self._serving = asyncio.ensure_future(self._serve())
         left = len(requests)
         try:
             while left:
@@ -79,9 +83,50 @@ class RayEngine:
             if self._waiting.get(key) is group:  # given up before its last sample: abort the rest
                 self._cancel(key)
 
+    async def _serve(self) -> None:
+        """The engine's `serve` call: while it lasts, the engine is alive. When it ends, every group
+        out on the engine fails (a dead engine: EngineDeadError; their samples move on)."""
+        try:
+            await self._call(self.actor.serve.remote(self._channel.open(), self._identity))
+            error: Exception = EngineDeadError(f"engine {self.engine_id} stopped serving")
+        except Exception as e:
+            error = e
+        finally:
+            self._serving, self._connected = None, False
+        if self._waiting:
+            log.error("engine results lost", engine=self.engine_id, groups=len(self._waiting), error=f"{type(error).__name__}: {error}")
+            self._fail(error, list(self._waiting))
+
+    def _on_frame(self, kind: bytes, payload: bytes) -> None:
+        if kind == RESULTS:
+            try:
+                results = msgspec.msgpack.decode(payload, type=list[GroupResult])
+            except Exception as e:  # the engine's to answer for: every group out on it fails, loudly
+                log.error("engine results lost", engine=self.engine_id, groups=len(self._waiting), error=f"{type(e).__name__}: {e}")
+                self._fail(e, list(self._waiting))
+                return
+            for r in results:
+                group = self._waiting.get(r.key)
+                if group is None:  # cancelled meanwhile
+                    continue
+                if r.error is None:
+                    group.left -= len(r.trajectories)
+                    if group.left <= 0:
+                        del self._waiting[r.key]
+                    group.inbox.put_nowait(r.trajectories)
+                else:
+                    del self._waiting[r.key]
+                    group.inbox.put_nowait(EngineDeadError(r.error) if r.dead else RetryableError(r.error))
+        elif kind == HELLO and self._serving is not None:
+            self._connected = True
+            self._submit()
+
     def _submit(self) -> None:
-        """Send the groups started this turn in one call. Runs as a loop callback, where an exception
-        would reach no one: whatever fails here fails the groups it concerns, with the reason."""
+        """Send the groups started this turn in one frame, once the engine said hello. Runs as a loop
+        callback, where an exception would reach no one: whatever fails here fails the groups it
+        concerns, with the reason."""
+        if not self._connected:
+            return
         batch, self._outbox = self._outbox, []
         if not batch:
             return
@@ -95,8 +140,8 @@ class RayEngine:
                 if not batch:
                     return
                 payload = msgspec.msgpack.encode(batch)
-            self._fire(self._call(self.actor.submit.remote(payload)), keys)
-        except Exception as e:  # Ray refused the call itself (an actor handle gone, the object store full)
+            self._channel.send(self._identity, SUBMIT, payload)
+        except Exception as e:  # the engine is not connected any more, or the socket refused
             self._fail(e, keys)
 
     def _encodable(self, key: str, requests: list[Request]) -> bool:
@@ -113,43 +158,11 @@ class RayEngine:
         self._waiting.pop(key, None)
         if any(k == key for k, _ in self._outbox):
             self._outbox = [(k, r) for k, r in self._outbox if k != key]
-        else:
-            self._fire(self._call(self.actor.cancel.remote([key])), [])
-
-    def _fire(self, call: Any, keys: list[str]) -> None:
-        """Run a call that answers nothing; if it fails, so do the groups `keys`."""
-
-        async def run() -> None:
+        elif self._connected:
             try:
-                await call
-            except Exception as e:
-                self._fail(e, keys)
-
-        task = asyncio.ensure_future(run())
-        self._calls.add(task)
-        task.add_done_callback(self._calls.discard)
-
-    async def _collect(self) -> None:
-        """While groups are out: bring back finished samples. A dead engine fails every group out."""
-        try:
-            while self._waiting:
-                for r in msgspec.msgpack.decode(await self._call(self.actor.collect.remote()), type=list[GroupResult]):
-                    group = self._waiting.get(r.key)
-                    if group is None:  # cancelled meanwhile
-                        continue
-                    if r.error is None:
-                        group.left -= len(r.trajectories)
-                        if group.left <= 0:
-                            del self._waiting[r.key]
-                        group.inbox.put_nowait(r.trajectories)
-                    else:
-                        del self._waiting[r.key]
-                        group.inbox.put_nowait(EngineDeadError(r.error) if r.dead else RetryableError(r.error))
-        except Exception as e:  # the engine's to answer for: every group out on it fails, loudly
-            log.error("engine results lost", engine=self.engine_id, groups=len(self._waiting), error=f"{type(e).__name__}: {e}")
-            self._fail(e, list(self._waiting))
-        finally:
-            self._collector = None
+                self._channel.send(self._identity, CANCEL, msgspec.msgpack.encode([key]))
+            except Exception:  # not connected any more: the engine is gone, and its groups with it
+                pass
 
     def _fail(self, error: Exception, keys: list[str]) -> None:
         """Fail the groups `keys` with `error` (a RolloutError, else a RetryableError naming it)."""
@@ -160,10 +173,10 @@ class RayEngine:
                 group.inbox.put_nowait(_copy(error))
 
     def close(self) -> None:
-        """Stop this handle's calls in flight (the engine is being replaced or shut down)."""
-        for task in [self._collector, *self._calls]:
-            if task is not None:
-                task.cancel()
+        """Stop this handle's `serve` call (the engine is being replaced or shut down)."""
+        if self._serving is not None:
+            self._serving.cancel()
+        self._channel.unregister(self._identity)
         self._fail(EngineDeadError(f"engine {self.engine_id} was shut down"), list(self._waiting))
 
     async def stats(self) -> EngineStats:
@@ -173,7 +186,7 @@ class RayEngine:
         return ProgressReport(await self._call(self.actor.progress.remote()))
 
     async def kill(self) -> None:
-        ray.kill(self.actor, no_restart=True)  # the collect in flight fails: every group out fails with EngineDeadError
+        ray.kill(self.actor, no_restart=True)  # the `serve` call fails: every group out fails with EngineDeadError
 
     async def reset_prefix_cache(self) -> None:
         await self._call(self.actor.reset_prefix_cache.remote())
@@ -236,7 +249,8 @@ class RayEnginePool:
     def __init__(self, cfg: Config, actors: list[Any], pg: Any, started_ray: bool, record: Record | None = None):
         self.cfg = cfg
         self.actors = actors
-        self.engines = [RayEngine(a, i) for i, a in enumerate(actors)]
+        self.channel = Channel(ray.util.get_node_ip_address())  # the engines' data path: groups, samples
+        self.engines = [RayEngine(a, i, self.channel) for i, a in enumerate(actors)]
         self._pg = pg
         self._started_ray = started_ray
         self.model_path = ""
@@ -269,7 +283,7 @@ class RayEnginePool:
         try:
             await asyncio.wait_for(pg.ready(), timeout=e.start_timeout_s)
             actors.extend(pool._spawn(i) for i in range(e.count))
-            pool.engines = [RayEngine(a, i) for i, a in enumerate(actors)]
+            pool.engines = [RayEngine(a, i, pool.channel) for i, a in enumerate(actors)]
             log.info("engines starting", count=e.count, model=model_path)
             pool._starting = {i: a.start.remote() for i, a in enumerate(actors)}
             held = await asyncio.wait_for(asyncio.gather(*pool._starting.values()), timeout=e.start_timeout_s)
@@ -307,7 +321,7 @@ class RayEnginePool:
         ray.kill(self.actors[i], no_restart=True)
         self.engines[i].close()
         actor = self.actors[i] = self._spawn(i)
-        self.engines[i] = RayEngine(actor, i)
+        self.engines[i] = RayEngine(actor, i, self.channel)
         start = self._starting[i] = actor.start.remote()  # kept if this is cancelled: shutdown waits for it
         try:
             held = await asyncio.wait_for(start, timeout=self.cfg.engines.start_timeout_s)
@@ -357,6 +371,7 @@ class RayEnginePool:
             for a in self.actors:
                 ray.kill(a, no_restart=True)
             self.actors.clear()
+        self.channel.close()
         # An engine killed without a replacement left its /dev/shm names; those on this machine go here.
         this_host = socket.gethostname()
         here = [(names, pids) for names, pids, host in self._shm.values() if host == this_host]

@@ -15,6 +15,7 @@ import random
 import resource
 from typing import Any
 
+from actors.channel import Channel
 from actors.pool import RayEngine
 from benchmarks.sim_engine import TABLE, LengthDist, SimEngine, SimSpec
 from rollout.errors import EngineDeadError
@@ -138,10 +139,11 @@ class SimPool:
     """The `EnginePool` protocol over `count` simulated engines on `hosts` hosts (Ray actors, or
     plain objects in this process with `local`). Build it with `SimPool.start`."""
 
-    def __init__(self, hosts: list[Any], count: int, local: bool, objects: list[SimHost] | None = None):
+    def __init__(self, hosts: list[Any], count: int, local: bool, objects: list[SimHost] | None = None, address: str = "127.0.0.1"):
         self.hosts, self.local, self.objects = hosts, local, objects or []
         self.per_host = math.ceil(count / len(hosts))
-        self.engines = [SimRayEngine(EngineHandle(self.host(i), i), i) for i in range(count)]
+        self.channel = Channel(address)
+        self.engines = [SimRayEngine(EngineHandle(self.host(i), i), i, self.channel) for i in range(count)]
         self.restarts: list[int] = []
         self.restarted = asyncio.Event()  # set at each restart
 
@@ -156,7 +158,7 @@ class SimPool:
         import ray
 
         actor = ray.remote(SimHost).options(num_cpus=0, max_concurrency=100_000)
-        return cls([actor.remote(spec, i) for i in ids if i], count, False)
+        return cls([actor.remote(spec, i) for i in ids if i], count, False, address=ray.util.get_node_ip_address())
 
     def host(self, i: int) -> Any:
         return self.hosts[i // self.per_host]
@@ -171,7 +173,7 @@ class SimPool:
     async def restart(self, i: int) -> SimRayEngine:
         self.engines[i].close()
         await self.host(i).restart_engine.remote(i)
-        self.engines[i] = SimRayEngine(EngineHandle(self.host(i), i), i)
+        self.engines[i] = SimRayEngine(EngineHandle(self.host(i), i), i, self.channel)
         self.restarts.append(i)
         self.restarted.set()
         return self.engines[i]
@@ -192,6 +194,7 @@ class SimPool:
     async def shutdown(self) -> None:
         for e in self.engines:
             e.close()
+        self.channel.close()
         if self.local:
             for o in self.objects:
                 for e in o.engines.values():

@@ -1,24 +1,42 @@
-"""The engine actor's group calls, batched both ways (see `actors.pool.RayEngine`): groups arrive
-in bulk through `submit`, each runs in a task of its own, and their samples leave in bulk through
-`collect`, each as soon as it finishes (not when its group does: the driver gives the sample's
-slot on this engine to the next request at once).
+"""The engine actor's group calls, over the driver's data path (`actors.channel`): `serve` connects
+this engine to the driver's zmq socket for as long as the engine lives; groups arrive there in
+bulk (a submit frame), each runs in a task of its own, and their samples leave in bulk (a results
+frame per turn of this engine's event loop), each as soon as it finishes (not when its group
+does: the driver gives the sample's slot on this engine to the next request at once).
 
-Owns: the submitted groups' tasks (`cancel` stops them) and their results until collected. Every
+Owns: the submitted groups' tasks (a cancel frame stops them) and their results until sent. Every
 task, unless the driver cancelled it, ends in one `GroupResult` per sample or in one with the
-error that ended it: nothing the driver waits for can vanish. Does not own: running a group
-(`VLLMPolicy.stream_group`; an engine without one runs `finish_group` and sends its samples together).
+error that ended it: nothing the driver waits for can vanish while the engine lives (and when it
+dies, the driver's `serve` call fails). Does not own: running a group (`VLLMPolicy.stream_group`;
+an engine without one runs `finish_group` and sends its samples together).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
+import zmq
+import zmq.asyncio
 
 from rollout.errors import EngineDeadError
-from collections.abc import AsyncIterator
-
 from rollout.types import GroupResult, Request, Trajectory
+
+HELLO, SUBMIT, CANCEL, RESULTS = b"h", b"s", b"c", b"r"  # a frame's kind, its first part
+
+
+def socket(kind: int, identity: bytes | None = None) -> zmq.asyncio.Socket:
+    """A zmq socket of the data path: no high-water mark (a frame is never dropped or held back
+    for one), no linger (a closed engine's frames matter to no one)."""
+    sock = zmq.asyncio.Context.instance().socket(kind)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.LINGER, 0)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    return sock
 
 
 class GroupCalls:
@@ -26,8 +44,8 @@ class GroupCalls:
 
     def __init__(self) -> None:
         self._groups: dict[str, asyncio.Task] = {}  # key -> the task running that submitted group
-        self._results: list[GroupResult] = []  # finished groups `collect` has not handed over yet
-        self._result_ready = asyncio.Event()
+        self._results: list[GroupResult] = []  # finished samples not sent yet
+        self._sock: zmq.asyncio.Socket | None = None  # the driver's data path, while `serve` runs
 
     async def finish_group(self, requests: list[Request]) -> list[Trajectory]:
         raise NotImplementedError
@@ -37,9 +55,36 @@ class GroupCalls:
         for traj in await self.finish_group(requests):
             yield traj
 
-    async def submit(self, batch: bytes) -> None:
-        """Start groups: msgpack `[(key, requests)]`. Each comes back once from `collect`, unless cancelled."""
-        for key, requests in msgspec.msgpack.decode(batch, type=list[tuple[str, list[Request]]]):
+    async def serve(self, address: str, identity: bytes) -> None:
+        """The driver's data path to this engine (`actors.channel`), until the driver ends this call:
+        connect to `address` as `identity`, say hello, then run its submit and cancel frames."""
+        sock = socket(zmq.DEALER, identity)
+        sock.connect(address)
+        self._sock = sock
+        sock.send_multipart([HELLO, b""])
+        self._flush()  # what finished while no driver listened
+        try:
+            while True:
+                kind, payload = await sock.recv_multipart()
+                if kind == SUBMIT:
+                    self.submit(payload)
+                elif kind == CANCEL:
+                    self.cancel(msgspec.msgpack.decode(payload, type=list[str]))
+        finally:
+            if self._sock is sock:
+                self._sock = None
+            sock.close(linger=0)
+
+    def submit(self, batch: bytes) -> None:
+        """Start groups: msgpack `[(key, requests)]`. Each comes back once as results, unless cancelled;
+        a batch that does not decode comes back as each of its groups' error."""
+        try:
+            groups = msgspec.msgpack.decode(batch, type=list[tuple[str, list[Request]]])
+        except Exception as e:
+            for key in _keys(batch):
+                self._post(GroupResult(key=key, error=f"engine {self.engine_id}: the group did not decode: {type(e).__name__}: {e}"))
+            return
+        for key, requests in groups:
             self._groups[key] = asyncio.ensure_future(self._run_group(key, requests))
 
     async def _run_group(self, key: str, requests: list[Request]) -> None:
@@ -67,19 +112,27 @@ class GroupCalls:
         self._post(result)
 
     def _post(self, result: GroupResult) -> None:
+        if not self._results:  # the first since the last frame: send them all at the end of this turn
+            asyncio.get_running_loop().call_soon(self._flush)
         self._results.append(result)
-        self._result_ready.set()
 
-    async def collect(self) -> bytes:
-        """Every sample (or group error) finished since the last call, msgpack `[GroupResult]`; waits for one at least."""
-        while not self._results:
-            self._result_ready.clear()
-            await self._result_ready.wait()
+    def _flush(self) -> None:
+        if self._sock is None or not self._results:  # no driver connected: kept until one is
+            return
         results, self._results = self._results, []
-        return msgspec.msgpack.encode(results)
+        self._sock.send_multipart([RESULTS, msgspec.msgpack.encode(results)])
 
-    async def cancel(self, keys: list[str]) -> None:
-        """Stop these groups (their requests are aborted); they never come back from `collect`."""
+    def cancel(self, keys: list[str]) -> None:
+        """Stop these groups (their requests are aborted); they never come back as results."""
         for key in keys:
             if (task := self._groups.pop(key, None)) is not None:
                 task.cancel()
+
+
+def _keys(batch: bytes) -> list[str]:
+    """The group keys of a submit batch that does not decode as requests (none if even that fails)."""
+    try:
+        groups: Any = msgspec.msgpack.decode(batch)
+        return [g[0] for g in groups if isinstance(g, (list, tuple)) and g and isinstance(g[0], str)]
+    except Exception:
+        return []

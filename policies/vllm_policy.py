@@ -361,7 +361,7 @@ class VLLMPolicy(GroupCalls, WeightLoading):
         return await self._vllm.raw(prompts, outputs)
 
     async def shutdown(self) -> None:
-        await self.cancel(list(self._groups))
+        self.cancel(list(self._groups))
         for epoch in list(self._staged):
             await self.drop_weights(epoch)
         if self._vllm is not None:

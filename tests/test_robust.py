@@ -14,6 +14,7 @@ import anyio
 import msgspec
 import pytest
 
+from policies.group_calls import RESULTS
 from rollout.backend import as_finished
 from rollout.config import Config, config_from_dict, load_config
 from rollout.engine import RolloutEngine
@@ -62,9 +63,9 @@ async def test_a_group_that_cannot_be_encoded_fails_alone_and_its_batch_goes_on(
     assert len(results["good"]) == 1 and results["good"][0].ok
 
 
-async def test_a_submit_call_ray_refuses_fails_its_groups_with_the_reason(cfg):
+async def test_a_serve_call_ray_refuses_fails_its_groups_with_the_reason(cfg):
     pool = await WirePool.start(cfg)
-    pool.actors[0].fail["submit"] = RuntimeError("object store full")
+    pool.actors[0].fail["serve"] = RuntimeError("object store full")
     try:
         with anyio.fail_after(TIMEOUT), pytest.raises(RetryableError, match="object store full"):
             [t async for t in pool.engines[0].generate_group([request("r1", token_ids=[5, 6])])]
@@ -75,7 +76,7 @@ async def test_a_submit_call_ray_refuses_fails_its_groups_with_the_reason(cfg):
 async def test_a_failed_call_fails_its_groups_whatever_the_error_type(cfg):
     pool = await WirePool.start(cfg)
     engine = pool.engines[0]
-    pool.actors[0].fail["submit"] = WeightSyncError("odd error from the engine", [0])  # no one-argument constructor
+    pool.actors[0].fail["serve"] = WeightSyncError("odd error from the engine", [0])  # no one-argument constructor
     try:
         with anyio.fail_after(TIMEOUT), pytest.raises(WeightSyncError, match="odd error"):
             [t async for t in engine.generate_group([request("r1", token_ids=[5, 6])])]
@@ -86,18 +87,32 @@ async def test_a_failed_call_fails_its_groups_whatever_the_error_type(cfg):
 async def test_a_result_the_driver_cannot_decode_fails_the_engines_groups(cfg):
     pool = await WirePool.start(cfg)
     policy = pool.policies[0]
-    real_collect = policy.collect
 
-    async def garbled() -> bytes:
-        await real_collect()
-        return b"\xc1"  # never valid msgpack
+    def garbled() -> None:
+        if policy._sock is not None and policy._results:
+            policy._results = []
+            policy._sock.send_multipart([RESULTS, b"\xc1"])  # never valid msgpack
 
-    policy.collect = garbled
+    policy._flush = garbled
     try:
         with anyio.fail_after(TIMEOUT), pytest.raises(RetryableError, match="engine 0"):
             [t async for t in pool.engines[0].generate_group([request("r1", token_ids=[5, 6])])]
     finally:
         await pool.shutdown()
+
+
+async def test_a_group_the_engine_cannot_decode_comes_back_failed_and_the_engine_serves_on(cfg):
+    pool = await WirePool.start(cfg)
+    engine = pool.engines[0]
+    bad = Request("r1", "p", 0, Sampling(n=1, max_tokens=4, temperature=5.0), token_ids=[5, 6])  # the decoder's bounds refuse it
+    try:
+        with anyio.fail_after(TIMEOUT):
+            with pytest.raises(RetryableError, match="engine 0: the group did not decode.*temperature"):
+                [t async for t in engine.generate_group([bad])]
+            good = [t async for t in engine.generate_group([request("r2", token_ids=[5, 6])])]
+    finally:
+        await pool.shutdown()
+    assert len(good) == 1 and good[0].ok
 
 
 # -- what the validators accept crosses the wire ----------------------------------------------

@@ -2,7 +2,8 @@
 objects on a fake vLLM (`tests.fake_vllm`), joined by a local stand-in of a Ray actor handle.
 
 Every group crosses the wire as it does in production: msgpack-encoded `Request`s in batched
-`submit` calls, msgpack `GroupResult`s back from `collect`. What a real actor handle adds (a
+submit frames over the real zmq data path (`actors.channel`), msgpack `GroupResult`s back in
+results frames; the engine's `serve` call goes through the stand-in. What a real actor handle adds (a
 process boundary, pickling of other calls' arguments) is not modelled; what can fail in encoding,
 in a call, in a callback, is the real code.
 """
@@ -14,6 +15,7 @@ import inspect
 import random
 from typing import Any
 
+from actors.channel import Channel
 from actors.pool import RayEngine
 from policies.vllm_policy import VLLMPolicy
 from rollout.config import Config
@@ -62,7 +64,8 @@ class WirePool:
     def __init__(self, policies: list[VLLMPolicy]):
         self.policies = policies
         self.actors = [LocalActor(p) for p in policies]
-        self.engines = [RayEngine(a, i) for i, a in enumerate(self.actors)]
+        self.channel = Channel()
+        self.engines = [RayEngine(a, i, self.channel) for i, a in enumerate(self.actors)]
 
     @classmethod
     async def start(cls, cfg: Config, n: int = 1, seed: int = 0) -> WirePool:
@@ -77,6 +80,7 @@ class WirePool:
     async def shutdown(self) -> None:
         for engine in self.engines:
             engine.close()
+        self.channel.close()
         for p in self.policies:
-            await p.cancel(list(p._groups))
+            p.cancel(list(p._groups))
             p._vllm.shutdown()
