@@ -11,7 +11,7 @@ and says hello; from then on submits and cancels go down and finished samples co
 Ray keeps what is not per group: start, progress reports, weight updates, stats, kill.
 
 Owns: the socket (bound on first use, in the running loop), its one reader task, and the handle
-each identity's frames go to. Does not own: what the frames mean (`actors.pool.RayEngine`).
+each identity's frames go to. Does not own: what the frames mean (`actors.handle.RayEngine`).
 """
 
 from __future__ import annotations

@@ -4,19 +4,17 @@ Owns: one actor per engine with its resources and pinned cores (the cluster itse
 `actors.cluster`), readiness with a timeout, translation of Ray errors into
 `rollout.errors`, and a shutdown that leaves no process or /dev/shm segment behind (a driver
 SIGKILLed cannot shut down: what it left is recorded, and the next start removes it, `actors.leftovers`).
-The actor itself is `ray.remote(VLLMPolicy)`: a shell with no logic of its own.
+The actor itself is `ray.remote(VLLMPolicy)`: a shell with no logic of its own; the driver's
+handle on each is `actors.handle.RayEngine`, its groups on the data path of `actors.channel`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
 import socket
-from collections.abc import AsyncIterator
 from typing import Any
 
-import msgspec
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -24,223 +22,16 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.channel import Channel
 from actors.cluster import connect, missing_resources
+from actors.handle import RayEngine
 from actors.leftovers import Record, reap
-from policies.group_calls import CANCEL, HELLO, RESULTS, SUBMIT
 from policies.shm import Snapshot, descendants, sweep_when_gone
 from policies.vllm_args import checked_engine_args, engine_env
 from policies.vllm_policy import VLLMPolicy
 from rollout.config import Config
-from rollout.errors import EngineDeadError, InvalidConfigError, InvalidPromptError, RetryableError, RolloutError
+from rollout.errors import EngineDeadError, InvalidConfigError, RolloutError
 from rollout.log import get_logger
-from rollout.specdecode import SpecCounters
-from rollout.types import EngineStats, GroupResult, ProgressReport, Request, Trajectory
 
 log = get_logger(__name__)
-
-
-class RayEngine:
-    """One engine actor, seen through the `rollout.backend.Engine` interface.
-
-    Groups cross the driver's zmq data path (`actors.channel`), not one Ray call each: the groups
-    started in one turn of the event loop go out in one submit frame, and each results frame brings
-    back every sample the engine finished in one turn of its loop. One Ray call lasts as long as
-    the engine (`serve`, started with the first group): when it fails, the engine died, and every
-    group out on it fails with EngineDeadError (its samples move on from their progress reports).
-    """
-
-    def __init__(self, actor: Any, engine_id: int, channel: Channel):
-        self.actor = actor
-        self.engine_id = engine_id
-        self._channel = channel
-        self._identity = channel.register(engine_id, self._on_frame)
-        self._waiting: dict[str, _Group] = {}  # key -> its group, until its last sample or its error
-        self._outbox: list[tuple[str, list[Request]]] = []  # started this turn, or before the engine said hello
-        self._keys = itertools.count()
-        self._serving: asyncio.Task | None = None  # the `serve` call, while it lasts
-        self._connected = False  # the engine said hello on this `serve` call
-
-    async def generate_group(self, requests: list[Request]) -> AsyncIterator[Trajectory]:
-        # Each sample comes back as it finishes, so the scheduler gives its slot on this engine to
-        # the next request at once (a group's slots held until its last sample ended let the
-        # engine's batch drain in waves). Leaving early (cancelled, closed) aborts the rest.
-        key = str(next(self._keys))
-        group = self._waiting[key] = _Group(len(requests))
-        if not self._outbox:
-            asyncio.get_running_loop().call_soon(self._submit)
-        self._outbox.append((key, requests))
-        if self._serving is None:
-            self._serving = asyncio.ensure_future(self._serve())
-        left = len(requests)
-        try:
-            while left:
-                item = await group.inbox.get()
-                if isinstance(item, BaseException):
-                    raise item
-                for traj in item:
-                    left -= 1
-                    yield traj
-        finally:
-            if self._waiting.get(key) is group:  # given up before its last sample: abort the rest
-                self._cancel(key)
-
-    async def _serve(self) -> None:
-        """The engine's `serve` call: while it lasts, the engine is alive. When it ends, every group
-        out on the engine fails (a dead engine: EngineDeadError; their samples move on)."""
-        try:
-            await self._call(self.actor.serve.remote(self._channel.open(), self._identity))
-            error: Exception = EngineDeadError(f"engine {self.engine_id} stopped serving")
-        except Exception as e:
-            error = e
-        finally:
-            self._serving, self._connected = None, False
-        if self._waiting:
-            log.error("engine results lost", engine=self.engine_id, groups=len(self._waiting), error=f"{type(error).__name__}: {error}")
-            self._fail(error, list(self._waiting))
-
-    def _on_frame(self, kind: bytes, payload: bytes) -> None:
-        if kind == RESULTS:
-            try:
-                results = msgspec.msgpack.decode(payload, type=list[GroupResult])
-            except Exception as e:  # the engine's to answer for: every group out on it fails, loudly
-                log.error("engine results lost", engine=self.engine_id, groups=len(self._waiting), error=f"{type(e).__name__}: {e}")
-                self._fail(e, list(self._waiting))
-                return
-            for r in results:
-                group = self._waiting.get(r.key)
-                if group is None:  # cancelled meanwhile
-                    continue
-                if r.error is None:
-                    group.left -= len(r.trajectories)
-                    if group.left <= 0:
-                        del self._waiting[r.key]
-                    group.inbox.put_nowait(r.trajectories)
-                else:
-                    del self._waiting[r.key]
-                    group.inbox.put_nowait(EngineDeadError(r.error) if r.dead else RetryableError(r.error))
-        elif kind == HELLO and self._serving is not None:
-            self._connected = True
-            self._submit()
-
-    def _submit(self) -> None:
-        """Send the groups started this turn in one frame, once the engine said hello. Runs as a loop
-        callback, where an exception would reach no one: whatever fails here fails the groups it
-        concerns, with the reason."""
-        if not self._connected:
-            return
-        batch, self._outbox = self._outbox, []
-        if not batch:
-            return
-        keys = [key for key, _ in batch]
-        try:
-            try:
-                payload = msgspec.msgpack.encode(batch)
-            except Exception:  # some group cannot travel: fail those, send the rest
-                batch = [(key, requests) for key, requests in batch if self._encodable(key, requests)]
-                keys = [key for key, _ in batch]
-                if not batch:
-                    return
-                payload = msgspec.msgpack.encode(batch)
-            self._channel.send(self._identity, SUBMIT, payload)
-        except Exception as e:  # the engine is not connected any more, or the socket refused
-            self._fail(e, keys)
-
-    def _encodable(self, key: str, requests: list[Request]) -> bool:
-        """Whether the group `key` encodes for the wire; if not it fails now, naming the request and why."""
-        for req in requests:
-            try:
-                msgspec.msgpack.encode(req)
-            except Exception as e:
-                self._fail(InvalidPromptError(f"request {req.request_id} (prompt {req.prompt_id!r}) cannot be sent to engine {self.engine_id}: {type(e).__name__}: {e}"), [key])
-                return False
-        return True
-
-    def _cancel(self, key: str) -> None:
-        self._waiting.pop(key, None)
-        if any(k == key for k, _ in self._outbox):
-            self._outbox = [(k, r) for k, r in self._outbox if k != key]
-        elif self._connected:
-            try:
-                self._channel.send(self._identity, CANCEL, msgspec.msgpack.encode([key]))
-            except Exception:  # not connected any more: the engine is gone, and its groups with it
-                pass
-
-    def _fail(self, error: Exception, keys: list[str]) -> None:
-        """Fail the groups `keys` with `error` (a RolloutError, else a RetryableError naming it)."""
-        if not isinstance(error, RolloutError):
-            error = RetryableError(f"engine {self.engine_id}: {type(error).__name__}: {error}")
-        for key in keys:
-            if (group := self._waiting.pop(key, None)) is not None:
-                group.inbox.put_nowait(_copy(error))
-
-    def close(self) -> None:
-        """Stop this handle's `serve` call (the engine is being replaced or shut down)."""
-        if self._serving is not None:
-            self._serving.cancel()
-        self._channel.unregister(self._identity)
-        self._fail(EngineDeadError(f"engine {self.engine_id} was shut down"), list(self._waiting))
-
-    async def stats(self) -> EngineStats:
-        return await self._call(self.actor.stats.remote())
-
-    async def progress(self) -> ProgressReport:
-        return ProgressReport(await self._call(self.actor.progress.remote()))
-
-    async def kill(self) -> None:
-        ray.kill(self.actor, no_restart=True)  # the `serve` call fails: every group out fails with EngineDeadError
-
-    async def reset_prefix_cache(self) -> None:
-        await self._call(self.actor.reset_prefix_cache.remote())
-
-    async def batch(self) -> tuple[float, float, float]:
-        return await self._call(self.actor.batch.remote())
-
-    async def stage_weights(self, epoch: int, weights: Any) -> int:
-        return await self._call(self.actor.stage_weights.remote(epoch, weights))
-
-    async def drop_weights(self, epoch: int) -> None:
-        await self._call(self.actor.drop_weights.remote(epoch))
-
-    async def commit_weights(self, epoch: int) -> dict[str, float]:
-        return await self._call(self.actor.commit_weights.remote(epoch))
-
-    async def call(self, method: str, *args: Any) -> Any:
-        """The policy's `method` (vLLM's weight-transfer calls, `rollout.weight_sync`)."""
-        return await self._call(getattr(self.actor, method).remote(*args))
-
-    async def run_raw(self, requests: list[Request], outputs: bool = False) -> dict:
-        return await self._call(self.actor.run_raw.remote(requests, outputs))
-
-    async def spec_counters(self) -> SpecCounters:
-        return await self._call(self.actor.spec_counters.remote())
-
-    async def _call(self, ref: Any) -> Any:
-        try:
-            return await ref
-        except asyncio.CancelledError:
-            if isinstance(ref, ray.ObjectRef):  # anything else (a local stand-in in tests) has nothing to cancel in Ray
-                ray.cancel(ref)
-            raise
-        except (RayTaskError, RayActorError) as e:
-            raise self._translate(e) from e
-
-    def _translate(self, e: Exception) -> RolloutError:
-        if isinstance(e, RayActorError):
-            return EngineDeadError(f"engine {self.engine_id} is dead: {e}")
-        cause = getattr(e, "cause", None)
-        if isinstance(cause, RolloutError):
-            return cause
-        return RetryableError(f"engine {self.engine_id}: {cause or e}")
-
-
-class _Group:
-    """A group out on an engine: how many samples are still to come, and what came back so far
-    (lists of trajectories, or the error that ends the group)."""
-
-    __slots__ = ("left", "inbox")
-
-    def __init__(self, samples: int):
-        self.left = samples
-        self.inbox: asyncio.Queue[list[Trajectory] | RolloutError] = asyncio.Queue()
 
 
 class RayEnginePool:
@@ -385,15 +176,6 @@ class RayEnginePool:
         if self._record is not None:
             self._record.close()
         log.info("engines shut down")
-
-
-def _copy(error: RolloutError) -> RolloutError:
-    """A fresh exception per waiting group (one object raised in many tasks would pile up their
-    tracebacks); the same one where its type cannot be rebuilt from a message."""
-    try:
-        return type(error)(str(error))
-    except Exception:
-        return error
 
 
 async def _settle(tasks: list[asyncio.Future], timeout: float) -> None:

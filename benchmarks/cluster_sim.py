@@ -3,7 +3,7 @@ and per trajectory, the latency it adds, its memory per in-flight trajectory, an
 
 The driver is the real one: `RolloutEngine` with its scheduler, runner, staleness checks, hand-out,
 metrics, in-flight weight updates (`update_weights` every `--update-every` s) and, with `--durable`,
-the durable log; its engines are `actors.pool.RayEngine` handles, unchanged. Behind them, instead of
+the durable log; its engines are `actors.handle.RayEngine` handles, unchanged. Behind them, instead of
 vLLM, `benchmarks.sim_engine.SimEngine`s (hosted by `benchmarks.sim_pool`): simulated GPU engines (throughput, time to first token,
 output lengths with long tails, continuous batching, per-token epochs across updates, preemptions)
 run by `--hosts` Ray actors of many engines each, so every group crosses the real Ray hop.

@@ -1,8 +1,9 @@
 """Simulated GPU engines for `benchmarks/cluster_sim.py`: the engine side of the driver's real Ray hop.
 
-`SimEngine` stands where `policies.vllm_policy.VLLMPolicy` stands, behind the same batched group calls
-(`policies.group_calls.GroupCalls`: `submit`, `collect`, `cancel`), progress reports, stats and the
-two-phase weight update, so the driver's own `actors.pool.RayEngine` talks to it unchanged. It models
+`SimEngine` stands where `policies.vllm_policy.VLLMPolicy` stands, behind the same group calls
+(`policies.group_calls.GroupCalls`: `serve`, and submit, results and cancel frames on the driver's
+zmq data path, `actors.channel`), progress reports, stats and the
+two-phase weight update, so the driver's own `actors.handle.RayEngine` talks to it unchanged. It models
 a GPU engine with continuous batching and computes nothing:
 - `capacity` sequences decode at once, each at `tokens_per_s / capacity` tokens/s (the engine makes
   `tokens_per_s` when full, as a GPU's decode step costs about the same at any batch size); more wait

@@ -1,7 +1,7 @@
 """Simulated engines hosted for the driver (`benchmarks/cluster_sim.py`): `SimHost` runs many
 `benchmarks.sim_engine.SimEngine`s in one process (a Ray actor per few dozen engines, not one per
 engine, so the simulation leaves the driver its CPU); `EngineHandle` makes one of them look like an
-actor handle to the driver's real `actors.pool.RayEngine`; `SimPool` is the `EnginePool` over them
+actor handle to the driver's real `actors.handle.RayEngine`; `SimPool` is the `EnginePool` over them
 (restart, kill, stall, counts). With `local`, the hosts are plain objects in the driver's process
 (tests: no Ray; the driver's CPU is then not its own).
 """
@@ -16,7 +16,7 @@ import resource
 from typing import Any
 
 from actors.channel import Channel
-from actors.pool import RayEngine
+from actors.handle import RayEngine
 from benchmarks.sim_engine import TABLE, LengthDist, SimEngine, SimSpec
 from rollout.errors import EngineDeadError
 

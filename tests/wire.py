@@ -1,4 +1,4 @@
-"""The Ray edge without Ray: real `RayEngine` handles (actors/pool.py) over real `VLLMPolicy`
+"""The Ray edge without Ray: real `RayEngine` handles (actors/handle.py) over real `VLLMPolicy`
 objects on a fake vLLM (`tests.fake_vllm`), joined by a local stand-in of a Ray actor handle.
 
 Every group crosses the wire as it does in production: msgpack-encoded `Request`s in batched
@@ -16,7 +16,7 @@ import random
 from typing import Any
 
 from actors.channel import Channel
-from actors.pool import RayEngine
+from actors.handle import RayEngine
 from policies.vllm_policy import VLLMPolicy
 from rollout.config import Config
 from tests.fake_vllm import FakeVllm
