@@ -113,7 +113,7 @@ async def run_bench(
         trajectories.append(t)
         bar.update(1)
 
-    if cfg.env is not None:  # episodes: against naive agent loops on raw vLLM (rollout.bench_multiturn)
+    if cfg.env is not None:  # episodes: against a careful agent loop on raw vLLM (rollout.bench_multiturn)
         from rollout import bench_multiturn
 
         async with RolloutEngine(cfg, pool=pool) as engine:

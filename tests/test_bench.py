@@ -120,18 +120,34 @@ async def test_speculative_figures_are_summed_over_every_run_of_each_side():
     assert "speculative decoding: ngram, 3 draft tokens per step" in format_table(report)
 
 
-async def test_multiturn_bench_plays_the_same_episodes_on_three_sides():
+async def test_multiturn_bench_plays_the_same_episodes_against_a_careful_raw_vllm_loop():
+    """Issue 29: the raw vLLM side keeps each conversation on one engine (prefix caching keeps its
+    history) and sends each engine's turns in one call, as a careful user would: a call per turn
+    into a busy engine actor would measure its own round trips."""
     from rollout.bench_multiturn import format_table as multiturn_table
 
+    pool = FakePool(2)
+    calls: list[tuple[int, list[str]]] = []
+    for e in pool.engines:
+        def recording(requests, outputs=False, e=e, run=e.run_raw):
+            calls.append((e.engine_id, [r.request_id for r in requests]))
+            return run(requests, outputs)
+        e.run_raw = recording
     cfg = load_config("configs/multiturn.yaml", ["prompts.count=4", "bench.rounds=2", "logging.level=error"])
     with anyio.fail_after(30):
-        report = await run_bench(cfg, "multiturn", progress=False, pool=FakePool(2))
+        report = await run_bench(cfg, "multiturn", progress=False, pool=pool)
     m = report["multiturn"]
     assert len(m["rounds"]) == 2 and m["episodes"] == 4
     for row in m["rounds"]:
-        assert {s: row[s]["generated_tokens"] for s in row} == {s: 4 * 4 * 64 for s in ("engine", "naive", "affinity")}
+        assert {s: row[s]["generated_tokens"] for s in row} == {s: 4 * 4 * 64 for s in ("engine", "raw")}
         assert all(row[s]["failed"] == 0 for s in row)
-    assert "this engine / naive loop" in multiturn_table(m)
+    # warm-up and 2 rounds, 4 turns each, on each of 2 engines: one call per engine per turn,
+    # carrying that turn of every episode on the engine (episodes 0 and 2 on engine 0, 1 and 3 on 1)
+    assert len(calls) == 3 * 4 * 2
+    for engine, ids in calls:
+        assert sorted(i.split(".")[0] for i in ids) == [f"raw{k}" for k in (engine, engine + 2)]
+        assert len({i.split(".")[1] for i in ids}) == 1  # the same turn of each
+    assert "this engine / raw vLLM" in multiturn_table(m)
     assert all(0 <= row["engine"]["kv_reused_fraction"] <= 1 for row in m["rounds"]) and "reused the KV" in multiturn_table(m)
 
 
