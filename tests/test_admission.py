@@ -290,3 +290,21 @@ async def test_facade_rows_dropped_as_too_stale_come_back_as_failed_rows(make_cf
     assert sorted(failure[0].rows) == [0, 1]
     assert "staleness.max_lag=0" in failure[0].rows[0]
     assert engine.staleness.dropped_groups == 2
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("queue.max_groups=0", "queue.max_groups: expected `int` >= 1"),  # nothing could ever be admitted
+        ("queue.max_groups=-2", "queue.max_groups: expected `int` >= 1"),
+        ("engines.max_inflight_per_engine=0", "engines.max_inflight_per_engine: expected `int` >= 1"),
+        ("engines.queued_per_engine=0", "engines.queued_per_engine: expected `int` >= 1"),
+        ("staleness.max_lag=-1", "staleness.max_lag: expected `int` >= 0"),
+    ],
+)
+def test_an_admission_setting_that_cannot_work_is_refused_naming_the_key(override, message):
+    """Issue 29: a queue depth or admission setting that cannot work fails at load, naming the key."""
+    from rollout.errors import InvalidConfigError
+
+    with pytest.raises(InvalidConfigError, match=message.replace("`", ".")):
+        load_config(None, [override])
