@@ -9,6 +9,7 @@ unmodified, between vLLM's `/pause` and `/resume`.
   the new epoch; the ones in flight keep exact, non-decreasing epochs; every later one carries the
   new epoch. What loaded is the learner's bytes: greedy tokens and logprobs equal those of the
   same weights pushed through the object store.
+- An engine killed while the learner holds `/pause` restarts paused, and the `/resume` resumes it.
 - `/is_paused`, `/weight_info`, `/get_world_size` and the round's calls answer with vLLM's
   response bodies (`vllm/entrypoints/rl/online/api_router.py`); ours add `epoch`.
 Nothing here waits on a clock or on engine load: each wait is on an HTTP answer or a finished
@@ -30,6 +31,7 @@ from policies.gloo_transfer import GlooTrainerInitInfo, StateDictSource
 from rollout import RolloutEngine
 
 from .conftest import integration_config
+from .test_chaos import kill
 from .test_weights import random_weights
 
 TIMEOUT = 120  # seconds for any one HTTP call or wait; only reached when the test is about to fail
@@ -38,10 +40,10 @@ GREEDY = {"max_tokens": 12, "temperature": 0.0}
 
 
 @contextlib.asynccontextmanager
-async def serving() -> AsyncIterator[tuple[RolloutEngine, Any, httpx.AsyncClient, list[asyncio.Task]]]:
+async def serving(*overrides: str) -> AsyncIterator[tuple[RolloutEngine, Any, httpx.AsyncClient, list[asyncio.Task]]]:
     """The engine, its server, a client, and a list for the test's request tasks: those still
     running when the test fails are cancelled before the client closes."""
-    cfg = integration_config("engines.count=2", "weight_sync.timeout_s=60", "model.max_model_len=256")
+    cfg = integration_config("engines.count=2", "weight_sync.timeout_s=60", "model.max_model_len=256", *overrides)
     async with RolloutEngine(cfg) as engine:
         server = await engine.serve(port=0)
         async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT) as http:
@@ -135,3 +137,26 @@ async def test_vllms_http_client_updates_a_real_rollout_serve_between_pause_and_
         assert set(epochs(via_http)) == {2} and set(epochs(via_store)) == {3}
         assert await post("/shutdown_weight_transfer_engine") == {"message": "Weight transfer shut down"}
         await anyio.to_thread.run_sync(t.shutdown)
+
+
+async def test_a_real_engine_restarted_while_the_learner_holds_pause_comes_back_paused():
+    restarts = ("engines.health_interval_s=0.5", "engines.restart_backoff_s=0.5")
+    async with serving(*restarts) as (engine, server, http, tasks):
+        runner = engine._scheduler.runner
+        r = await within("POST /pause", http.post("/pause", params={"mode": "keep"}))
+        assert r.json() == {"status": "paused"}
+        old = runner.engines[1]
+        await within("killing engine 1", kill(old, "actor"))
+
+        async def back() -> None:  # a state the restart sets, polled; the wait is bounded by within()
+            while runner.engines[1] is old or not runner.loads[1].healthy:
+                await asyncio.sleep(0.1)
+
+        await within("engine 1 restarted and back in rotation", back())
+        assert await within("engine 1's vLLM is_paused", runner.engines[1].call("is_paused")) is True
+        sent = asyncio.ensure_future(chat(http, server.model, "sent while paused", GREEDY))
+        tasks.append(sent)
+        r = await within("POST /resume", http.post("/resume"))
+        assert r.json() == {"status": "resumed"}
+        assert [await within("is_paused", e.call("is_paused")) for e in runner.engines] == [False, False]
+        assert (await within("the request sent while paused", sent))["generation_token_ids"]
