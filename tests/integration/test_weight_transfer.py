@@ -1,8 +1,8 @@
 """vLLM's trainer API against real engines: its `TrainerWeightTransferEngine` (our gloo one, built
 by vLLM's own `WeightTransferTrainerFactory`) drives `RolloutEngine.weight_sync_client()` exactly as
-it would drive vLLM. What it loads is what the object store loads; per-token epochs under it match
-the float32 oracle in every `weight_sync.mode`; bad input changes no engine and names the tensor,
-engine or call.
+it would drive vLLM. What it loads is what the object store loads; bad input changes no engine and
+names the tensor, engine or call. (Per-token epochs under it match the float32 oracle in every
+`weight_sync.mode`: test_weights.py's oracle test sends updates through it.)
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ from rollout import Prompt, RolloutEngine
 from rollout.errors import InvalidWeightsError, WeightSyncError
 
 from .conftest import integration_config
-from .test_weights import MODES, random_weights
-from .test_weights import test_epochs_match_the_oracle as oracle_test
+from .test_weights import random_weights
 
 
 PROMPTS = [Prompt(token_ids=[5 + i, 17, 80 + 3 * i, 9], id=f"wt{i}", sampling={"temperature": 0.0, "max_tokens": 12, "n": 1}) for i in range(6)]
@@ -99,9 +98,3 @@ async def test_vllm_trainer_loads_exactly_what_the_object_store_loads():
         await send(t, source, random_weights(base, seed=8))
         assert engine.epoch == 3 and [s.epoch for s in await engine.stats()] == [3, 3]
         await anyio.to_thread.run_sync(t.shutdown)
-
-
-@pytest.mark.parametrize("mode", MODES)
-async def test_epochs_match_the_oracle_under_vllm_trainer_updates(mode: str):
-    """The oracle test of `test_weights`, every update through vLLM's trainer API (gloo)."""
-    await oracle_test(mode, via_trainer=True)

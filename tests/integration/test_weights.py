@@ -1,7 +1,8 @@
 """Exact per-token epochs under in-flight weight updates, checked by the float32 HF oracle.
 
 For each `weight_sync.mode`: 2 real engines, 128 requests of 160-200 tokens sampled at temperature
-0.7, top_p 0.9, top_k 50, 3 updates with distinct random weights while they stream, and a KV cache
+0.7, top_p 0.9, top_k 50, 3 updates with distinct random weights while they stream (1 and 3 through
+vLLM's trainer API, its factory's gloo trainer engine; 2 through Ray's object store), and a KV cache
 of ~3k tokens per engine for the ~5k its 16 running requests need, so vLLM preempts (and each
 preemption is recorded as an eviction and a KV recompute); every behaviour logprob (processed:
 of the distribution sampled from) must match the oracle's replay (same tokens, the weights each
@@ -11,6 +12,7 @@ position was computed with, the same processing) within 1e-3, and a replay of ra
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -199,21 +201,28 @@ async def vllm_trainer_update(engine: RolloutEngine, weights: dict) -> Callable[
     return update
 
 
-async def stream_with_updates(mode: str, via_trainer: bool = False) -> tuple[list[Trajectory], dict[int, dict], RolloutEngine]:
+async def stream_with_updates(mode: str) -> tuple[list[Trajectory], dict[int, dict], RolloutEngine]:
     # 16 running per engine; 4 parts of 8 groups of 4 (one wave of 32 each), an update between parts.
+    # Updates 1 and 3 go through vLLM's trainer API (gloo), update 2 through Ray's object store:
+    # both paths land inside running requests in every mode, on one pair of engines.
     cfg = integration_config(f"weight_sync.mode={mode}", "engines.count=2", "engines.max_inflight_per_engine=16", SMALL_KV, *SAMPLING)
     async with RolloutEngine(cfg) as engine:
         weights = {0: load_file(f"{engine.model_path}/model.safetensors")}
         batch = prompts(32, seed=len(mode))
-        update = await vllm_trainer_update(engine, weights[0]) if via_trainer else engine.update_weights
+        paths = [await vllm_trainer_update(engine, weights[0]), engine.update_weights]
+        calls = itertools.count()
+
+        async def update(w: dict) -> int:
+            return await paths[next(calls) % 2](w)
+
         trajectories = await run_with_updates(engine, [batch[8 * k : 8 * (k + 1)] for k in range(UPDATES + 1)], update, weights)
         engine.final_stats = await engine.stats()  # type: ignore[attr-defined]
         return trajectories, weights, engine
 
 
 @pytest.mark.parametrize("mode", MODES)
-async def test_epochs_match_the_oracle(mode: str, via_trainer: bool = False):
-    trajectories, weights, engine = await stream_with_updates(mode, via_trainer)
+async def test_epochs_match_the_oracle(mode: str):
+    trajectories, weights, engine = await stream_with_updates(mode)
     assert len(trajectories) == 128
     assert [u.epoch for u in engine.weight_updates] == [1, 2, 3] and not any(u.failed for u in engine.weight_updates)
     for u in engine.weight_updates:
