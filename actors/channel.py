@@ -9,6 +9,8 @@ own front end talks to its engine core: over zmq, msgpack frames. Each engine ac
 engine's death) connects a DEALER socket, named by its handle's identity, to this ROUTER socket
 and says hello; from then on submits and cancels go down and finished samples come up as frames.
 Ray keeps what is not per group: start, progress reports, weight updates, stats, kill.
+An identity is 128 random bits handed to the engine through Ray: whoever else reaches the
+port (on a cluster it is the driver node's address) has every frame dropped and counted.
 
 Owns: the socket (bound on first use, in the running loop), its one reader task, and the handle
 each identity's frames go to. Does not own: what the frames mean (`actors.handle.RayEngine`).
@@ -17,7 +19,7 @@ each identity's frames go to. Does not own: what the frames mean (`actors.handle
 from __future__ import annotations
 
 import asyncio
-import itertools
+import secrets
 from collections.abc import Callable
 
 import zmq
@@ -27,7 +29,6 @@ from policies.group_calls import socket
 from rollout.log import get_logger
 
 log = get_logger(__name__)
-_identities = itertools.count()
 
 
 class Channel:
@@ -39,6 +40,7 @@ class Channel:
         self._sock: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
         self._peers: dict[bytes, Callable[[bytes, bytes], None]] = {}  # identity -> its handle's on_frame
+        self.dropped = 0  # frames from no registered identity (a closed handle's engine, or a stranger)
 
     def open(self) -> str:
         """The address engines connect to; binds the socket on first use."""
@@ -53,7 +55,7 @@ class Channel:
 
     def register(self, engine_id: int, on_frame: Callable[[bytes, bytes], None]) -> bytes:
         """A new identity for engine `engine_id`'s handle; its engine's frames go to `on_frame(kind, payload)`."""
-        identity = f"{engine_id}.{next(_identities)}".encode()
+        identity = f"{engine_id}.{secrets.token_hex(16)}".encode()  # a secret, handed to the engine through Ray
         self._peers[identity] = on_frame
         return identity
 
@@ -72,6 +74,7 @@ class Channel:
         while True:
             frames = await self._sock.recv_multipart()
             if len(frames) != 3 or (on_frame := self._peers.get(frames[0])) is None:  # a closed handle's engine: nobody waits
+                self.dropped += 1
                 continue
             try:
                 on_frame(frames[1], frames[2])
