@@ -150,10 +150,9 @@ os._exit(1)
 
 def test_a_learner_gone_mid_transfer_fails_the_worker_naming_the_bucket():
     """The learner's process dies after its first bucket: the worker fails at the second, naming
-    it and its tensors, well within its timeout (the sockets close; nothing waits the 30 s out)."""
+    it and its tensors, because the socket closed (nothing waits the timeout out)."""
     import subprocess
     import sys
-    import time
 
     import torch.distributed as dist
 
@@ -167,14 +166,15 @@ def test_a_learner_gone_mid_transfer_fails_the_worker_naming_the_bucket():
     child = subprocess.Popen([sys.executable, "-c", TRAINER, str(store.port), str(sum(x[3] for x in cut[0]))])
     wk = worker(0, w)
     wk.init_transfer_engine(GlooInitInfo(master_address="127.0.0.1", master_port=store.port, rank_offset=1, world_size=2, session="t",
-                                         bucket_bytes=3000, timeout_s=30.0))  # fmt: skip
+                                         bucket_bytes=3000, timeout_s=600.0))  # fmt: skip
     wk.start_weight_update()
-    t0 = time.monotonic()
     info = {"names": names, "dtype_names": [str(v.dtype).removeprefix("torch.") for v in w.values()], "shapes": [list(v.shape) for v in w.values()]}
     wk.update_weights(info)  # posts the receives
-    with pytest.raises(RuntimeError, match=r"gloo transfer: bucket 2/\d+ \(model.layers.0.w.*the model is unchanged"):
+    # The closed socket ends it (a read error), not the timeout: nothing waits it out. The timeout
+    # is long so that a slow start of the learner's process on a busy machine fails nothing.
+    gone = r"gloo transfer: bucket 2/\d+ \(model.layers.0.w.*: RuntimeError: .*(Read error|Connection reset|Connection closed).*the model is unchanged"
+    with pytest.raises(RuntimeError, match=gone):
         wk.finish_weight_update()
-    assert time.monotonic() - t0 < 25
     assert wk.model.loaded == [] and all(not t.any() for t in wk.model.w.values())  # nothing of the torn round was loaded
     assert child.wait(30) == 1
     wk.shutdown()
