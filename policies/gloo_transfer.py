@@ -171,7 +171,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.store: Any = None
         self.pg: Any = None
         self.rank = 0
-        self.staged: list[tuple[str, list[tuple[str, torch.dtype, list[int], int]], torch.Tensor, list[Any]]] = []  # (what, bucket, buffer, works)
+        self.staged: list[tuple[str, list[tuple[str, torch.dtype, list[int], int]], list[torch.Tensor], list[Any]]] = []  # (what, bucket, its tensors' bytes, works)
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         self.shutdown()
@@ -191,22 +191,20 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         for k, bucket in enumerate(cut):
             buf = torch.empty(sum(b[3] for b in bucket), dtype=torch.uint8)
             names = bucket[0][0] if len(bucket) == 1 else f"{bucket[0][0]} .. {bucket[-1][0]}"
-            self.staged.append((f"bucket {k + 1}/{len(cut)} ({names})", bucket, buf, [_broadcast(self.pg, part) for part in _slices(buf, bucket)]))
+            parts = _slices(buf, bucket)
+            self.staged.append((f"bucket {k + 1}/{len(cut)} ({names})", bucket, parts, [_broadcast(self.pg, part) for part in parts]))
         self.store.set(f"{self.info.session}/ready/{update_info.round}/{self.rank}", b"")
 
     def finish_weight_update(self) -> None:
         staged, self.staged = self.staged, []
         pairs: list[tuple[str, torch.Tensor]] = []
-        for what, bucket, buf, works in staged:
+        for what, bucket, parts, works in staged:
             try:
                 for work in works:
                     work.wait()
             except Exception as e:
                 raise RuntimeError(f"gloo transfer: {what}: {type(e).__name__}: {e}; the model is unchanged") from e
-            at = 0
-            for name, dtype, shape, nbytes in bucket:
-                pairs.append((name, buf[at : at + nbytes].view(dtype).view(shape)))
-                at += nbytes
+            pairs += [(name, part.view(dtype).view(shape)) for (name, dtype, shape, _), part in zip(bucket, parts)]
         if pairs:
             self._reload(pairs)
 
