@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from policies.shm import descendants
 from rollout import bench
 from rollout.config import load_config
 from rollout.engine import RolloutEngine
@@ -56,21 +57,6 @@ def cpu_by_kind(before: dict, after: dict, mine: set[int]) -> dict[str, float]:
     return {k: round(v, 2) for k, v in acc.most_common() if v > 0.05}
 
 
-def descendants(root: int) -> set[int]:
-    kids = collections.defaultdict(list)
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            kids[int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])].append(int(pid))
-        except OSError:
-            continue
-    out, todo = set(), [root]
-    while todo:
-        p = todo.pop()
-        out.add(p)
-        todo.extend(kids[p])
-    return out
-
-
 async def timeline(engine: RolloutEngine) -> None:
     e0, runner, queue = engine.pool.engines[0], engine._live_scheduler().runner, engine._queue
     prev = await e0.batch()
@@ -90,7 +76,7 @@ async def main() -> None:
         prompts = await bench._read_prompts(cfg, engine.limits.vocab_size)
         await bench._warm_up(engine, cfg, Progress("warm-up", enabled=False))
         freeze_heap()
-        mine = descendants(os.getpid())
+        mine = descendants(os.getpid()) | {os.getpid()}
         same: list = []
         for r in range(2):
             for side in ["engine", "raw"] if r % 2 == 0 else ["raw", "engine"]:
