@@ -1,0 +1,266 @@
+"""The shm weight-transfer backend without engines: vLLM's factories build both sides, a trainer
+sends through its ring to two workers (plain torch modules, in threads of this process) through a
+small client with vLLM's four calls. Bytes arrive exact through a ring far smaller than the model
+(tensors cut across slots, the ring wrapping round many times), staged until
+finish_weight_update; the ring is no file in /dev/shm and is unmapped when both sides shut down;
+a round the workers refuse fails at once; a source that disagrees with its metadata ends the
+workers' round at once and the next round works; a worker gone is dropped; a learner killed
+mid-transfer and a learner that never sends fail each worker's finish, naming the chunk and its
+tensors, the model untouched.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import types
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from policies.shm import mapped
+from policies.shm_transfer import ALIGN, ShmInitInfo, ShmTrainerInitInfo, ShmUpdateInfo, ShmWeightTransferEngine, layout
+from policies.gloo_transfer import StateDictSource
+
+
+class Module(torch.nn.Module):
+    """Stands in for vLLM's model: `load_weights` copies by name and records what it got."""
+
+    def __init__(self, weights: dict[str, torch.Tensor]):
+        super().__init__()
+        self.w = {k: torch.zeros_like(v) for k, v in weights.items()}
+        self.loaded: list[str] = []
+
+    def load_weights(self, pairs):
+        for name, t in pairs:
+            self.w[name].copy_(t)
+            self.loaded.append(name)
+
+
+class Worker(ShmWeightTransferEngine):
+    """vLLM's layerwise reload needs a vLLM model: here the load is the module's `load_weights`."""
+
+    def _reload(self, pairs) -> None:
+        self.model.loaded.clear()
+        self.model.load_weights(pairs)
+
+
+def worker(weights) -> Worker:
+    cfg = types.SimpleNamespace(parallel_config=types.SimpleNamespace(data_parallel_index=0, world_size=1, rank=0), model_config=None)
+    return Worker(types.SimpleNamespace(backend="shm"), cfg, torch.device("cpu"), Module(weights))
+
+
+class Client:
+    """vLLM's `VLLMWeightSyncClient` over in-process workers, each at its own rank, as rollout's
+    client fans out to engines; `refuse` makes update_weights fail before any worker receives."""
+
+    def __init__(self, workers):
+        self.workers, self.refuse, self.pool = workers, None, ThreadPoolExecutor(len(workers))
+
+    def _all(self, fn):
+        for f in [self.pool.submit(fn, k, w) for k, w in enumerate(self.workers)]:
+            f.result()
+
+    def init_weight_transfer_engine(self, info):
+        self._all(lambda k, w: w.init_transfer_engine(w.parse_init_info({**info, "rank_offset": info["rank_offset"] + k})))
+
+    def start_weight_update(self):
+        self._all(lambda k, w: w.start_weight_update())
+
+    def update_weights(self, info):
+        if self.refuse:
+            raise ValueError(self.refuse)
+        self._all(lambda k, w: w.update_weights(info))
+
+    def finish_weight_update(self, weight_version=None):
+        self._all(lambda k, w: w.finish_weight_update())
+
+
+def weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model.embed.weight": torch.randn(64, 32, generator=g),  # 8192 bytes: across several slots
+        "model.layers.0.w": torch.randn(31, 31, generator=g).to(torch.bfloat16),  # 1922 bytes: the next starts at 64 x k
+        "model.layers.0.b": torch.randn(3, generator=g),
+        "model.norm.weight": torch.randn(32, generator=g),
+    }
+
+
+def setup(timeout_s: float = 30.0, slot_bytes: int = 1000, slots: int = 2):
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    w0 = weights(0)
+    client = Client([worker(w0) for _ in range(2)])
+    source = StateDictSource(w0)
+    init = ShmTrainerInitInfo(world_size=3, rank=0, slot_bytes=slot_bytes, slots=slots, timeout_s=timeout_s)
+    return WeightTransferTrainerFactory.trainer_init(init, client=client, source=source), client, source
+
+
+def info_of(w: dict[str, torch.Tensor], round: int = 1) -> ShmUpdateInfo:
+    return ShmUpdateInfo(list(w), [str(v.dtype).removeprefix("torch.") for v in w.values()], [list(v.shape) for v in w.values()], round)
+
+
+def ring_mappings() -> list[str]:
+    return [line for line in Path("/proc/self/maps").read_text().splitlines() if "memfd:rollout-shm" in line]
+
+
+def test_layout_aligns_every_tensor_and_both_sides_cut_alike():
+    tensors, total = layout(info_of(weights(0)))
+    assert [t[3] % ALIGN for t in tensors] == [0] * 4
+    assert [t[4] for t in tensors] == [8192, 1922, 12, 128]
+    assert total == tensors[-1][3] + tensors[-1][4] and tensors[2][3] == 8192 + 1984
+
+
+def test_the_trainer_sends_exact_bytes_to_every_worker_round_after_round():
+    """A 2-slot ring of 1000 bytes carries ~10 kB: every tensor but the small ones crosses slots,
+    and the ring wraps round 5 times per round. The ring is no /dev/shm file."""
+    before = mapped({os.getpid()})
+    trainer, client, source = setup()
+    assert len(ring_mappings()) == 3 and mapped({os.getpid()}) == before  # the learner's and each worker's mapping, no name
+    for seed in (1, 2, 3):
+        w = weights(seed)
+        source.update(w)
+        trainer.send_weights()
+        for wk in client.workers:
+            assert wk.model.loaded == list(w) and all(torch.equal(wk.model.w[k], v) for k, v in w.items())
+    trainer.shutdown()
+    for wk in client.workers:
+        wk.shutdown()
+    gc.collect()
+    assert ring_mappings() == []  # unmapped on both sides: nothing of it is left
+
+
+def test_bytes_are_staged_while_the_model_serves_and_loaded_only_at_finish():
+    """vLLM's update_weights starts the drain and returns before any byte is sent (the engine
+    core is free to keep generating); the bytes land in the staging buffer, and the model changes
+    only in finish_weight_update (the engine's pause)."""
+    trainer, client, source = setup()
+    w = weights(1)
+    source.update(w)
+    trainer.round += 1
+    client.start_weight_update()
+    client.update_weights(vars(info_of(w, trainer.round)))  # returns at once: nothing was sent yet
+    trainer._send(info_of(w, trainer.round))  # returns once every worker has every chunk staged
+    for wk in client.workers:
+        assert wk.model.loaded == [] and not any(torch.equal(wk.model.w[k], v) for k, v in w.items())
+    client.finish_weight_update()
+    for wk in client.workers:
+        assert wk.model.loaded == list(w) and all(torch.equal(wk.model.w[k], v) for k, v in w.items())
+    trainer.shutdown()
+
+
+def test_a_refused_round_fails_in_the_trainer_at_once():
+    trainer, client, source = setup(timeout_s=300)
+    client.refuse = "unknown model.extra.weight"
+    with pytest.raises(ValueError, match="unknown model.extra.weight"):
+        trainer.send_weights()  # nothing was sent: it cannot wait out the 300 s
+    client.refuse = None
+    trainer.send_weights()  # and the ring still works
+    trainer.shutdown()
+
+
+class Lying(StateDictSource):
+    """Its metadata declares one shape, its iteration yields another for `name`."""
+
+    def __init__(self, w, name):
+        super().__init__(w)
+        self.name = name
+
+    def __iter__(self):
+        for k, v in super().__iter__():
+            yield k, (v[:1] if k == self.name else v)
+
+
+def test_a_source_that_disagrees_with_its_metadata_ends_the_round_everywhere_at_once():
+    """The learner refuses the tensor naming it, after some chunks went out; every worker's round
+    ends at once (not at its 300 s timeout), the model untouched; the next round works."""
+    trainer, client, _ = setup(timeout_s=300)
+    w = weights(1)
+    trainer.source = Lying(w, "model.layers.0.b")
+    with pytest.raises(RuntimeError, match=r"shm transfer: chunk \d+/\d+: the learner ended the round.*the model is unchanged"):
+        with pytest.raises(ValueError, match=r"WeightSource yielded 'model.layers.0.b' torch.float32 \[1\], metadata\(\) declared"):
+            trainer.send_weights()
+        client.finish_weight_update()
+    for wk in client.workers:
+        assert wk.model.loaded == [] and all(not t.any() for t in wk.model.w.values())
+    trainer.source = StateDictSource(w)
+    trainer.send_weights()
+    for wk in client.workers:
+        assert all(torch.equal(wk.model.w[k], v) for k, v in w.items())
+    trainer.shutdown()
+
+
+def test_a_worker_gone_is_dropped_and_the_others_get_every_byte():
+    trainer, client, source = setup()
+    w = weights(1)
+    source.update(w)
+    client.start_weight_update()
+    client.update_weights(vars(info_of(w, trainer.round + 1)))
+    gone, kept = client.workers
+    gone.shutdown()  # its socket closes mid-round (its engine's own call fails and leaves rotation)
+    trainer.round += 1
+    trainer._send(info_of(w, trainer.round))
+    kept.finish_weight_update()
+    assert list(trainer.workers) == [2] and all(torch.equal(kept.model.w[k], v) for k, v in w.items())
+    trainer.shutdown()
+
+
+LEARNER = """
+import json, os, sys, torch
+from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+from policies.shm_transfer import ShmTrainerInitInfo
+from policies.gloo_transfer import StateDictSource
+
+class Client:
+    def init_weight_transfer_engine(self, info):
+        print(json.dumps(info), flush=True)  # the test's worker joins with it
+    def start_weight_update(self): pass
+    def update_weights(self, info): pass
+    def finish_weight_update(self, weight_version=None): pass
+
+class Dies(StateDictSource):
+    def __iter__(self):
+        it = super().__iter__()
+        yield next(it)  # the first tensor (8192 bytes) fills and sends chunks 1-8 of 1000 bytes
+        os._exit(1)
+
+w = {"model.embed.weight": torch.ones(64, 32), "model.norm.weight": torch.ones(32)}
+init = ShmTrainerInitInfo(world_size=2, rank=0, slot_bytes=1000, slots=4, timeout_s=600)
+t = WeightTransferTrainerFactory.trainer_init(init, client=Client(), source=Dies(w))
+t.send_weights()
+"""
+
+
+def test_a_learner_killed_mid_transfer_fails_the_worker_naming_the_chunk():
+    """The learner's process dies after sending 8 chunks: the worker stages those, then fails
+    at the ninth, naming it and its tensors, because the socket closed (nothing waits the 600 s
+    timeout out); the model is untouched and the ring's memory is gone with the last mapping."""
+    child = subprocess.Popen([sys.executable, "-c", LEARNER], stdout=subprocess.PIPE, text=True)
+    info = json.loads(child.stdout.readline())
+    w = {"model.embed.weight": torch.zeros(64, 32), "model.norm.weight": torch.zeros(32)}
+    wk = worker(w)
+    wk.init_transfer_engine(ShmInitInfo(**info))
+    wk.start_weight_update()
+    wk.update_weights(vars(info_of(w)))
+    gone = r"shm transfer: chunk 9/9 \(model.embed.weight, model.norm.weight\): the learner is gone \(Connection.*; the model is unchanged"
+    with pytest.raises(RuntimeError, match=gone):
+        wk.finish_weight_update()
+    assert wk.model.loaded == [] and all(not t.any() for t in wk.model.w.values())
+    assert child.wait(30) == 1
+    wk.shutdown()
+    gc.collect()
+    assert ring_mappings() == []
+
+
+def test_a_learner_that_never_sends_fails_the_worker_at_its_timeout():
+    trainer, client, source = setup(timeout_s=1.0)
+    wk = client.workers[0]
+    wk.update_weights(vars(info_of(weights(0))))
+    with pytest.raises(RuntimeError, match=r"shm transfer: chunk 1/\d+ \(model.embed.weight\): TimeoutError: timed out; the model is unchanged"):
+        wk.finish_weight_update()
+    trainer.shutdown()
