@@ -19,6 +19,7 @@ from actors.channel import Channel
 from policies.group_calls import CANCEL, HELLO, RESULTS, SUBMIT
 from rollout.errors import EngineDeadError, InvalidPromptError, RetryableError, RolloutError
 from rollout.log import get_logger
+from rollout.packed import encode
 from rollout.specdecode import SpecCounters
 from rollout.types import EngineStats, GroupResult, ProgressReport, Request, Trajectory
 
@@ -120,13 +121,13 @@ class RayEngine:
         keys = [key for key, _ in batch]
         try:
             try:
-                payload = msgspec.msgpack.encode(batch)
+                payload = encode(batch)
             except Exception:  # some group cannot travel: fail those, send the rest
                 batch = [(key, requests) for key, requests in batch if self._encodable(key, requests)]
                 keys = [key for key, _ in batch]
                 if not batch:
                     return
-                payload = msgspec.msgpack.encode(batch)
+                payload = encode(batch)
             self._channel.send(self._identity, SUBMIT, payload)
         except Exception as e:  # the engine is not connected any more, or the socket refused
             self._fail(e, keys)
@@ -135,7 +136,7 @@ class RayEngine:
         """Whether the group `key` encodes for the wire; if not it fails now, naming the request and why."""
         for req in requests:
             try:
-                msgspec.msgpack.encode(req)
+                encode(req)
             except Exception as e:
                 self._fail(InvalidPromptError(f"request {req.request_id} (prompt {req.prompt_id!r}) cannot be sent to engine {self.engine_id}: {type(e).__name__}: {e}"), [key])
                 return False

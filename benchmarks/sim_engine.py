@@ -15,8 +15,8 @@ a GPU engine with continuous batching and computes nothing:
   new epoch (`weight_sync.mode: keep`'s runs);
 - a `preempt` fraction of samples is preempted once at a random token: it waits `ttft_s` again (the
   recompute) and records it in `kv_recomputes`, as the real policy records vLLM's evictions.
-Each sequence costs one timer and its tokens are slices of a pre-made pool, so an engine costs far
-less CPU than the driver it feeds. Hosting them (many per Ray actor): `benchmarks.sim_pool`.
+Each sequence costs one timer and its tokens and logprobs are slices of a pre-made packed pool (as
+a real engine's, `rollout.packed`), so an engine costs far less CPU than the driver it feeds. Hosting them (many per Ray actor): `benchmarks.sim_pool`.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import msgspec
 
 from policies.group_calls import GroupCalls
 from rollout.errors import EngineDeadError
+from rollout.packed import Logprobs, TokenIds, encode
 from rollout.types import EngineStats, Request, Trajectory, append_run, kv_runs
 
 TABLE = 8192  # lengths and token offsets drawn per engine host, picked by a request id's hash
@@ -107,12 +108,12 @@ class _Seq:
 
 
 class SimEngine(GroupCalls):
-    def __init__(self, spec: SimSpec, engine_id: int, lengths: list[int], tokens: list[int], logprobs: list[float]):
+    def __init__(self, spec: SimSpec, engine_id: int, lengths: list[int], tokens: bytes, logprobs: bytes):
         super().__init__()
         self.spec, self.engine_id = spec, engine_id
         self.epoch = 0
         self.rate = spec.tokens_per_s / spec.capacity  # tokens/s of one sequence
-        self._lengths, self._tokens, self._logprobs = lengths, tokens, logprobs
+        self._lengths, self._tokens, self._logprobs = lengths, tokens, logprobs  # packed pools: int32, float64
         self._rng = random.Random(spec.seed * 7919 + engine_id)
         self.running: dict[str, _Seq] = {}
         self.waiting: deque[_Seq] = deque()
@@ -189,9 +190,8 @@ class SimEngine(GroupCalls):
             self.parked.append(seq)
             self._notify()
             return
-        off = zlib.crc32(seq.req.request_id.encode()) % TABLE  # a sample's tokens are the same on every engine
-        tokens, logprobs = self._tokens[off : off + seq.length], self._logprobs[off : off + seq.length]
-        prompt = list(seq.req.token_ids or ())
+        tokens, logprobs = self._slices(seq.req.request_id, seq.length)
+        prompt = TokenIds(seq.req.token_ids or ())
         now = time.time()
         traj = Trajectory(
             request_id=seq.req.request_id, prompt_id=seq.req.prompt_id, sample_index=seq.req.sample_index,
@@ -244,15 +244,19 @@ class SimEngine(GroupCalls):
         out = list(self._finished.values())
         for seq in [*self.running.values(), *self.waiting]:
             n = seq.tokens(now, self.rate) if seq.req.request_id in self.running else seq.done0
-            off = zlib.crc32(seq.req.request_id.encode()) % TABLE
+            tokens, logprobs = self._slices(seq.req.request_id, n)
             out.append(Trajectory(
                 request_id=seq.req.request_id, prompt_id=seq.req.prompt_id, sample_index=seq.req.sample_index,
-                prompt_token_ids=list(seq.req.token_ids or ()),
-                token_ids=self._tokens[off : off + n], logprobs=self._logprobs[off : off + n],
+                prompt_token_ids=TokenIds(seq.req.token_ids or ()), token_ids=tokens, logprobs=logprobs,
                 policy_epochs=[(s, e) for s, e in seq.epochs if s < n], kv_recomputes=[(j, e) for j, e in seq.recomputes if j < n],
                 engine_id=self.engine_id,
             ))  # fmt: skip
-        return msgspec.msgpack.encode(out)
+        return encode(out)
+
+    def _slices(self, request_id: str, n: int) -> tuple[TokenIds, Logprobs]:
+        """A sample's first `n` tokens and logprobs: the same on every engine (picked by its id)."""
+        off = zlib.crc32(request_id.encode()) % TABLE
+        return TokenIds(self._tokens[4 * off : 4 * (off + n)]), Logprobs(self._logprobs[8 * off : 8 * (off + n)])
 
     async def stats(self) -> EngineStats:
         return EngineStats(engine_id=self.engine_id, epoch=self.epoch, running=len(self.running),

@@ -19,6 +19,7 @@ from actors.channel import Channel
 from actors.handle import RayEngine
 from benchmarks.sim_engine import TABLE, LengthDist, SimEngine, SimSpec
 from rollout.errors import EngineDeadError
+from rollout.packed import Logprobs, TokenIds
 
 
 class SimHost:
@@ -30,8 +31,8 @@ class SimHost:
         self.spec = spec
         self.lengths = [dist.sample(rng) for _ in range(TABLE)]
         cap = max(self.lengths)
-        self.tokens = [rng.randrange(4, spec.vocab) for _ in range(TABLE + cap)]
-        self.logprobs = [-rng.random() * 3 for _ in range(TABLE + cap)]
+        self.tokens = TokenIds(rng.randrange(4, spec.vocab) for _ in range(TABLE + cap)).tobytes()
+        self.logprobs = Logprobs(-rng.random() * 3 for _ in range(TABLE + cap)).tobytes()
         self.engines = {i: self._new(i) for i in engine_ids}
         self.retired: dict[str, float] = {}  # counts of engines replaced by a restart
         self.calls: dict[str, int] = {}  # the driver's calls, by method: its Ray hops

@@ -22,6 +22,7 @@ import zmq
 import zmq.asyncio
 
 from rollout.errors import EngineDeadError
+from rollout.packed import encode
 from rollout.types import GroupResult, Request, Trajectory
 
 HELLO, SUBMIT, CANCEL, RESULTS = b"h", b"s", b"c", b"r"  # a frame's kind, its first part
@@ -120,7 +121,7 @@ class GroupCalls:
         if self._sock is None or not self._results:  # no driver connected: kept until one is
             return
         results, self._results = self._results, []
-        self._sock.send_multipart([RESULTS, msgspec.msgpack.encode(results)])
+        self._sock.send_multipart([RESULTS, encode(results)])  # per-token data packed: one bin each
 
     def cancel(self, keys: list[str]) -> None:
         """Stop these groups (their requests are aborted); they never come back as results."""

@@ -25,7 +25,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import msgspec
 
 from policies.group_calls import GroupCalls
 from policies.ledger import Piece, Verdict, settle
@@ -40,6 +39,7 @@ from rollout.backend import as_finished
 from rollout.config import Config
 from rollout.errors import EngineDeadError, InvalidPromptError
 from rollout.log import configure, get_logger
+from rollout.packed import Logprobs, TokenIds, encode
 from rollout.specdecode import SpecCounters
 from rollout.types import EngineStats, Request, Trajectory, kv_runs
 
@@ -192,20 +192,22 @@ class VLLMPolicy(GroupCalls, WeightLoading):
             request_id=req.request_id,
             prompt_id=req.prompt_id,
             sample_index=req.sample_index,
-            prompt_token_ids=list(req.token_ids or []),
+            prompt_token_ids=TokenIds(req.token_ids or ()),  # packed (`rollout.packed`): what reaches the driver
+            token_ids=TokenIds(),
+            logprobs=Logprobs(),
             engine_id=self.engine_id,
             submitted_at=time.time(),
         )
         if req.resume is not None:  # another engine died with this much of it: continue from there
             r = req.resume
-            traj.prompt_token_ids, traj.token_ids, traj.logprobs = list(r.prompt_token_ids), list(r.token_ids), list(r.logprobs)
+            traj.prompt_token_ids, traj.token_ids, traj.logprobs = TokenIds(r.prompt_token_ids), TokenIds(r.token_ids), Logprobs(r.logprobs)
             traj.policy_epochs, traj.kv_recomputes = list(r.policy_epochs), list(r.kv_recomputes)
             traj.first_token_at, traj.kv_reused = r.first_token_at, r.kv_reused  # the KV its first piece reused stays so
         self._samples[req.request_id] = (traj, None, owner)
         self._running += 1
         try:
             if req.token_ids is None:  # text: tokenize here, so the length check below covers it too
-                traj.prompt_token_ids = self._vllm.tokenize(req.text or "")
+                traj.prompt_token_ids = TokenIds(self._vllm.tokenize(req.text or ""))
             limit = self.cfg.model.max_model_len
             if len(traj.prompt_token_ids) + req.sampling.max_tokens > limit:
                 raise InvalidPromptError(
@@ -292,7 +294,7 @@ class VLLMPolicy(GroupCalls, WeightLoading):
                     del self._samples[r.request_id]
 
     def progress(self) -> bytes:
-        """Every sample of the running groups as far as it is exact, msgpack-encoded Trajectories:
+        """Every sample of the running groups as far as it is exact, msgpack-encoded Trajectories (`rollout.packed.encode`):
         finished ones whole (`finished_at` set), running ones with what vLLM has produced of their
         current piece so far. What a crash of this engine keeps, so once vLLM's engine core died
         (its pieces' tokens unreadable) it raises EngineDeadError instead of replacing the last
@@ -305,7 +307,7 @@ class VLLMPolicy(GroupCalls, WeightLoading):
             state = self._state(piece) if piece is not None else None
             so_far = self._vllm.so_far(state) if state is not None else None
             out.append(ledger_snapshot(traj, piece, so_far, mode))
-        return msgspec.msgpack.encode(out)
+        return encode(out)
 
     async def abort(self, request_ids: list[str]) -> None:
         await self._vllm.abort(request_ids)

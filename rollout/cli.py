@@ -24,6 +24,7 @@ import msgspec
 
 from rollout.config import Config, dump_config, load_config, packaged_config
 from rollout.errors import InvalidConfigError, InvalidPromptError, RolloutError
+from rollout.packed import json_hook
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,7 +168,7 @@ class _Writer:
 
     def __init__(self, out: BinaryIO, path: str):
         self.out, self.path, self.written = out, path, 0
-        self.encoder = msgspec.json.Encoder()
+        self.encoder = msgspec.json.Encoder(enc_hook=json_hook)  # an engine's packed ids and logprobs as lists
 
     def write(self, trajectories: list) -> None:
         try:

@@ -49,6 +49,7 @@ from rollout.grouplog import (
     read_log,
 )
 from rollout.log import get_logger
+from rollout.packed import wire_hook
 from rollout.types import Batch, Group
 
 __all__ = ["LOCK_NAME", "LOG_NAME", "Commits", "DurableLog", "DurableLogError", "LogReader", "LogState", "read_log"]
@@ -73,7 +74,7 @@ class DurableLog:
         self.torn = ""  # ... and what was cut off (`LogReader.torn`), as the warning says
         self.failed: DurableLogError | None = None
         self.compactions = 0  # rewrites since open (not counting open's own)
-        self._encoder = msgspec.msgpack.Encoder()
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=wire_hook)  # per-token data packed (`rollout.packed`)
         self._decoder = msgspec.msgpack.Decoder(Record)
         self._mutex = threading.Lock()
         self._live: dict[int, LiveRecord] = {}  # id(group) -> its record, until acknowledged

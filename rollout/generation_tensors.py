@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from rollout.errors import InvalidPromptError
-from rollout.types import Prompt, Trajectory
+from rollout.packed import tensor
+from rollout.types import Prompt, Trajectory, fill_runs
 
 GREEDY = {"temperature": 0.0, "top_k": 1}
 PAIRS = (("input_ids", "input_lengths"), ("output_ids", "unpadded_sequence_lengths"))
@@ -140,11 +141,12 @@ def output_tensors(trajectories: Sequence[Trajectory], input_width: int, pad_val
     output_ids = torch.full((b, width), pad_value, dtype=dtype or torch.long)
     logprobs = torch.zeros((b, width), dtype=torch.float32)
     epochs = torch.full((b, width), -1, dtype=torch.long)
-    for r, t in enumerate(trajectories):
+    for r, t in enumerate(trajectories):  # per row, never per token: packed data is read as buffers
         p, g = len(t.prompt_token_ids), len(t.token_ids)
-        output_ids[r, : p + g] = torch.tensor(t.prompt_token_ids + t.token_ids, dtype=output_ids.dtype)
-        logprobs[r, p : p + g] = torch.tensor(t.logprobs, dtype=torch.float32)
-        epochs[r, p : p + g] = torch.tensor(t.token_epochs(), dtype=torch.long)
+        output_ids[r, :p] = tensor(t.prompt_token_ids, output_ids.dtype)
+        output_ids[r, p : p + g] = tensor(t.token_ids, output_ids.dtype)
+        logprobs[r, p : p + g] = tensor(t.logprobs, torch.float32)
+        fill_runs(epochs[r, p : p + g], t.policy_epochs)
     return {
         "output_ids": output_ids,
         "logprobs": logprobs,

@@ -4,7 +4,8 @@ Owns: `Prompt` (what a user feeds), `Sampling` (per-request sampling values), `R
 sample sent to one engine), `Trajectory` (one finished sample), `Group` (the `sampling.n` samples
 of one prompt), `GroupResult` (an engine's answer for one group), `ProgressReport` (an engine's
 samples so far), `EngineStats`. Every field has
-a default so old readers keep decoding new data.
+a default so old readers keep decoding new data. A trajectory's per-token fields travel packed
+(`rollout.packed`: msgpack bins, which readers from before packing refuse) and read lists too.
 
 Epoch runs (exact meaning in the README, "Per-token epochs"): `policy_epochs` is a list of `(first generated index,
 epoch)` runs, the weights whose logits sampled each generated token; `kv_epochs` is a list of
@@ -22,6 +23,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta, Struct
+
+from rollout.packed import Logprobs, TokenIds, tensor, unpack
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -135,23 +138,32 @@ class Request(Struct, frozen=True):
     prompt_id: str
     sample_index: int
     sampling: Sampling
-    token_ids: list[int] | None = None
+    token_ids: list[int] | bytes | None = None  # packed (a trajectory's `TokenIds` fed again) or a list
     text: str | None = None
     resume: Trajectory | None = None
     # An episode's turn: the prefix-cache salt its episode's turns share, so this turn reuses the
     # KV the turns before computed (`Trajectory.kv_reused`); None: salted with the epoch.
     cache_salt: str | None = None
 
+    def __post_init__(self) -> None:
+        if type(self.token_ids) is bytes:  # decoded packed: typed again
+            msgspec.structs.force_setattr(self, "token_ids", TokenIds(self.token_ids))
+
 
 class Trajectory(Struct):
-    """One finished sample. `logprobs[i]` is the behaviour logprob of `token_ids[i]`."""
+    """One finished sample. `logprobs[i]` is the behaviour logprob of `token_ids[i]`.
+
+    Per-token data is packed (`rollout.packed`): an engine's trajectories hold `TokenIds` and
+    `Logprobs`, typed arrays that read as the lists they were (a Trajectory built by hand keeps the
+    sequences it was given, lists by default); packed, they cross the wire as msgpack bins (encode
+    with `rollout.packed.encode` / `to_json`) and decode from those or from lists (JSON, older data)."""
 
     request_id: str = ""
     prompt_id: str = ""
     sample_index: int = 0
-    prompt_token_ids: list[int] = msgspec.field(default_factory=list)
-    token_ids: list[int] = msgspec.field(default_factory=list)
-    logprobs: list[float] = msgspec.field(default_factory=list)
+    prompt_token_ids: list[int] | bytes = msgspec.field(default_factory=list)
+    token_ids: list[int] | bytes = msgspec.field(default_factory=list)
+    logprobs: list[float] | bytes = msgspec.field(default_factory=list)
     finish_reason: FinishReason = "stop"
     error: str | None = None
     policy_epochs: list[tuple[int, int]] = msgspec.field(default_factory=list)
@@ -176,6 +188,11 @@ class Trajectory(Struct):
     # there; `turns` holds each model turn (prompt = the conversation so far) with its own records.
     loss_mask: list[int] = msgspec.field(default_factory=list)  # empty: every token is the model's
     turns: list[Trajectory] = msgspec.field(default_factory=list)
+
+    def __post_init__(self) -> None:  # decoded from packed bytes: typed arrays again
+        self.prompt_token_ids = unpack(self.prompt_token_ids, TokenIds)
+        self.token_ids = unpack(self.token_ids, TokenIds)
+        self.logprobs = unpack(self.logprobs, Logprobs)
 
     @property
     def ok(self) -> bool:
@@ -284,6 +301,20 @@ def expand_runs(runs: list[tuple[int, int]], length: int) -> list[int]:
     return out[:length]
 
 
+def fill_runs(row: Any, runs: list[tuple[int, int]]) -> None:
+    """Write `(first index, value)` runs into the tensor `row` (`expand_runs`, without a Python int
+    per position). Raises ValueError on bad runs, as `expand_runs` does."""
+    length = len(row)
+    if length == 0:
+        return
+    if not runs or runs[0][0] != 0:
+        raise ValueError(f"runs must start at index 0, got {runs[:1]}")
+    for (start, value), (end, _) in zip(runs, [*runs[1:], (length, 0)]):
+        if end <= start:
+            raise ValueError(f"runs must have increasing starts, got {runs}")
+        row[start:end] = value
+
+
 def kv_runs(
     prompt_len: int, num_tokens: int, policy_epochs: list[tuple[int, int]], kv_recomputes: list[tuple[int, int]],
     reused: int = 0, before: list[tuple[int, int]] | tuple = (),
@@ -348,11 +379,12 @@ class Batch(Struct):
         logprobs = torch.zeros((b, width), dtype=torch.float32)
         epochs = torch.full((b, width), -1, dtype=torch.long)
         loss_mask = torch.zeros((b, width), dtype=torch.float32)
-        for r, t in enumerate(rows):
+        for r, t in enumerate(rows):  # per row, never per token: packed ids and logprobs are read as buffers
             p, g = len(t.prompt_token_ids), len(t.token_ids)
-            input_ids[r, : p + g] = torch.tensor(t.prompt_token_ids + t.token_ids, dtype=torch.long)
-            logprobs[r, p : p + g] = torch.tensor(t.logprobs, dtype=torch.float32)
-            epochs[r, p : p + g] = torch.tensor(t.token_epochs(), dtype=torch.long)
+            input_ids[r, :p] = tensor(t.prompt_token_ids, torch.long)
+            input_ids[r, p : p + g] = tensor(t.token_ids, torch.long)
+            logprobs[r, p : p + g] = tensor(t.logprobs, torch.float32)
+            fill_runs(epochs[r, p : p + g], t.policy_epochs)
             if t.loss_mask:  # an episode: its model tokens, less the leading stale ones among them
                 mask = torch.tensor(t.loss_mask, dtype=torch.float32)
                 if t.stale_tokens:
