@@ -12,7 +12,8 @@ A learner takes batches of `--batch` groups as fast as they come. After `--warmu
 `--duration` s is measured: tokens and trajectories handed out, the driver's process CPU time
 (`time.process_time`: all its threads, Ray's included; not wall time), the sim hosts' CPU, the
 engines' occupancy (running / capacity: below ~0.9 the driver is not keeping them fed), latency
-from an engine's finish to `batches()` (the batch's last group), RSS per in-flight trajectory. Then
+from an engine's finish to `batches()` (the batch's last group), RSS per in-flight trajectory, the
+driver's garbage collections (`--freeze` / `--gc-threshold` try the cheap measures against them). Then
 feeding stops and everything in flight drains: every fed prompt must come out once (`lost`).
 `--kill E@S` / `--stall E@S`: engine E dies / stops answering S s into the run (the health watch
 kills it); its samples move on and it restarts, as a real engine's do.
@@ -29,10 +30,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import gc
 import io
 import itertools
 import math
-import os
 import pstats
 import sys
 import tempfile
@@ -45,9 +46,11 @@ import msgspec
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.sim_engine import LengthDist, SimSpec  # noqa: E402
+from benchmarks.sim_measure import Collections, rss_bytes, thread_cpu  # noqa: E402
 from benchmarks.sim_pool import SimPool  # noqa: E402
 from rollout.config import Config, load_config  # noqa: E402
 from rollout.engine import RolloutEngine  # noqa: E402
+from rollout.process import freeze_heap  # noqa: E402
 from rollout.types import Prompt  # noqa: E402
 
 
@@ -67,6 +70,8 @@ class Options(msgspec.Struct, frozen=True):
     stall: tuple[int, float] | None = None
     durable: str | None = None
     profile: bool = False
+    freeze: bool = False  # freeze the driver's start-up heap (`rollout.process.freeze_heap`)
+    gc_threshold: tuple[int, ...] = ()  # gc.set_threshold for the run; (): Python's
     local: bool = False  # engines in this process (tests): no Ray, and the driver's CPU is not its own
 
 
@@ -131,27 +136,6 @@ def model_dir(root: str, vocab: int) -> str:
     (Path(root) / "config.json").write_text(f'{{"vocab_size": {vocab}}}')
     save_file(WEIGHTS, str(Path(root) / "model.safetensors"))
     return root
-
-
-def thread_cpu() -> dict[str, float]:
-    """CPU seconds of this process's threads by name: the event loop's (`main`) and Ray's own."""
-    out: dict[str, float] = {}
-    tick = os.sysconf("SC_CLK_TCK")
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                stat = f.read()
-        except OSError:  # ended meanwhile
-            continue
-        name = "main" if int(tid) == os.getpid() else stat[stat.index("(") + 1 : stat.rindex(")")].rstrip("0123456789")
-        fields = stat[stat.rindex(")") + 2 :].split()
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-    return out
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
 
 
 def _weights() -> dict[str, Any]:
@@ -224,6 +208,8 @@ async def _drive(o: Options, engine: RolloutEngine, pool: SimPool, prompts: list
                 await asyncio.sleep(max(0.0, event[1] - (time.monotonic() - t_start)))
                 await act(event[0])
 
+    if o.freeze:
+        freeze_heap()
     t_start = time.monotonic()
     rss0 = rss_bytes()
     tasks = [asyncio.ensure_future(f()) for f in (learner, updater, faults)]
@@ -232,6 +218,7 @@ async def _drive(o: Options, engine: RolloutEngine, pool: SimPool, prompts: list
         await asyncio.sleep(o.warmup)
         before, cpu0, wall0, threads0 = await pool.counts(), time.process_time(), time.perf_counter(), thread_cpu()
         profiler = cProfile.Profile() if o.profile else None
+        collections = Collections()
         measuring = True
         if profiler:
             profiler.enable()
@@ -239,6 +226,7 @@ async def _drive(o: Options, engine: RolloutEngine, pool: SimPool, prompts: list
         inflight = sum(load.requests for load in engine._scheduler.runner.loads)
         await asyncio.sleep(o.duration / 2)
         measuring = False
+        collections.stop()
         if profiler:
             profiler.disable()
         cpu, wall, after = time.process_time() - cpu0, time.perf_counter() - wall0, await pool.counts()
@@ -248,6 +236,7 @@ async def _drive(o: Options, engine: RolloutEngine, pool: SimPool, prompts: list
                                  if v - threads0.get(k, 0.0) > 0.005 * wall}  # fmt: skip
         feeding.clear()
         result.update(_figures(o, len(pool.engines), window, cpu, wall, before, after, inflight, rss - rss0))
+        result.update(collections.figures(wall))
         if profiler:
             result["profile"] = _top(profiler)
     await asyncio.wait_for(tasks[0], timeout=o.max_tokens / (o.spec.tokens_per_s / o.spec.capacity) + 60)  # the drain
@@ -320,15 +309,23 @@ def parse(argv: list[str] | None) -> tuple[Options, str | None]:
     p.add_argument("--stall", help="ENGINE@SECONDS: that engine stops answering then")
     p.add_argument("--durable", help="queue.durable_dir for the run")
     p.add_argument("--profile", action="store_true", help="cProfile the driver during the window (slows it)")
+    p.add_argument("--freeze", action="store_true", help="gc.freeze() the driver's heap once its engines started")
+    p.add_argument("--gc-threshold", default="", help="gc.set_threshold(A[,B[,C]]) for the run")
     p.add_argument("--report", help="write the JSON report here")
     a = p.parse_args(argv)
     try:
         engines = [int(x) for x in a.engines.split(",")]
     except ValueError:
         raise ValueError(f"--engines: expected comma-separated integers, got {a.engines!r}") from None
+    try:
+        threshold = tuple(int(x) for x in a.gc_threshold.split(",")) if a.gc_threshold else ()
+    except ValueError:
+        raise ValueError(f"--gc-threshold: expected up to 3 comma-separated integers, got {a.gc_threshold!r}") from None
+    if len(threshold) > 3 or any(x < 0 for x in threshold):
+        raise ValueError(f"--gc-threshold: expected up to 3 integers >= 0, got {a.gc_threshold!r}")
     spec = SimSpec(tokens_per_s=a.tokens_per_s, ttft_s=a.ttft, capacity=a.capacity, length=a.length, preempt=a.preempt, load_s=a.load_s)
     o = Options(engines=engines, spec=spec, max_tokens=a.max_tokens, prompt_len=a.prompt_len, n=a.n, batch=a.batch, queued=a.capacity if a.queued is None else a.queued, hosts=a.hosts,
-                warmup=a.warmup, duration=a.duration, update_every=a.update_every, durable=a.durable, profile=a.profile,
+                warmup=a.warmup, duration=a.duration, update_every=a.update_every, durable=a.durable, profile=a.profile, freeze=a.freeze, gc_threshold=threshold,
                 kill=_event(a.kill, "--kill") if a.kill else None, stall=_event(a.stall, "--stall") if a.stall else None)  # fmt: skip
     check(o)
     return o, a.report
@@ -345,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     from actors.cluster import connect
 
     connect(config(o, max(o.engines), "."))
+    if o.gc_threshold:
+        gc.set_threshold(*o.gc_threshold)
     rows: list[dict[str, Any]] = []
 
     async def sweep() -> None:
@@ -360,6 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"  N={r['engines']}: Ray calls per group: " + ", ".join(f"{k} {v:.2f}" for k, v in r.get("ray_calls_per_group", {}).items()))
         print(f"  N={r['engines']}: driver threads, cores: " + ", ".join(f"{k} {v:.2f}" for k, v in r.get("threads_cpu", {}).items()))
+        if "gc_collections" in r:
+            print(f"  N={r['engines']}: garbage collections (gen 0/1/2): {'/'.join(map(str, r['gc_collections']))}, "
+                  f"{r['gc_share']:.1%} of the wall time, longest full {r['gc_full_max_ms']:.0f} ms")
         for p in r.get("profile", []):
             print(f"  N={r['engines']}: {p['share']:6.1%} {p['self_s']:7.3f}s {p['calls']:>9} {p['function']}")
     if report:

@@ -130,6 +130,8 @@ async def test_a_stalled_engine_is_killed_by_the_health_watch_and_loses_nothing(
         (["--capacity", "4", "--n", "8"], "--n"),
         (["--kill", "three@10"], "--kill"),
         (["--engines", "8", "--stall", "8@1"], "--stall"),
+        (["--gc-threshold", "700,x"], "--gc-threshold"),
+        (["--gc-threshold", "1,2,3,4"], "--gc-threshold"),
     ],
 )
 def test_bad_input_is_refused_naming_the_flag(argv, flag, capsys):
