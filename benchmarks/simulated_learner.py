@@ -11,6 +11,10 @@ weights, so every step generates the same distribution of tokens). Two runs of t
 median wait for a batch in the sync run's warm-up steps (the learner sleeps 0 there). Then the
 ideal speed-up is 2x: the sync loop pays generation + training per step, the async one the larger
 of the two. Each run starts its own engines; engine start and `--warmup` steps are not timed.
+The async learner's push does not wait for the engines to load (`update_weights(wait=False)`, the
+weight-sync client's `wait=False`): it returns once its weights are handed off and the epoch is
+allocated, the engines load while it trains, and its next push waits for that (`--wait`: the
+push waits until every engine serves the new epoch, as the sync run's does).
 
     python benchmarks/simulated_learner.py configs/tiny.yaml --steps 8 --groups 16 --report simulated_learner.json
     python benchmarks/simulated_learner.py configs/tiny.yaml --transfer    # pushes through vLLM's trainer API
@@ -43,19 +47,21 @@ def configured(cfg: Config, max_lag: int, mode: str, groups: int) -> Config:
     )
 
 
-async def learner_loop(cfg: Config, groups: int, warmup: int, steps: int, step_time: float | None, transfer: bool) -> dict[str, Any]:
+async def learner_loop(cfg: Config, groups: int, warmup: int, steps: int, step_time: float | None, transfer: bool,
+                       wait: bool = True) -> dict[str, Any]:  # fmt: skip
     """Run `warmup + steps` learner steps; `step_time` None: 0 in warm-up, then the median warm-up wait.
-    `transfer`: push through vLLM's trainer API (gloo), else `engine.update_weights` (Ray's object store)."""
-    from benchmarks.weight_plane import transfer_update
-
+    `transfer`: push through vLLM's trainer API (gloo), else `engine.update_weights` (Ray's object store);
+    `wait=False`: the push returns before the engines load."""
     from safetensors.torch import load_file
+
+    from benchmarks.weight_sync import learner_update, loaded
 
     async with RolloutEngine(cfg) as engine:
         weights: dict[str, Any] = {}
         for f in sorted(Path(engine.model_path).glob("*.safetensors")):
             weights.update(load_file(str(f)))
         count = (warmup + steps + (cfg.staleness.max_lag or 0) + 2) * groups
-        push = await transfer_update(engine, weights) if transfer else engine.update_weights
+        push = await learner_update(engine, weights, transfer, wait)
         engine.feed(configured_prompts(msgspec.structs.replace(cfg.prompts, count=count), engine.limits.vocab_size))
         rows: list[dict[str, float]] = []
         lag_before: dict[int, int] = {}
@@ -75,6 +81,7 @@ async def learner_loop(cfg: Config, groups: int, warmup: int, steps: int, step_t
             ok = [t for t in batch.trajectories if t.ok]
             rows.append({"wait_s": t1 - t0, "train_s": t2 - t1, "push_s": t3 - t2, "samples": len(ok),
                          "tokens": sum(len(t.token_ids) for t in ok)})  # fmt: skip
+        await loaded(engine, push)  # the last push's loads (not timed: the run is over)
         stalls = [s for u in engine.weight_updates[warmup:] for s in u.stall_s.values()]
         reruns = sum(s.reruns for s in await engine.stats())
         lags = {k: v - lag_before.get(k, 0) for k, v in engine.staleness.lag_tokens.items() if v - lag_before.get(k, 0)}
@@ -84,6 +91,7 @@ async def learner_loop(cfg: Config, groups: int, warmup: int, steps: int, step_t
         "max_lag": cfg.staleness.max_lag,
         "path": "vLLM's trainer API (gloo)" if transfer else "Ray's object store",
         "weight_sync_mode": cfg.weight_sync.mode,
+        "push_waits": wait,
         "step_time_s": step_time,
         "steps": len(measured),
         "samples": sum(r["samples"] for r in measured),
@@ -109,11 +117,11 @@ def table(sync: dict[str, Any], async_: dict[str, Any]) -> str:
     lines = [
         f"learner step {sync['step_time_s']:.2f} s (= batch generation time), {sync['steps']} steps per run, weights through "
         f"{sync['path']}; learner idle: waiting for a batch, blocked: in the update call (shares of its wall time)",
-        f"{'run':<6} {'max_lag':>7} {'mode':<6} {'samples/s':>10} {'learner idle':>12} {'blocked':>8} {'stall med':>10}  lag (share of tokens)",
+        f"{'run':<6} {'max_lag':>7} {'mode':<6} {'push':<9} {'samples/s':>10} {'learner idle':>12} {'blocked':>8} {'stall med':>10}  lag (share of tokens)",
     ]
     for name, r in (("sync", sync), ("async", async_)):
         lines.append(
-            f"{name:<6} {r['max_lag']:>7} {r['weight_sync_mode']:<6} {r['samples_per_s']:>10.2f} "
+            f"{name:<6} {r['max_lag']:>7} {r['weight_sync_mode']:<6} {'waits' if r['push_waits'] else 'no wait':<9} {r['samples_per_s']:>10.2f} "
             f"{r['learner_idle_fraction']:>12.1%} {r['push_fraction']:>8.1%} {r['stall_s_median'] * 1e3:>8.1f}ms  {lag(r)}"
         )
     lines.append(f"async / sync samples/s: {async_['samples_per_s'] / sync['samples_per_s']:.2f}x")
@@ -130,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-time", default="auto", help="seconds per learner step, or auto (= batch generation time)")
     ap.add_argument("--max-lag", type=int, default=1, help="staleness.max_lag of the async run")
     ap.add_argument("--transfer", action="store_true", help="push through vLLM's trainer API (gloo), not Ray's object store")
+    ap.add_argument("--wait", action="store_true", help="the async learner's push waits until every engine serves the new epoch")
     ap.add_argument("--report", default="simulated_learner.json")
     args = ap.parse_args(argv)
     if args.warmup < 1 and args.step_time == "auto":
@@ -139,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     sync = asyncio.run(learner_loop(configured(cfg, 0, "drain", args.groups), args.groups, args.warmup, args.steps, step_time, args.transfer))
     print(f"sync: {sync['samples_per_s']:.2f} samples/s, step {sync['step_time_s']:.2f} s", flush=True)
     async_ = asyncio.run(learner_loop(configured(cfg, args.max_lag, "keep", args.groups), args.groups, args.warmup, args.steps, sync["step_time_s"],
-                                    args.transfer))  # fmt: skip
+                                    args.transfer, args.wait))  # fmt: skip
     print(table(sync, async_))
     report = {"config": args.config, "overrides": args.override, "groups": args.groups, "sync": sync, "async": async_,
               "speedup": async_["samples_per_s"] / sync["samples_per_s"]}  # fmt: skip

@@ -15,7 +15,9 @@ back, so every round generates the same distribution of tokens). Reports per mod
     python benchmarks/weight_sync.py configs/tiny.yaml -o prompts.count=128 --report weight_sync.json --plot weight_sync.png
 
 `--transfer` sends every update through vLLM's trainer API (its trainer factory's gloo engine and
-`engine.weight_sync_client()`) instead of Ray's object store.
+`engine.weight_sync_client()`) instead of Ray's object store. `--no-wait` makes the learner's call
+the one that does not wait for the engines to load (`update_weights(wait=False)`, the client's
+`wait=False`): the table shows that call, and beside it the time until every engine serves the epoch.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from rollout.config import Config, PromptsConfig, load_config  # noqa: E402
 from rollout.engine import RolloutEngine  # noqa: E402
 from rollout.prompts import configured_prompts  # noqa: E402
 
-from benchmarks.weight_plane import transfer_update  # noqa: E402
+from benchmarks.weight_plane import TimedClient  # noqa: E402
 
 MODES = ("keep", "recompute", "abort_resume", "drain")
 
@@ -50,6 +52,7 @@ async def one_round(engine: RolloutEngine, prompts: PromptsConfig, weights: Any,
     done = asyncio.Event()
 
     calls: list[float] = []
+    loaded: list[float] = []  # until every engine serves the epoch (= the call, when it waits)
     phases: list[dict[str, float]] = []  # through vLLM's trainer API: seconds in each of its calls
 
     async def updater() -> None:
@@ -58,7 +61,9 @@ async def one_round(engine: RolloutEngine, prompts: PromptsConfig, weights: Any,
                 await asyncio.wait_for(done.wait(), interval)
                 return
             except asyncio.TimeoutError:
-                calls.append(await timed(update or engine.update_weights, weights))
+                call, until = await timed(engine, update or engine.update_weights, weights)
+                calls.append(call)
+                loaded.append(until)
                 phases.append(dict(getattr(update, "calls", {})))
 
     task = asyncio.ensure_future(updater()) if interval else None
@@ -69,17 +74,54 @@ async def one_round(engine: RolloutEngine, prompts: PromptsConfig, weights: Any,
     if task:
         await task
     return {"tokens": tokens, "elapsed_s": elapsed, "tokens_per_s": tokens / elapsed, "updates": engine.weight_updates[first_update:], "update_s": calls,
-            "phases": phases}  # fmt: skip
+            "loaded_s": loaded, "phases": phases}  # fmt: skip
 
 
-async def timed(update: Any, weights: Any) -> float:
-    """Seconds of one update call: the learner's wait until every engine serves the new epoch."""
+async def timed(engine: RolloutEngine, update: Any, weights: Any) -> tuple[float, float]:
+    """Seconds of one update call (the learner's wait), and until every engine serves the new epoch."""
     start = time.perf_counter()
     await update(weights)
-    return time.perf_counter() - start
+    call = time.perf_counter() - start
+    await loaded(engine, update)
+    return call, time.perf_counter() - start
 
 
-async def bench_mode(cfg: Config, mode: str, rounds: int, interval: float, transfer: bool = False) -> dict[str, Any]:
+async def loaded(engine: RolloutEngine, update: Any) -> None:
+    """Until every engine serves the last update's epoch (a handed-off trainer round's bytes first)."""
+    import anyio
+
+    if settle := getattr(update, "settle", None):
+        await anyio.to_thread.run_sync(settle)
+    await engine.weights_loaded()
+
+
+async def learner_update(engine: RolloutEngine, weights: dict[str, Any], transfer: bool, wait: bool = True) -> Any:
+    """The learner's update call, `update(weights) -> epoch`: `engine.update_weights` (Ray's object
+    store), or with `transfer` vLLM's trainer API: its trainer factory builds the gloo engine
+    (`policies.gloo_transfer`) over `engine.weight_sync_client()`, timed per vLLM call (`update.calls`).
+    `wait=False`: the forms that return before the engines load (the trainer's `hand_off`: its
+    send returns once every engine receives and the weights are copied)."""
+    if not transfer:
+        return lambda w: engine.update_weights(w, wait=wait)
+    import anyio
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from policies.gloo_transfer import GlooTrainerInitInfo, StateDictSource
+
+    client, source = TimedClient(engine.weight_sync_client(wait=wait)), StateDictSource(weights)
+    init = GlooTrainerInitInfo(world_size=1 + client.world_size(), rank=0, timeout_s=600, hand_off=not wait)
+    trainer = await anyio.to_thread.run_sync(lambda: WeightTransferTrainerFactory.trainer_init(init, client=client, source=source))
+
+    async def update(w: dict[str, Any]) -> int:
+        source.update(w)
+        await anyio.to_thread.run_sync(trainer.send_weights)
+        return engine.epoch
+
+    update.calls, update.settle = client.last, trainer.settle  # type: ignore[attr-defined]
+    return update
+
+
+async def bench_mode(cfg: Config, mode: str, rounds: int, interval: float, transfer: bool = False, wait: bool = True) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     cfg = msgspec.structs.replace(cfg, weight_sync=msgspec.structs.replace(cfg.weight_sync, mode=mode))
@@ -89,9 +131,10 @@ async def bench_mode(cfg: Config, mode: str, rounds: int, interval: float, trans
             weights.update(load_file(str(f)))
         warm = msgspec.structs.replace(cfg.prompts, count=cfg.bench.warmup_prompts or 64)
         await one_round(engine, warm, weights, interval=None)
-        update = await transfer_update(engine, weights) if transfer else engine.update_weights
+        update = await learner_update(engine, weights, transfer, wait)
         await update(weights)  # the first update pays one-off costs
-        idle = [await timed(update, weights) for _ in range(3)]  # the engines idle: the same call's floor
+        await loaded(engine, update)
+        idle = [await timed(engine, update, weights) for _ in range(3)]  # the engines idle: the same call's floor
         prefill = await prefill_rate(engine, cfg)
         plain, updated = [], []
         for _ in range(rounds):
@@ -101,6 +144,7 @@ async def bench_mode(cfg: Config, mode: str, rounds: int, interval: float, trans
     loads = [s for r in updated for u in r["updates"] for s in u.load_s.values()]
     ratios = [u["tokens_per_s"] / p["tokens_per_s"] for p, u in zip(plain, updated)]
     busy = [s for r in updated for s in r["update_s"]]
+    busy_loaded = [s for r in updated for s in r["loaded_s"]]
     phases = [p for r in updated for p in r["phases"] if p]
     # What one update costs the engines in KV recompute, at the prefill rate measured above: an
     # engine whose recompute takes longer than the update interval never gets back to decoding.
@@ -112,8 +156,11 @@ async def bench_mode(cfg: Config, mode: str, rounds: int, interval: float, trans
         "stall_s": {"median": _median(stalls), "max": max(stalls, default=float("nan"))},
         "stalls_s": stalls,
         "load_s": {"median": _median(loads), "max": max(loads, default=float("nan"))},
-        "update_s": {"idle": idle, "generating": busy, "idle_median": _median(idle), "generating_median": _median(busy),
-                     "calls_generating_median": {k: _median([p[k] for p in phases]) for k in (phases[0] if phases else {})}},  # fmt: skip
+        "wait": wait,
+        "update_s": {"idle": [c for c, _ in idle], "generating": busy, "idle_median": _median([c for c, _ in idle]), "generating_median": _median(busy),
+                     "calls_generating_median": {k: _median([p[k] for p in phases]) for k in (phases[0] if phases else {})}},
+        "loaded_s": {"idle": [t for _, t in idle], "generating": busy_loaded, "idle_median": _median([t for _, t in idle]),
+                     "generating_median": _median(busy_loaded)},  # fmt: skip
         "tokens_per_s_plain": [r["tokens_per_s"] for r in plain],
         "tokens_per_s_updating": [r["tokens_per_s"] for r in updated],
         "ratio": _median(ratios),
@@ -157,6 +204,11 @@ def table(results: list[dict[str, Any]], interval: float) -> str:
             + " ".join(f"{x:.3f}" for x in r["ratios"])
         )
     for r in results:
+        if not r["wait"]:
+            u = r["loaded_s"]
+            lines.append(f"{r['mode']}: the call does not wait; until every engine serves the epoch (median): generating "
+                         f"{u['generating_median'] * 1e3:.1f}ms, idle {u['idle_median'] * 1e3:.1f}ms")  # fmt: skip
+    for r in results:
         if calls := r["update_s"]["calls_generating_median"]:
             lines.append(f"{r['mode']}: vLLM's calls while generating (median): " + ", ".join(f"{k} {v * 1e3:.1f}ms" for k, v in calls.items()))
     for r in results:
@@ -178,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interval", type=float, default=2.0, help="seconds between updates")
     ap.add_argument("--report", default="weight_sync_report.json")
     ap.add_argument("--transfer", action="store_true", help="updates through vLLM's trainer API (gloo)")
+    ap.add_argument("--no-wait", action="store_true", help="the learner's call returns before the engines load (wait=False)")
     ap.add_argument("--plot", metavar="FILE.png", help="also draw the ratios and stalls per mode (needs matplotlib)")
     args = ap.parse_args(argv)
     if args.plot:
@@ -187,10 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, ["logging.level=warning", *args.override])
     results = []
     for mode in args.modes.split(","):
-        results.append(asyncio.run(bench_mode(cfg, mode, args.rounds, args.interval, args.transfer)))
+        results.append(asyncio.run(bench_mode(cfg, mode, args.rounds, args.interval, args.transfer, not args.no_wait)))
         print(table(results[-1:], args.interval).splitlines()[-1], flush=True)
     print(table(results, args.interval))
-    report = {"interval_s": args.interval, "config": args.config, "overrides": args.override, "transfer": args.transfer, "results": results}
+    report = {"interval_s": args.interval, "config": args.config, "overrides": args.override, "transfer": args.transfer, "wait": not args.no_wait, "results": results}
     Path(args.report).write_text(msgspec.json.encode(report).decode())
     print(f"report: {args.report}")
     if args.plot:

@@ -26,7 +26,7 @@ import datetime
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
@@ -89,6 +89,7 @@ class GlooTrainerInitInfo(TrainerInitInfo):
     master_port: int = 0
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     timeout_s: float = 300.0
+    hand_off: bool = False  # send_weights returns once every engine receives and the weights are copied (`send_weights`)
 
 
 def buckets(names: list[str], dtypes: list[str], shapes: list[list[int]], bucket_bytes: int) -> list[list[tuple[str, torch.dtype, list[int], int]]]:
@@ -251,7 +252,8 @@ class StateDictSource(WeightSource):
 class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
     """Trainer side: hosts the rendezvous store, is rank 0 of the group, drives the round through
     any `VLLMWeightSyncClient` (rollout's, vLLM's Ray or HTTP one). Non-sender ranks of a sharded
-    learner only iterate the source (its gathers are collectives), as with vLLM's NCCL backend."""
+    learner only iterate the source (its gathers are collectives), as with vLLM's NCCL backend.
+    With `hand_off` the learner does not wait for the bytes to go out (`send_weights`)."""
 
     init_info_cls = GlooTrainerInitInfo
 
@@ -262,6 +264,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self.pgs: list[Any] = []  # one pair group per worker rank
         self.session = f"rollout-gloo-{uuid.uuid4().hex[:8]}"
         self.round = 0
+        self._sending: Future[None] | None = None  # a handed-off round's send and finish_weight_update
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gloo-send")
 
     @classmethod
     def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client: Any, source: WeightSource | None = None) -> GlooTrainerWeightTransferEngine:
@@ -285,7 +289,11 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         return engine
 
     def send_weights(self) -> None:
+        """start, update (metadata checked, every worker receiving), the bytes, finish. `hand_off`:
+        returns after update with the tensors copied (kept until sent); a thread of this engine
+        sends and finishes, and the next call (or `settle`) waits for it, raising its error once."""
         assert self.source is not None and self.info is not None
+        self.settle()
         meta = self.source.metadata()
         if not self.is_sender:
             for _ in self.source:  # stay in the learner's own collectives (FSDP gathers)
@@ -295,12 +303,29 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         info = GlooUpdateInfo([m.name for m in meta], [str(m.dtype).removeprefix("torch.") for m in meta], [list(m.shape) for m in meta], self.round)
         self.client.start_weight_update()
         self.client.update_weights(asdict(info))  # checked, and every worker's receives posted (the engines keep serving)
-        send(self.pgs, iter(self.source), info, self.info.bucket_bytes)
+        if not self.info.hand_off:
+            self._send(iter(self.source), info)
+            return
+        copied = [(name, t.detach().to("cpu", copy=True)) for name, t in self.source]  # gathers run here, on the learner's thread
+        self._sending = self._sender.submit(self._send, iter(copied), info)
+
+    def _send(self, pairs: Iterator[tuple[str, torch.Tensor]], info: GlooUpdateInfo) -> None:
+        send(self.pgs, pairs, info, self.info.bucket_bytes)  # type: ignore[union-attr]
         self.client.finish_weight_update()  # the engines pause for the load alone
 
+    def settle(self) -> None:
+        """Wait for a handed-off round's bytes and finish_weight_update; raises its error, once."""
+        sending, self._sending = self._sending, None
+        if sending is not None:
+            sending.result()
+
     def shutdown(self) -> None:
-        _close(self.pgs)
-        self.pgs, self.store = [], None
+        try:
+            self.settle()
+        finally:
+            self._sender.shutdown(wait=False)
+            _close(self.pgs)
+            self.pgs, self.store = [], None
 
 
 def wait_ready(store: Any, session: str, round: int, ranks: Any, timeout_s: float) -> None:

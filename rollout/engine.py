@@ -330,7 +330,7 @@ class RolloutEngine:
         self._check_batch_size(groups)
         return _Batches(self, groups)
 
-    async def update_weights(self, weights: Any) -> int:
+    async def update_weights(self, weights: Any, *, wait: bool = True) -> int:
         """Load new weights into every healthy engine while requests keep streaming; returns the new epoch.
 
         `weights`: a state dict (HF parameter names -> tensors, as `model.state_dict()` gives) or
@@ -342,20 +342,34 @@ class RolloutEngine:
         leaves rotation and the call raises WeightSyncError naming it; every other engine serves
         the new epoch. Epochs are never reused: once any engine may have loaded epoch N, the
         loads run to their end even if the caller is cancelled, and the next update is N+1.
-        (`rollout.updates` runs it.)
+
+        `wait=False` returns the new epoch once the weights are handed off (checked, in Ray's object
+        store; a directory checked and fingerprinted) and the epoch allocated; the rest (every
+        engine receives, then loads) runs in the background. Its tokens carry the epoch from each
+        engine's load on, `epoch` changes once every engine serves it, and the next update waits
+        for it first. A failure there is raised once by the next `update_weights` or
+        `weights_loaded`; its epoch is never used again. (`rollout.updates` runs it.)
         """
         self._live_scheduler()
-        return await self._updates.update(weights)
+        return await self._updates.update(weights, wait)
 
-    def weight_sync_client(self) -> Any:
+    async def weights_loaded(self) -> int:
+        """Wait for an update that did not wait (`update_weights(wait=False)`, a weight-sync client's
+        `finish_weight_update` with `wait=False`) to end; raises its failure (WeightSyncError), once.
+        Returns the epoch every healthy engine serves."""
+        self._live_scheduler()
+        return await self._updates.settled()
+
+    def weight_sync_client(self, *, wait: bool = True) -> Any:
         """vLLM's `VLLMWeightSyncClient` over every engine, for a learner on vLLM's trainer API
         (`TrainerWeightTransferEngine`: gloo on CPU, nccl / ipc on GPUs); its calls block, so the
-        learner makes them from a thread. `finish_weight_update` starts the new epoch and returns it.
-        Call on the engine's event loop. (`rollout.weight_sync` runs it.)"""
+        learner makes them from a thread. `finish_weight_update` starts the new epoch and returns it;
+        with `wait=False` it returns once every tensor was sent, the engines load in the background
+        (as `update_weights(wait=False)`). Call on the engine's event loop. (`rollout.weight_sync` runs it.)"""
         from rollout.weight_sync import WeightSyncClient, loop_caller
 
         self._live_scheduler()
-        return WeightSyncClient(self._weight_transfer(), loop_caller(asyncio.get_running_loop()))
+        return WeightSyncClient(self._weight_transfer(), loop_caller(asyncio.get_running_loop()), wait)
 
     def _weight_transfer(self) -> Any:
         from rollout.weight_sync import WeightTransfer

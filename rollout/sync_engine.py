@@ -60,14 +60,18 @@ class SyncRolloutEngine:
     def batch(self, groups: int) -> Batch | None:
         return self._portal.call(self._engine.next_batch, groups)
 
-    def update_weights(self, weights: Any) -> int:
-        return self._portal.call(self._engine.update_weights, weights)
+    def update_weights(self, weights: Any, *, wait: bool = True) -> int:
+        return self._portal.call(lambda: self._engine.update_weights(weights, wait=wait))
 
-    def weight_sync_client(self) -> Any:
+    def weights_loaded(self) -> int:
+        """`RolloutEngine.weights_loaded`."""
+        return self._portal.call(self._engine.weights_loaded)
+
+    def weight_sync_client(self, *, wait: bool = True) -> Any:
         """`RolloutEngine.weight_sync_client`: vLLM's `VLLMWeightSyncClient`, callable from any thread."""
         from rollout.weight_sync import WeightSyncClient
 
-        return WeightSyncClient(self._portal.call(self._engine._weight_transfer), self._portal.call)
+        return WeightSyncClient(self._portal.call(self._engine._weight_transfer), self._portal.call, wait)
 
     def commit(self, handed: Batch | Group | Iterable[Group] | None = None) -> None:
         """See `RolloutEngine.commit`."""

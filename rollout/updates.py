@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -60,6 +61,8 @@ class WeightUpdates:
         self._durable: Any = None
         self._start_epoch = 0
         self._closed = False  # the engine is shutting down: updates end with EngineClosedError, nothing restarts
+        self._settling: anyio.Event | None = None  # set when an update that did not wait (`wait=False`) ends
+        self._failure: Exception | None = None  # ... its failure, raised once by the next call that waits on it
 
     def bind(self, scheduler: Any, pool: Any, model_path: str, tg: Any, durable: Any = None, start_epoch: int = 0) -> None:
         """The running scheduler, engine pool, model directory, the task group restarts run in, the
@@ -73,16 +76,60 @@ class WeightUpdates:
         EngineClosedError (its engines are going away), and no engine is restarted."""
         self._closed = True
 
-    async def update(self, weights: Any) -> int:
+    async def update(self, weights: Any, wait: bool = True) -> int:
         """`RolloutEngine.update_weights`: see there."""
         try:
-            return await self._update(weights)
+            await self.settled()
+            if wait:
+                return await self._update(weights)
+            return await self._tg.start(self._update_later, weights)
         except Exception as e:
             if self._closed:
                 raise EngineClosedError(f"the engine was shut down during this weight update ({type(e).__name__}: {e})") from e
             raise
 
-    async def _update(self, weights: Any) -> int:
+    async def _update_later(self, weights: Any, task_status: Any) -> None:
+        """`update(wait=False)`: what fails before the weights are handed off raises in the caller;
+        the rest (every engine receives, then loads) runs here, its failure kept for `settled`."""
+        handed = False
+
+        def hand_off(epoch: int) -> None:
+            nonlocal handed
+            handed = True
+            task_status.started(epoch)
+
+        await self._detached(lambda: self._update(weights, hand_off), lambda: handed)
+
+    def detach(self, work: Callable[[], Awaitable[Any]]) -> None:
+        """Run `work()` (an update's last phases, after its caller returned) in the background: the
+        next update, and `settled`, wait for it; its failure is raised once by `settled`."""
+        self._tg.start_soon(self._detached, work, lambda: True)
+
+    async def _detached(self, work: Callable[[], Awaitable[Any]], handed: Callable[[], bool]) -> None:
+        done = self._settling = anyio.Event()
+        try:
+            await work()
+        except Exception as e:
+            if not handed():  # the caller is still waiting: its error
+                raise
+            self._failure = e
+            log.error("weight update that was not waited for failed", error=f"{type(e).__name__}: {e}")
+        finally:
+            if self._settling is done:
+                self._settling = None
+            done.set()
+
+    async def settled(self) -> int:
+        """Wait for an update that did not wait (`wait=False`) to end; raise its failure once (then
+        it is forgotten). Returns the epoch every healthy engine serves."""
+        while self._settling is not None:
+            await self._settling.wait()
+        if (e := self._failure) is not None:
+            self._failure = None
+            raise WeightSyncError(f"an update that was not waited for failed: {e}", list(getattr(e, "failed", []))) from e
+        return self.epoch
+
+    async def _update(self, weights: Any, handed: Any = None) -> int:
         from policies.weights import fingerprint, pack, read_manifest
 
         pool = self._pool
@@ -98,10 +145,15 @@ class WeightUpdates:
             engines = [pool.engines[i] for i in live]
             epoch = max(self.epoch, self._allocated) + 1
             shared = pool.share(payload)
+            if handed is not None:  # the caller goes on from here: the epoch is its, failed or not
+                self._allocated = epoch
+                await self._record(epoch)
+                handed(epoch)
             live, engines, received = await self._stage(epoch, live, engines, shared)
             self._allocated = epoch  # an engine may hold it from here on: never allocated again
             with anyio.CancelScope(shield=True):  # every engine serves `epoch`, or left rotation, before anyone else looks
-                await self._record(epoch)
+                if handed is None:
+                    await self._record(epoch)
                 stats, bad = await self._commit(epoch, live, engines, received, payload, prepared=t0)
                 if len(bad) < len(live):
                     self._weights, self._weights_stamp = shared, stamp

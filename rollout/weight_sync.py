@@ -60,6 +60,7 @@ class _Round:
     def __init__(self, epoch: int, live: list[int], engines: list[Any]):
         self.epoch, self.live, self.engines = epoch, live, engines
         self.started = False  # engines paused and in vLLM's start_weight_update
+        self.finishing = False  # finish_weight_update(wait=False) returned: the engines finish in the background
         self.names: set[str] = set()
         self.nbytes = 0
         self.bad: dict[int, str] = {}
@@ -86,6 +87,7 @@ class WeightTransfer:
 
     async def init(self, init_info: dict[str, Any]) -> None:
         """vLLM's `init_weight_transfer_engine` on every engine, each at its own ranks."""
+        await self.u.settled()
         if self.round is not None:
             raise WeightSyncError("init_weight_transfer_engine called during a weight update", [])
         async with self.u.lock:
@@ -106,7 +108,9 @@ class WeightTransfer:
             self.members, self.incarnations = live, {i: self.u.incarnations.get(i, 0) for i in live}
 
     async def start(self) -> None:
-        """vLLM's `start_weight_update`: the round's lock, engines and epoch; no engine changes."""
+        """vLLM's `start_weight_update`: the round's lock, engines and epoch; no engine changes.
+        A round whose finish did not wait (`wait=False`) ends first; its failure raises here, once."""
+        await self.u.settled()
         if self.round is not None:
             raise WeightSyncError("start_weight_update called while a weight update is active: finish_weight_update first", [])
         if self.members is None:
@@ -213,10 +217,24 @@ class WeightTransfer:
         rnd.nbytes += sum(math.prod(s) * _itemsize(d) for d, s in zip(dtypes, shapes))
         return names
 
-    async def finish(self, weight_version: str | None = None) -> int:
-        """vLLM's `finish_weight_update`: the new epoch starts on every engine that loaded it; returns it."""
+    async def finish(self, weight_version: str | None = None, wait: bool = True) -> int:
+        """vLLM's `finish_weight_update`: the new epoch starts on every engine that loaded it; returns it.
+        `wait=False`: returns the round's epoch once every tensor was sent; the engines finish
+        (pause, load, tag, resume) in the background, and the next call waits for them."""
         rnd = self._active("finish_weight_update")
         rnd.busy += 1
+        if not wait and rnd.started:
+            try:
+                self._complete(rnd)
+            except BaseException:
+                rnd.busy -= 1
+                raise
+            rnd.finishing = True
+            self.u.detach(lambda: self._finish_closing(rnd, weight_version))
+            return rnd.epoch
+        return await self._finish_closing(rnd, weight_version)
+
+    async def _finish_closing(self, rnd: _Round, weight_version: str | None) -> int:
         try:
             with anyio.CancelScope(shield=True):
                 return await self._finish(rnd, weight_version)
@@ -224,13 +242,17 @@ class WeightTransfer:
             rnd.busy -= 1
             self._close(rnd)
 
-    async def _finish(self, rnd: _Round, weight_version: str | None) -> int:
-        if not rnd.started:  # nothing was sent: no engine changed
-            return self.u.epoch
+    def _complete(self, rnd: _Round) -> None:
+        """Every checkpoint tensor was sent, or no engine serves the round: InvalidWeightsError."""
         if missing := sorted(set(self.u._manifest) - rnd.names):
             self._fail_all(rnd, f"the update left out {missing[:4]}")
             raise InvalidWeightsError(f"epoch {rnd.epoch}: the learner sent no {', '.join(missing[:4])}"
                                       f"{' ...' if len(missing) > 4 else ''}; engines {rnd.live} out of rotation")  # fmt: skip
+
+    async def _finish(self, rnd: _Round, weight_version: str | None) -> int:
+        if not rnd.started:  # nothing was sent: no engine changed
+            return self.u.epoch
+        self._complete(rnd)
         live = [i for i in rnd.live if i not in rnd.bad]
         engines = [e for i, e in zip(rnd.live, rnd.engines) if i not in rnd.bad]
         t0 = time.perf_counter()
@@ -262,7 +284,7 @@ class WeightTransfer:
         return self.u.epoch
 
     def _active(self, call: str) -> _Round:
-        if self.round is None or not self.round.locked.is_set():
+        if self.round is None or not self.round.locked.is_set() or self.round.finishing:
             raise WeightSyncError(f"{call} called without start_weight_update; the epoch stays {self.u.epoch}", [])
         return self.round
 
@@ -307,8 +329,8 @@ class WeightSyncClient:
     """vLLM's `VLLMWeightSyncClient` over this engine: blocking calls, made from a learner thread
     (not the engine's event loop: `await anyio.to_thread.run_sync(trainer.send_weights)`)."""
 
-    def __init__(self, transfer: WeightTransfer, call: Callable[..., Any]):
-        self.transfer, self._call = transfer, call
+    def __init__(self, transfer: WeightTransfer, call: Callable[..., Any], wait: bool = True):
+        self.transfer, self._call, self.wait = transfer, call, wait
 
     def world_size(self) -> int:
         """Model workers over every engine: the learner's group is 1 + this (one sending rank)."""
@@ -324,8 +346,9 @@ class WeightSyncClient:
         self._call(self.transfer.update, update_info)
 
     def finish_weight_update(self, weight_version: str | None = None) -> int:
-        """Returns the epoch every healthy engine now serves."""
-        return self._call(self.transfer.finish, weight_version)
+        """Returns the round's epoch: every healthy engine serves it now, or (`wait=False`) once
+        the engines finish in the background (`RolloutEngine.weights_loaded`)."""
+        return self._call(self.transfer.finish, weight_version, self.wait)
 
     def update_weight_version(self, new_version: str) -> int:
         """Labels the current epoch `new_version` (`versions`); returns the epoch."""

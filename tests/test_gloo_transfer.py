@@ -3,7 +3,7 @@ sends to two workers (plain torch modules, in threads of this process) through a
 with vLLM's four calls. Bytes arrive exact, in buckets, staged until finish_weight_update; a round
 the workers refuse fails at once in the trainer; a trainer gone mid-transfer and a trainer that
 never sends fail each worker's finish within its timeout, naming the bucket and its tensors, the
-model untouched.
+model untouched; a round handed off (`hand_off`) returns before the bytes go out.
 """
 
 from __future__ import annotations
@@ -81,13 +81,13 @@ def weights(seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-def setup(timeout_s: float = 30.0, bucket_bytes: int = 3000):
+def setup(timeout_s: float = 30.0, bucket_bytes: int = 3000, **info):
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     w0 = weights(0)
     client = Client([worker(r, w0) for r in range(2)])
     source = StateDictSource(w0)
-    init = GlooTrainerInitInfo(world_size=3, rank=0, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+    init = GlooTrainerInitInfo(world_size=3, rank=0, bucket_bytes=bucket_bytes, timeout_s=timeout_s, **info)
     return WeightTransferTrainerFactory.trainer_init(init, client=client, source=source), client, source
 
 
@@ -137,6 +137,49 @@ def test_a_refused_round_fails_in_the_trainer_at_once():
     client.refuse = None
     trainer.send_weights()  # and the group still works
     trainer.shutdown()
+
+
+def test_a_handed_off_round_returns_with_the_weights_copied_and_raises_its_error_once():
+    """`hand_off`: send_weights returns once every worker receives and the learner's tensors are
+    copied (the learner may change its own at once); the bytes and finish_weight_update come from
+    the trainer's thread, and what fails there raises in the next call, which changes nothing."""
+    trainer, client, source = setup(hand_off=True)
+    finish, gate = client.finish_weight_update, threading.Event()
+
+    def held(weight_version=None):
+        gate.wait(30)
+        finish()
+
+    client.finish_weight_update = held
+    w, sent = weights(1), weights(1)
+    source.update(w)
+    trainer.send_weights()
+    assert not any(wk.model.loaded for wk in client.workers)  # the learner did not wait for the load
+    for v in w.values():
+        v.zero_()  # the learner's next step changes its tensors: what was handed off is a copy
+    gate.set()
+    trainer.settle()
+    for wk in client.workers:
+        assert wk.model.loaded == list(sent) and all(torch.equal(wk.model.w[k], v) for k, v in sent.items())
+
+    def fails(weight_version=None):
+        raise RuntimeError("engine 1 failed to load")
+
+    client.finish_weight_update = fails
+    source.update(weights(2))
+    trainer.send_weights()  # returns: the failure comes later
+    started = []
+    client.start_weight_update = lambda: started.append(1)
+    with pytest.raises(RuntimeError, match="engine 1 failed to load"):
+        trainer.send_weights()
+    assert started == []  # raised before this round began
+    trainer.settle()  # raised once
+    del client.start_weight_update
+    client.finish_weight_update = finish
+    source.update(weights(3))
+    trainer.send_weights()
+    trainer.shutdown()  # waits for the handed-off round
+    assert all(torch.equal(wk.model.w[k], v) for wk in client.workers for k, v in weights(3).items())
 
 
 TRAINER = """

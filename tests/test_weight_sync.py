@@ -1,7 +1,8 @@
 """vLLM's trainer API on the engine, without vLLM engines or Ray: vLLM's trainer factory builds our
 gloo trainer engine, which drives `RolloutEngine.weight_sync_client()` over fake engines whose
 model workers run the real gloo worker engine (real process groups over a real TCPStore, in this
-process). What each guarantee of `rollout.weight_sync` means when things go wrong."""
+process). What each guarantee of `rollout.weight_sync` means when things go wrong, and what an
+update that does not wait (`wait=False`, object store and trainer API) promises."""
 
 from __future__ import annotations
 
@@ -207,3 +208,88 @@ async def test_a_learner_gone_mid_transfer_leaves_no_engine_serving_torn_weights
                 await anyio.sleep(0.05)  # the engines' transfers fail on their own; they restart
             assert engine.epoch == 0 and not any(e.commits for e in pool.engines) and sorted(pool.restarts) == [0, 1]
             assert engine._updates._allocated == 1  # epoch 1 may be torn somewhere: never used again
+
+
+async def test_an_update_that_does_not_wait_returns_its_epoch_before_any_engine_loads(cfg):
+    """Object store, `wait=False`: the epoch comes back while every load is held; `epoch` moves only
+    once every engine serves it; `weights_loaded` waits for that."""
+    pool = FakePool(2)
+    for e in pool.engines:
+        e.commit_gate = anyio.Event()
+    with anyio.fail_after(TIMEOUT):
+        async with RolloutEngine(cfg, pool=pool) as engine:
+            assert await engine.update_weights(changed(1), wait=False) == 1
+            assert engine.epoch == 0 and not any(e.commits for e in pool.engines)
+            for e in pool.engines:
+                e.commit_gate.set()
+            assert await engine.weights_loaded() == 1
+            assert engine.epoch == 1 and [e.commits for e in pool.engines] == [[1], [1]]
+            assert await engine.update_weights(changed(2), wait=False) == 2 and await engine.weights_loaded() == 2
+
+
+async def test_a_failure_after_an_update_that_did_not_wait_is_raised_once_and_its_epoch_never_reused(cfg):
+    pool = FakePool(2)
+    with anyio.fail_after(TIMEOUT):
+        async with RolloutEngine(cfg, pool=pool) as engine:
+            with pytest.raises(InvalidWeightsError, match="unknown extra.weight"):  # before the hand-off: raised at once
+                await engine.update_weights({**STATE, "extra.weight": torch.ones(1)}, wait=False)
+            for e in pool.engines:
+                e.fail_commit = True
+            assert await engine.update_weights(changed(1), wait=False) == 1
+            with pytest.raises(WeightSyncError, match="not waited for failed: epoch 1: every engine failed to load it") as e:
+                await engine.weights_loaded()
+            assert sorted(e.value.failed) == [0, 1] and engine.epoch == 0
+            assert await engine.weights_loaded() == 0  # raised once
+            while len(pool.restarts) < 2:
+                await anyio.sleep(0.01)  # out of rotation: restarted (fresh fakes load fine)
+            assert await engine.update_weights(changed(2)) == 2  # epoch 1 may be torn somewhere: never used again
+
+
+async def test_the_next_update_raises_the_failure_of_one_that_did_not_wait_and_changes_nothing(cfg):
+    pool = FakePool(2)
+    with anyio.fail_after(TIMEOUT):
+        async with RolloutEngine(cfg, pool=pool) as engine:
+            pool.engines[1].fail_stage = True
+            assert await engine.update_weights(changed(1), wait=False) == 1
+            with pytest.raises(WeightSyncError, match="not waited for failed: epoch 1: weights did not reach engine 1.*no engine changed"):
+                await engine.update_weights(changed(2))
+            assert engine.epoch == 0 and not any(e.commits for e in pool.engines)
+            pool.engines[1].fail_stage = False
+            assert await engine.update_weights(changed(3)) == 2
+
+
+def gated(engine, gate: anyio.Event) -> None:
+    """`engine`'s vLLM finish_weight_update waits for `gate`."""
+    finish = engine.finish_transfer
+
+    async def held(*args):
+        await gate.wait()
+        return await finish(*args)
+
+    engine.finish_transfer = held
+
+
+async def test_a_trainer_round_that_does_not_wait_returns_once_sent_and_the_next_waits_for_its_loads(cfg):
+    pool = FakePool(2)
+    gate = anyio.Event()
+    with anyio.fail_after(TIMEOUT):
+        async with RolloutEngine(cfg, pool=pool) as engine:
+            from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+            client, source = engine.weight_sync_client(wait=False), StateDictSource(STATE)
+            init = GlooTrainerInitInfo(world_size=1 + client.world_size(), rank=0, bucket_bytes=1000, timeout_s=10)
+            t = await anyio.to_thread.run_sync(lambda: WeightTransferTrainerFactory.trainer_init(init, client=client, source=source))
+            gated(pool.engines[0], gate)
+            await send(t, source, changed(1))  # returns with engine 0's load held
+            assert engine.epoch == 0 and pool.engines[0].commits == []
+            with pytest.raises(WeightSyncError, match="update_weights called without start_weight_update"):
+                await anyio.to_thread.run_sync(client.update_weights, {"names": [], "dtype_names": [], "shapes": []})
+            gate.set()
+            assert await engine.weights_loaded() == 1 and [e.commits for e in pool.engines] == [[1], [1]]
+            assert all(torch.equal(loaded(pool, i)[n], v) for i in (0, 1) for n, v in changed(1).items())
+            pool.engines[1].fail_commit = True
+            await send(t, source, changed(2))  # the failure comes after the learner's call returned
+            with pytest.raises(WeightSyncError, match="not waited for failed: epoch 2: engine 1: RuntimeError: reload failed"):
+                await send(t, source, changed(3))  # the next round raises it, once, and changes nothing
+            assert engine.epoch == 2 and pool.engines[0].commits == [1, 2]
+            t.shutdown()
