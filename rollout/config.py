@@ -107,7 +107,10 @@ class StalenessConfig(Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class QueueConfig(Struct, frozen=True, forbid_unknown_fields=True):
-    max_groups: PositiveInt = 256  # groups admitted but not yet taken by the learner
+    # Groups admitted but not yet taken by the learner. None: twice what the engines hold running and
+    # queued, engines.count x (max_inflight_per_engine + queued_per_engine) / sampling.n, since a
+    # group keeps its slot until its last sample ends (issue 29); resolved by `Config`.
+    max_groups: PositiveInt | None = None
     # ready_first: groups are handed out as they finish; in_order: in the order they were fed
     order: Literal["ready_first", "in_order"] = "ready_first"
     # When set: finished groups are logged here (fsync'd) before hand-out and acknowledged when the
@@ -286,6 +289,10 @@ class Config(Struct, frozen=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         _check_raw_speculative_args(self.engines)
+        if self.queue.max_groups is None:
+            e = self.engines
+            groups = -(-2 * e.count * (e.max_inflight_per_engine + e.queue_depth) // self.sampling.n)
+            msgspec.structs.force_setattr(self, "queue", msgspec.structs.replace(self.queue, max_groups=groups))
         if self.sampling.n > self.engines.max_inflight_per_engine:
             raise ValueError(
                 f"sampling.n: {self.sampling.n} exceeds engines.max_inflight_per_engine "

@@ -10,7 +10,10 @@ Owns the data path between the prompt sources and where groups go:
   4) wait for room for the whole group on the engine with the least work waiting and in flight
      (`Runner.acquire`, `router.route`: another engine takes it only rather than run below a full
      batch). Each engine holds its running batch plus `engines.queued_per_engine` more waiting in
-     vLLM's queue, so a finished request's successor starts in the next step, not a round trip later;
+     vLLM's queue, so a finished request's successor starts in the next step, not a round trip later.
+     Groups admitted meanwhile wait in the `Lobby`, the largest `max_tokens` first, and reading goes
+     on while admission allows: the long samples of a long-tailed set start first (LPT), as vLLM
+     orders its own queue (`policies.vllm_adapter.frontend`);
   5) run the group's `n` samples on that engine, so they share its prefix cache (`Runner.run`:
      each sample's slot comes back as that sample ends, not when its group does; the unfinished
      ones move to another engine if that one dies); with `env` set each sample is an episode
@@ -25,6 +28,7 @@ Does not own: engines (`runner`), hand-out order and capacity (`queue`).
 
 from __future__ import annotations
 
+import heapq
 import time
 import traceback
 from collections import OrderedDict, deque
@@ -56,6 +60,51 @@ Destination = TrajectoryQueue | Submission
 MAX_SESSIONS = 65536  # sessions remembered; a forgotten one starts over on any engine
 
 
+class Lobby:
+    """Groups waiting for room on an engine: the largest token budget (`max_tokens`) goes first, equal
+    budgets in arrival order, one at a time into `Runner.acquire` (which routes it). A group with a
+    larger budget arriving while the head waits for room takes its place. Each waiter has its own
+    event, so a start wakes only the next one, not every group waiting."""
+
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+        self._waiting: list[list[Any]] = []  # heap of [-budget, arrival, event]
+        self._arrivals = 0
+        self._head: tuple[list[Any], anyio.CancelScope] | None = None  # the one in `Runner.acquire`
+
+    async def acquire(self, n: int, cost: int, budget: int) -> int:
+        """`Runner.acquire(n, cost)` once no group with a larger budget (or as large, earlier) waits."""
+        self._arrivals += 1
+        entry = [-budget, self._arrivals, anyio.Event()]
+        heapq.heappush(self._waiting, entry)
+        if self._head is not None and entry < self._head[0]:
+            self._head[1].cancel()  # overtaken: it waits again, this one goes first
+        try:
+            while True:
+                while self._head is not None or self._waiting[0] is not entry:
+                    entry[2] = anyio.Event()
+                    await entry[2].wait()
+                heapq.heappop(self._waiting)
+                with anyio.CancelScope() as scope:
+                    self._head = (entry, scope)
+                    try:
+                        return await self.runner.acquire(n, cost)
+                    finally:
+                        self._head = None
+                        self._next()
+                heapq.heappush(self._waiting, entry)
+        except BaseException:  # cancelled while waiting: the next one may be the head now
+            if any(e is entry for e in self._waiting):
+                self._waiting.remove(entry)
+                heapq.heapify(self._waiting)
+                self._next()
+            raise
+
+    def _next(self) -> None:
+        if self._head is None and self._waiting:
+            self._waiting[0][2].set()
+
+
 class Scheduler:
     def __init__(
         self,
@@ -79,6 +128,8 @@ class Scheduler:
         self.env = env
         self.chat = chat
         self.runner = Runner(cfg, engines, on_engine_dead, self.fail)
+        self.lobby = Lobby(self.runner)
+        self._stopped = False  # every engine is dead: no prompt is read any more
         self.admission = Admission(cfg.staleness)
         self._sources: deque[AsyncIterator] = deque()
         self._new_source = anyio.Event()
@@ -190,13 +241,8 @@ class Scheduler:
             return True
         cost = len(prompt.token_ids or prompt.text or "") + sampling.max_tokens
         session = self._sessions.get(prompt.session) if prompt.session is not None else None
-        try:
-            engine = await self.runner.acquire(sampling.n, cost, on=session[0] if session else None)
-        except EngineDeadError as e:
-            self.fail(e)
-            return False
-        tg.start_soon(self._run_guarded, engine, prompt, sampling, number, seq, cost, queued_at, dest, train, session)
-        return True
+        tg.start_soon(self._run_guarded, prompt, sampling, number, seq, cost, queued_at, dest, train, session)
+        return not self._stopped
 
     async def _run_guarded(self, *args: Any) -> None:
         """`_run_group`, a task nobody awaits: an exception in it (a bug, a callback that raised)
@@ -206,7 +252,7 @@ class Scheduler:
         except BaseException as e:  # what user code raised on the loop (a callback's SystemExit) too
             if passes_through(e):  # our own cancellation, or Ctrl-C
                 raise
-            _, prompt, _, _, seq, _, _, dest, train, _ = args
+            prompt, _, _, seq, _, _, dest, train, _ = args
             await self._crashed(e, prompt, seq, dest, train)
 
     async def _crashed(self, error: BaseException, item: Prompt | BadPrompt, seq: int, dest: Destination, train: bool) -> None:
@@ -226,9 +272,19 @@ class Scheduler:
         await self._hand_in(group, seq, dest)
 
     async def _run_group(
-        self, i: int, prompt: Prompt, sampling: Sampling, number: int, seq: int, cost: int, queued_at: float,
+        self, prompt: Prompt, sampling: Sampling, number: int, seq: int, cost: int, queued_at: float,
         dest: Destination, train: bool, session: tuple[int, str, list[tuple[int, int]]] | None = None,
     ) -> None:  # fmt: skip
+        try:  # a session's turn waits for the engine holding its KV; the rest wait their turn in the lobby
+            if session:
+                i = await self.runner.acquire(sampling.n, cost, on=session[0])
+            else:
+                i = await self.lobby.acquire(sampling.n, cost, sampling.max_tokens)
+        except EngineDeadError as e:  # said once, not once per group waiting
+            if not self._stopped:
+                self._stopped = True
+                self.fail(e)
+            return
         salt = (session[1] if session else f"s:{prompt.session}") if prompt.session is not None else None
         requests = [
             Request(f"r{number}-{k}", prompt.id, k, sampling, token_ids=prompt.token_ids, text=prompt.text, cache_salt=salt)

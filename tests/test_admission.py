@@ -308,3 +308,12 @@ def test_an_admission_setting_that_cannot_work_is_refused_naming_the_key(overrid
 
     with pytest.raises(InvalidConfigError, match=message.replace("`", ".")):
         load_config(None, [override])
+
+
+def test_the_default_queue_admits_twice_what_the_engines_hold():
+    """Issue 29: `queue.max_groups` follows the engines' room (running + queued, twice over: a group
+    keeps its slot until its last sample ends), so admission never holds back what they could run."""
+    assert load_config(None).queue.max_groups == 2 * 2 * (256 + 256) // 4
+    more = load_config(None, ["engines.count=3", "sampling.n=8", "engines.queued_per_engine=64"])
+    assert more.queue.max_groups == -(-2 * 3 * (256 + 64) // 8) == 240
+    assert load_config(None, ["queue.max_groups=7"]).queue.max_groups == 7

@@ -164,6 +164,31 @@ async def test_queued_requests_add_room_per_engine(make_cfg):
     assert all(e.max_inflight == 6 for e in pool.engines)
 
 
+async def test_waiting_groups_start_longest_budget_first(make_cfg):
+    """Issue 29: groups admitted while every engine is full start in the order of their token budget,
+    longest first (arrival order among equals), not the order they were read: the long samples of a
+    long-tailed set then run alongside the short ones instead of alone at the end."""
+    pool = FakePool(2)
+    gate = anyio.Event()
+    started: list[str] = []  # every request either engine received, in order
+    for e in pool.engines:
+        e.gate, e.requests = gate, started
+    cfg = make_cfg("sampling.max_tokens=16", "model.max_model_len=128", "queue.max_groups=10")  # every prompt admitted
+    async with rollout(cfg, pool) as engine:
+        engine.feed(prompts(4))  # fill both engines (2 groups of 2 each)
+        for e in pool.engines:
+            await e.wait_until(lambda e: e.inflight == 4)
+        budgets = [2, 2, 16, 2, 8, 16]
+        engine.feed([Prompt(token_ids=[40 + i] * 3, id=f"w{i}-{b}", sampling={"max_tokens": b})
+                     for i, b in enumerate(budgets)])  # fmt: skip
+        await wait_all_tasks_blocked()
+        gate.set()
+        groups = await all_groups(engine)
+    assert len(groups) == 10 and all(g.ok for g in groups)
+    waited = list(dict.fromkeys(r.prompt_id for r in started if r.prompt_id.startswith("w")))
+    assert waited == ["w2-16", "w5-16", "w4-8", "w0-2", "w1-2", "w3-2"]
+
+
 async def test_group_members_share_an_engine_under_load(make_cfg):
     pool = FakePool(2)
     async with rollout(make_cfg("sampling.n=4", "engines.max_inflight_per_engine=4"), pool) as engine:

@@ -104,3 +104,25 @@ async def test_the_probe_refuses_a_vllm_that_reports_no_weight_versions():
 async def test_the_probe_refuses_a_vllm_that_keeps_no_state_for_a_running_request():
     with pytest.raises(VllmChangedError, match="no request_states entry"):
         await frontend(None)._probe()
+
+
+async def test_a_request_runs_at_the_priority_of_its_remaining_budget():
+    """Issue 29: vLLM (`scheduling_policy: priority`, lower runs earlier) starts the longest remaining
+    budget first, so a long-tailed set's long samples do not start last and run alone at the end."""
+    from policies.vllm_args import sampling_params
+    from rollout.types import Sampling
+
+    sent: list[tuple[str, int]] = []
+
+    class Llm:
+        async def generate(self, prompt, params, request_id, priority=0):
+            sent.append((request_id, priority))
+            completion = types.SimpleNamespace(token_ids=[5], logprobs=types.SimpleNamespace(logprobs=[-0.1], start_indices=[0]),
+                                               weight_versions=[], finish_reason="length", stop_reason=None)  # fmt: skip
+            yield types.SimpleNamespace(outputs=[completion], num_cached_tokens=0)
+
+    f = VllmFrontend(llm=Llm())
+    await f.run("long", [1, 2], "salt", sampling_params(Sampling(max_tokens=512), None))
+    continuation = sampling_params(Sampling(max_tokens=512), None, done=500)  # 12 left
+    await f.run("rest", [1, 2], "salt", continuation)
+    assert sent == [("long", -512), ("rest", -12)]

@@ -26,6 +26,12 @@ def test_the_kv_cache_default_depends_on_the_device():
     assert engine_args(load_config("configs/gpu.yaml"), "/m").gpu_memory_utilization == 0.9
 
 
+def test_engines_schedule_by_priority_unless_the_config_says_otherwise():
+    """Issue 29: requests carry their remaining token budget as priority (`VllmFrontend.run`)."""
+    assert engine_args(load_config(None), "/m").scheduling_policy == "priority"
+    assert engine_args(load_config(None, ["engines.vllm={scheduling_policy: fcfs}"]), "/m").scheduling_policy == "fcfs"
+
+
 def test_raw_logprobs_and_what_rollout_owns():
     assert engine_args(load_config(None, ["sampling.logprobs=raw"]), "/m").logprobs_mode == "raw_logprobs"
     with pytest.raises(InvalidConfigError, match="engines.vllm.logprobs_mode: set by rollout from sampling.logprobs"):

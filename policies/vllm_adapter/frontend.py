@@ -178,7 +178,11 @@ class VllmFrontend:
         prompt = tokens_input(token_ids, cache_salt=cache_salt)
         out = None
         try:
-            async for out in self.llm.generate(prompt, params, request_id=piece_id):
+            # Longest remaining budget first (vLLM's `scheduling_policy: priority`, set by
+            # `policies.vllm_args.engine_args`; lower runs earlier, ties in arrival order; it orders
+            # vLLM's queue and picks KV-preemption victims, never preempts for a waiting request):
+            # a long-tailed set's long samples start first instead of running alone at the end.
+            async for out in self.llm.generate(prompt, params, request_id=piece_id, priority=-params.max_tokens):
                 pass  # one output, when it ends
         except VllmDead as e:
             raise EngineDeadError(f"vLLM's engine core died: {e}") from e
