@@ -85,9 +85,16 @@ class Logprobs(_Packed):
     code = "d"
 
 
+_array = array.__new__  # the C constructor, bytes read by one copy: decoding skips our `__new__`
+
+
 def unpack(value: Any, kind: type[_Packed]) -> Any:
     """A field's decoded value as `kind` when it came packed (bytes); anything else as it is."""
-    return kind(value) if type(value) is bytes else value
+    if type(value) is not bytes:
+        return value
+    if _SWAP:
+        return kind(value)
+    return _array(kind, kind.code, value)
 
 
 def wire_hook(obj: Any) -> Any:

@@ -36,6 +36,7 @@ class TrajectoryQueue:
         self._producers = 0  # sources still being read
         self._error: BaseException | None = None
         self._changed = anyio.Event()
+        self._getters = 0  # `get` calls waiting: only they need `_changed` set
 
     def __len__(self) -> int:
         return len(self._items)
@@ -104,11 +105,16 @@ class TrajectoryQueue:
             if self.idle:
                 return None
             changed = self._changed
-            await changed.wait()
+            self._getters += 1
+            try:
+                await changed.wait()
+            finally:
+                self._getters -= 1
 
     def _notify(self) -> None:
-        self._changed.set()
-        self._changed = anyio.Event()
+        if self._getters:  # a new event per finished group with nobody waiting cost the driver ~2 us
+            self._changed.set()
+            self._changed = anyio.Event()
 
 
 class Submission:

@@ -46,6 +46,7 @@ class Runner:
         self.reports: list[Mapping[str, Trajectory]] = [{} for _ in self.engines]  # each engine's latest progress report
         self.loads = [EngineLoad() for _ in self.engines]
         self._capacity_freed = anyio.Event()
+        self._waiting = 0  # acquirers waiting for room: only they need `_capacity_freed` set
 
     # -- room on the engines -----------------------------------------------------------------
 
@@ -59,7 +60,11 @@ class Runner:
             if not any(load.healthy or load.restarting for load in self.loads):
                 raise EngineDeadError("every engine is dead")
             freed = self._capacity_freed
-            await freed.wait()
+            self._waiting += 1
+            try:
+                await freed.wait()
+            finally:
+                self._waiting -= 1
         self._add(i, n, n * cost)
         return i
 
@@ -74,8 +79,9 @@ class Runner:
             self.on_load(i, self.loads[i].requests)
 
     def _wake(self) -> None:
-        self._capacity_freed.set()
-        self._capacity_freed = anyio.Event()
+        if self._waiting:  # a new event per finished sample with nobody waiting was ~2 us of the driver's
+            self._capacity_freed.set()
+            self._capacity_freed = anyio.Event()
 
     # -- running requests --------------------------------------------------------------------
 

@@ -190,9 +190,10 @@ class Trajectory(Struct):
     turns: list[Trajectory] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:  # decoded from packed bytes: typed arrays again
-        self.prompt_token_ids = unpack(self.prompt_token_ids, TokenIds)
-        self.token_ids = unpack(self.token_ids, TokenIds)
-        self.logprobs = unpack(self.logprobs, Logprobs)
+        if type(self.token_ids) is bytes or type(self.prompt_token_ids) is bytes or type(self.logprobs) is bytes:
+            self.prompt_token_ids = unpack(self.prompt_token_ids, TokenIds)
+            self.token_ids = unpack(self.token_ids, TokenIds)
+            self.logprobs = unpack(self.logprobs, Logprobs)
 
     @property
     def ok(self) -> bool:
