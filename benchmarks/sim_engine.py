@@ -258,6 +258,10 @@ class SimEngine(GroupCalls):
         off = zlib.crc32(request_id.encode()) % TABLE
         return TokenIds(self._tokens[4 * off : 4 * (off + n)]), Logprobs(self._logprobs[8 * off : 8 * (off + n)])
 
+    def report(self, sock: Any) -> None:
+        if not self.stalled:  # a stalled engine answers nothing, on the data path as through Ray
+            super().report(sock)
+
     async def stats(self) -> EngineStats:
         return EngineStats(engine_id=self.engine_id, epoch=self.epoch, running=len(self.running),
                            requests_finished=self.counts["trajectories"], tokens_generated=self.counts["tokens"])  # fmt: skip

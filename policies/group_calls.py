@@ -7,8 +7,9 @@ does: the driver gives the sample's slot on this engine to the next request at o
 Owns: the submitted groups' tasks (a cancel frame stops them) and their results until sent. Every
 task, unless the driver cancelled it, ends in one `GroupResult` per sample or in one with the
 error that ended it: nothing the driver waits for can vanish while the engine lives (and when it
-dies, the driver's `serve` call fails). Does not own: running a group (`VLLMPolicy.stream_group`;
-an engine without one runs `finish_group` and sends its samples together).
+dies, the driver's `serve` call fails). Progress reports the driver asks for on the socket are
+answered there. Does not own: running a group (`VLLMPolicy.stream_group`; an engine without one
+runs `finish_group` and sends its samples together), what a report holds (`progress`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from rollout.packed import encode
 from rollout.types import GroupResult, Request, Trajectory
 
 HELLO, SUBMIT, CANCEL, RESULTS = b"h", b"s", b"c", b"r"  # a frame's kind, its first part
+PROGRESS, FAILED = b"p", b"f"  # a progress report asked for and answered; or why it cannot be
 
 
 def socket(kind: int, identity: bytes | None = None) -> zmq.asyncio.Socket:
@@ -71,10 +73,24 @@ class GroupCalls:
                     self.submit(payload)
                 elif kind == CANCEL:
                     self.cancel(msgspec.msgpack.decode(payload, type=list[str]))
+                elif kind == PROGRESS:
+                    self.report(sock)
         finally:
             if self._sock is sock:
                 self._sock = None
             sock.close(linger=0)
+
+    def progress(self) -> bytes:
+        raise NotImplementedError
+
+    def report(self, sock: zmq.asyncio.Socket) -> None:
+        """Answer the driver's health watch on the data path (a Ray call per report cost the driver
+        as much as a group): this engine's progress report, or why there is none."""
+        try:
+            frame = [PROGRESS, self.progress()]
+        except Exception as e:  # vLLM's engine core died (EngineDeadError): the driver kills this engine
+            frame = [FAILED, f"engine {self.engine_id}: health report failed: {type(e).__name__}: {e}".encode()]
+        sock.send_multipart(frame)
 
     def submit(self, batch: bytes) -> None:
         """Start groups: msgpack `[(key, requests)]`. Each comes back once as results, unless cancelled;

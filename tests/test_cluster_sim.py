@@ -14,6 +14,7 @@ from benchmarks.cluster_sim import WEIGHTS, Options, config, main, model_dir, pa
 from benchmarks.sim_engine import SimEngine, SimSpec
 from benchmarks.sim_pool import SimPool
 from rollout.engine import RolloutEngine
+from rollout.errors import EngineDeadError
 from rollout.types import Prompt, expand_runs
 
 TIMEOUT = 30  # seconds; only reached when a test is about to fail
@@ -138,3 +139,32 @@ def test_bad_input_is_refused_naming_the_flag(argv, flag, capsys):
     with pytest.raises(ValueError, match=f"^{flag}:"):
         parse(argv)
     assert main(argv) == 2 and f"cluster_sim: {flag}:" in capsys.readouterr().err
+
+
+async def test_progress_reports_cross_the_data_path_once_the_engine_is_connected(tmp_path):
+    """A Ray call costs the driver as much as a group: once an engine's `serve` call is connected,
+    the health watch's reports come on the zmq socket (the host counts no Ray `progress` call),
+    and an engine whose report fails (vLLM's core died) says so as EngineDeadError."""
+    o = options()
+    pool = SimPool.start(o.spec, 2, 2, local=True)
+    for e in engines(pool):
+        e.hold = True
+    cfg = config(o, 2, model_dir(str(tmp_path), o.spec.vocab))
+    async with RolloutEngine(cfg, pool=pool) as engine:
+        engine.feed(prompts(2))
+        await until(pool, lambda: sum(len(e.parked) for e in engines(pool)) == 4)
+        handle, host = pool.engines[0], pool.objects[0]
+        before = host.calls.get("progress", 0)
+        report = await handle.progress()
+        assert host.calls.get("progress", 0) == before and len(report) == 2
+        assert all(t.token_ids for t in report.values())  # each parked sample at its last token
+
+        def broken() -> bytes:
+            raise EngineDeadError("vLLM's engine core died")
+
+        host.engines[0].progress = broken
+        with pytest.raises(EngineDeadError, match="engine 0: health report failed: EngineDeadError: vLLM's engine core died"):
+            await handle.progress()
+        for e in engines(pool):
+            e.release()
+        assert len([g async for g in engine.groups()]) == 2
