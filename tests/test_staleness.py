@@ -187,7 +187,7 @@ async def test_in_order_hands_out_in_feed_order(make_cfg):
     [
         ("staleness.max_lag=-1", "staleness.max_lag: expected `int` >= 0"),
         ("staleness.stale=keep", "staleness.stale: invalid enum value 'keep'"),
-        ("staleness.batch_groups=300", "staleness.batch_groups: 300 can never fill, queue.max_groups is 256"),
+        ("staleness.batch_groups=300 queue.max_groups=256", "staleness.batch_groups: 300 can never fill, queue.max_groups is 256"),
         ("queue.order=random", "queue.order: invalid enum value 'random'"),
     ],
 )
@@ -195,7 +195,7 @@ def test_bad_staleness_config_names_the_key(override, message):
     from rollout.errors import InvalidConfigError
 
     with pytest.raises(InvalidConfigError, match=re.escape(message)):
-        load_config(None, [override])
+        load_config(None, override.split())  # queue.max_groups given: its default follows the engines (issue 29)
 
 
 def test_tokens_without_epochs_fail_instead_of_counting_as_epoch_0():
