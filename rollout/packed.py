@@ -30,7 +30,7 @@ _SWAP = sys.byteorder != "little"  # the wire is little-endian whatever the host
 
 class _Packed(array):
     __slots__ = ()  # nothing per instance: to the collector an array is one object with nothing in it
-    code = ""
+    code, size = "", 0  # array typecode, bytes per value
 
     def __new__(cls, values: Iterable[Any] | bytes = ()) -> Any:
         """From any iterable of values, or packed bytes (as `wire_hook` makes them)."""
@@ -76,6 +76,7 @@ class TokenIds(_Packed):
 
     __slots__ = ()
     code = "i"
+    size = array("i").itemsize
 
 
 class Logprobs(_Packed):
@@ -83,15 +84,19 @@ class Logprobs(_Packed):
 
     __slots__ = ()
     code = "d"
+    size = array("d").itemsize
 
 
 _array = array.__new__  # the C constructor, bytes read by one copy: decoding skips our `__new__`
 
 
-def unpack(value: Any, kind: type[_Packed]) -> Any:
-    """A field's decoded value as `kind` when it came packed (bytes); anything else as it is."""
+def unpack(value: Any, kind: type[_Packed], field: str) -> Any:
+    """A field's decoded value as `kind` when it came packed (bytes); anything else as it is.
+    Raises ValueError naming `field` when the bytes are not whole values."""
     if type(value) is not bytes:
         return value
+    if len(value) % kind.size:
+        raise ValueError(f"{field}: {len(value)} packed bytes are not whole {kind.size}-byte values")
     if _SWAP:
         return kind(value)
     return _array(kind, kind.code, value)
@@ -125,7 +130,7 @@ def encode(obj: Any) -> bytes:
 
 
 def to_json(obj: Any) -> bytes:
-    """JSON, per-token arrays as lists of numbers (what `rollout generate --out` writes)."""
+    """JSON, per-token arrays as lists of numbers (what `rollout run --out` writes)."""
     return _JSON.encode(obj)
 
 

@@ -147,7 +147,7 @@ class Request(Struct, frozen=True):
 
     def __post_init__(self) -> None:
         if type(self.token_ids) is bytes:  # decoded packed: typed again
-            msgspec.structs.force_setattr(self, "token_ids", TokenIds(self.token_ids))
+            msgspec.structs.force_setattr(self, "token_ids", unpack(self.token_ids, TokenIds, "token_ids"))
 
 
 class Trajectory(Struct):
@@ -191,9 +191,9 @@ class Trajectory(Struct):
 
     def __post_init__(self) -> None:  # decoded from packed bytes: typed arrays again
         if type(self.token_ids) is bytes or type(self.prompt_token_ids) is bytes or type(self.logprobs) is bytes:
-            self.prompt_token_ids = unpack(self.prompt_token_ids, TokenIds)
-            self.token_ids = unpack(self.token_ids, TokenIds)
-            self.logprobs = unpack(self.logprobs, Logprobs)
+            self.prompt_token_ids = unpack(self.prompt_token_ids, TokenIds, "prompt_token_ids")
+            self.token_ids = unpack(self.token_ids, TokenIds, "token_ids")
+            self.logprobs = unpack(self.logprobs, Logprobs, "logprobs")
 
     @property
     def ok(self) -> bool:

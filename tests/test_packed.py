@@ -140,3 +140,9 @@ def test_rollout_run_out_writes_an_engines_trajectories_as_json_lists(tmp_path):
         _Writer(f, str(path)).write([packed([1, 2], [3, 4], [(0, 0)])])
     line = msgspec.json.decode(path.read_bytes())
     assert line["prompt_token_ids"] == [1, 2] and line["token_ids"] == [3, 4] and line["logprobs"] == [-0.1, -0.2]
+
+
+def test_packed_bytes_that_are_not_whole_values_are_refused_naming_the_field():
+    bad = msgspec.msgpack.encode({"token_ids": b"12345"})
+    with pytest.raises(msgspec.ValidationError, match=r"^token_ids: 5 packed bytes are not whole 4-byte values$"):
+        msgspec.msgpack.decode(bad, type=Trajectory)
