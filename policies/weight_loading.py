@@ -213,4 +213,4 @@ def _stages(cfg: Any) -> bool:
 
     conf = cfg.engines.vllm.get("weight_transfer_config") or {}
     backend = conf.get("backend") if isinstance(conf, dict) else getattr(conf, "backend", None)
-    return (backend or ("nccl" if cfg.engines.gpus_per_engine else BACKEND)) == BACKEND
+    return (backend or ("nccl" if cfg.engines.gpus_per_engine else BACKEND)) in (BACKEND, "shm")  # ours: gloo, shm
