@@ -1,6 +1,8 @@
 """The `shm` weight-transfer backend: vLLM's `WeightTransferEngine` / `TrainerWeightTransferEngine`
 over shared memory, for a learner on the same node as the engines (`gloo` stays the path across
-nodes).
+nodes). Engines started with `shm` serve either: a learner joining with gloo's init info
+(`GlooTrainerInitInfo`, NeMo RL's `init_collective`, a learner on another node) gets gloo's worker
+engine for its rounds, so the learner, which knows where it runs, picks the transport.
 
 Owns: `ShmWeightTransferEngine` (inside each vLLM worker), `ShmTrainerWeightTransferEngine` (in
 the learner), their init and update infos, the ring's layout (`layout`), and `register`, which
@@ -49,6 +51,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
+
+from policies.gloo_transfer import GlooInitInfo, GlooWeightTransferEngine
 
 BACKEND = "shm"
 ALIGN = 64  # each tensor's offset in the stream: any dtype's view, on a cache line
@@ -140,10 +144,12 @@ def _ring(fd: int, nbytes: int) -> torch.Tensor:
 class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
     """Worker side: maps the learner's ring; each round a thread copies every chunk out of it into
     the staging buffer while the engine keeps serving; `finish_weight_update` (the engine's pause)
-    waits for it and loads, inside vLLM's layerwise reload (so CPU kernels are repacked there)."""
+    waits for it and loads, inside vLLM's layerwise reload (so CPU kernels are repacked there).
+    A learner that joins with gloo's init info is served by gloo's worker engine (`self.gloo`)."""
 
     init_info_cls = ShmInitInfo
     update_info_cls = ShmUpdateInfo
+    gloo_cls = GlooWeightTransferEngine
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -152,9 +158,27 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         self.ring: torch.Tensor | None = None
         self.staging = torch.empty(0, dtype=torch.uint8)
         self.pending: tuple[threading.Thread, list[Any], ShmUpdateInfo] | None = None  # the drain, its error, its round
+        self.gloo: GlooWeightTransferEngine | None = None  # the learner joined with gloo's init info
 
-    def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
+    def _via_gloo(self) -> GlooWeightTransferEngine | None:
+        if self.gloo is not None and self.gloo.pg is not None:
+            self.gloo.model, self.gloo.model_config = self.model, self.model_config  # vLLM's current target
+            return self.gloo
+        return None
+
+    def parse_init_info(self, init_dict: dict[str, Any]) -> Any:
+        if "master_address" not in init_dict:
+            return super().parse_init_info(init_dict)
+        if self.gloo is None:
+            self.gloo = self.gloo_cls(self.config, self.vllm_config, self.device, self._default_model)
+        return self.gloo.parse_init_info(init_dict)
+
+    def init_transfer_engine(self, init_info: ShmInitInfo | GlooInitInfo) -> None:
         self.shutdown()
+        if isinstance(init_info, GlooInitInfo):
+            assert self.gloo is not None  # made by parse_init_info
+            self.gloo.init_transfer_engine(init_info)
+            return
         p = self.parallel_config
         rank = p.data_parallel_index * p.world_size + p.rank + init_info.rank_offset
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -175,7 +199,8 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         self.sock, self.info = sock, init_info
 
     def start_weight_update(self) -> None:
-        pass  # the model is untouched until finish_weight_update
+        if gloo := self._via_gloo():
+            gloo.start_weight_update()  # the model is untouched until finish_weight_update
 
     def receive_weights(self, update_info: ShmUpdateInfo) -> None:
         if self.sock is None or self.info is None:
@@ -212,6 +237,9 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
             self._close()  # the stream is out of step: this worker needs init_weight_transfer_engine again
 
     def finish_weight_update(self) -> None:
+        if gloo := self._via_gloo():
+            gloo.finish_weight_update()
+            return
         pending, self.pending = self.pending, None
         if pending is None:
             return
@@ -231,6 +259,9 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         finalize_layerwise_reload(self.model, self.model_config)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
+        if gloo := self._via_gloo():
+            gloo.update_weights(update_info)
+            return
         self.receive_weights(self.parse_update_info(update_info))  # CPU: nothing to synchronize
 
     def _close(self) -> None:
@@ -239,6 +270,8 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         self.sock = self.ring = None
 
     def shutdown(self) -> None:
+        if self.gloo is not None:
+            self.gloo.shutdown()
         if self.sock is not None:
             with contextlib.suppress(OSError):
                 self.sock.shutdown(socket.SHUT_RDWR)  # wakes a drain waiting on it

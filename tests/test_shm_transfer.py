@@ -1,6 +1,6 @@
 """The shm weight-transfer backend without engines: vLLM's factories build both sides, a trainer
 sends through its ring to two workers (plain torch modules, in threads of this process) through a
-small client with vLLM's four calls. Bytes arrive exact through a ring far smaller than the model
+small client with vLLM's four calls. The same workers serve a gloo learner too. Bytes arrive exact through a ring far smaller than the model
 (tensors cut across slots, the ring wrapping round many times), staged until
 finish_weight_update; the ring is no file in /dev/shm and is unmapped when both sides shut down;
 a round the workers refuse fails at once; a source that disagrees with its metadata ends the
@@ -25,7 +25,7 @@ import torch
 
 from policies.shm import mapped
 from policies.shm_transfer import ALIGN, ShmInitInfo, ShmTrainerInitInfo, ShmUpdateInfo, ShmWeightTransferEngine, layout
-from policies.gloo_transfer import StateDictSource
+from policies.gloo_transfer import GlooTrainerInitInfo, GlooWeightTransferEngine, StateDictSource
 
 
 class Module(torch.nn.Module):
@@ -42,12 +42,19 @@ class Module(torch.nn.Module):
             self.loaded.append(name)
 
 
-class Worker(ShmWeightTransferEngine):
+def _reload(self, pairs) -> None:
     """vLLM's layerwise reload needs a vLLM model: here the load is the module's `load_weights`."""
+    self.model.loaded.clear()
+    self.model.load_weights(pairs)
 
-    def _reload(self, pairs) -> None:
-        self.model.loaded.clear()
-        self.model.load_weights(pairs)
+
+class GlooWorker(GlooWeightTransferEngine):
+    _reload = _reload
+
+
+class Worker(ShmWeightTransferEngine):
+    gloo_cls = GlooWorker
+    _reload = _reload
 
 
 def worker(weights) -> Worker:
@@ -91,11 +98,11 @@ def weights(seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-def setup(timeout_s: float = 30.0, slot_bytes: int = 1000, slots: int = 2):
+def setup(timeout_s: float = 30.0, slot_bytes: int = 1000, slots: int = 2, client: Client | None = None):
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     w0 = weights(0)
-    client = Client([worker(w0) for _ in range(2)])
+    client = client or Client([worker(w0) for _ in range(2)])
     source = StateDictSource(w0)
     init = ShmTrainerInitInfo(world_size=3, rank=0, slot_bytes=slot_bytes, slots=slots, timeout_s=timeout_s)
     return WeightTransferTrainerFactory.trainer_init(init, client=client, source=source), client, source
@@ -133,6 +140,28 @@ def test_the_trainer_sends_exact_bytes_to_every_worker_round_after_round():
         wk.shutdown()
     gc.collect()
     assert ring_mappings() == []  # unmapped on both sides: nothing of it is left
+
+
+def test_engines_started_with_shm_serve_a_gloo_learner_too_and_back():
+    """A learner off the node (or NeMo RL's init_collective) joins with gloo's init info: the same
+    workers receive through gloo's engine; a learner on the node then joins with shm's again."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    shm_trainer, client, source = setup()
+    w = {k: v for k, v in weights(1).items() if k != "model.layers.0.w"}  # gloo's buckets do not align a float32 after its 1922 bytes
+    gloo_trainer = WeightTransferTrainerFactory.trainer_init(GlooTrainerInitInfo(world_size=3, rank=0, bucket_bytes=3000, timeout_s=30),
+                                                             client=client, source=StateDictSource(w))  # fmt: skip
+    gloo_trainer.send_weights()
+    for wk in client.workers:
+        assert wk.gloo.pg is not None and wk.sock is None and all(torch.equal(wk.model.w[k], v) for k, v in w.items())
+    w = weights(2)
+    shm_trainer, _, source = setup(client=client)
+    source.update(w)
+    shm_trainer.send_weights()
+    for wk in client.workers:
+        assert wk.gloo.pg is None and wk.sock is not None and all(torch.equal(wk.model.w[k], v) for k, v in w.items())
+    shm_trainer.shutdown()
+    gloo_trainer.shutdown()
 
 
 def test_bytes_are_staged_while_the_model_serves_and_loaded_only_at_finish():
@@ -214,7 +243,7 @@ LEARNER = """
 import json, os, sys, torch
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 from policies.shm_transfer import ShmTrainerInitInfo
-from policies.gloo_transfer import StateDictSource
+from policies.gloo_transfer import GlooTrainerInitInfo, GlooWeightTransferEngine, StateDictSource
 
 class Client:
     def init_weight_transfer_engine(self, info):
