@@ -5,7 +5,8 @@ without updates and with an update every `--interval` seconds (the model's own w
 back, so every round generates the same distribution of tokens). Reports per mode:
 - the stall each engine saw per update (pause -> resume; median and max) and the load alone;
 - the learner's update call (until every engine serves the new epoch) while the engines generate,
-  against the same call with the engines idle (3 calls before the rounds), median of each;
+  against the same call with the engines idle (3 calls before the rounds), median of each, and how
+  late the driver's event loop wakes meanwhile (the learner's calls all go through it);
 - generated tokens/s with updates vs without, as the median of the per-round ratios;
 - the KV each update makes running requests recompute (`recompute`, `abort_resume`), in seconds at
   the engines' measured prefill rate, and a warning line for a mode whose recompute takes longer
@@ -66,15 +67,25 @@ async def one_round(engine: RolloutEngine, prompts: PromptsConfig, weights: Any,
                 loaded.append(until)
                 phases.append(dict(getattr(update, "calls", {})))
 
+    lags: list[float] = []  # the driver's event loop: how late a 10 ms sleep wakes (every call of the learner's waits on it)
+
+    async def lag() -> None:
+        while not done.is_set():
+            t = time.perf_counter()
+            await asyncio.sleep(0.01)
+            lags.append(time.perf_counter() - t - 0.01)
+
     task = asyncio.ensure_future(updater()) if interval else None
+    watch = asyncio.ensure_future(lag())
     async for group in engine.groups():
         tokens += sum(len(t.token_ids) for t in group.trajectories if t.ok)
     elapsed = time.perf_counter() - start
     done.set()
+    await watch
     if task:
         await task
     return {"tokens": tokens, "elapsed_s": elapsed, "tokens_per_s": tokens / elapsed, "updates": engine.weight_updates[first_update:], "update_s": calls,
-            "loaded_s": loaded, "phases": phases}  # fmt: skip
+            "loaded_s": loaded, "phases": phases, "loop_lag_s": lags}  # fmt: skip
 
 
 async def timed(engine: RolloutEngine, update: Any, weights: Any) -> tuple[float, float]:
@@ -145,6 +156,7 @@ async def bench_mode(cfg: Config, mode: str, rounds: int, interval: float, trans
     ratios = [u["tokens_per_s"] / p["tokens_per_s"] for p, u in zip(plain, updated)]
     busy = [s for r in updated for s in r["update_s"]]
     busy_loaded = [s for r in updated for s in r["loaded_s"]]
+    lag = sorted(s for r in updated for s in r["loop_lag_s"])
     phases = [p for r in updated for p in r["phases"] if p]
     # What one update costs the engines in KV recompute, at the prefill rate measured above: an
     # engine whose recompute takes longer than the update interval never gets back to decoding.
@@ -157,6 +169,7 @@ async def bench_mode(cfg: Config, mode: str, rounds: int, interval: float, trans
         "stalls_s": stalls,
         "load_s": {"median": _median(loads), "max": max(loads, default=float("nan"))},
         "wait": wait,
+        "loop_lag_s": {"median": _median(lag), "p90": lag[int(0.9 * len(lag))] if lag else float("nan")},
         "update_s": {"idle": [c for c, _ in idle], "generating": busy, "idle_median": _median([c for c, _ in idle]), "generating_median": _median(busy),
                      "calls_generating_median": {k: _median([p[k] for p in phases]) for k in (phases[0] if phases else {})}},
         "loaded_s": {"idle": [t for _, t in idle], "generating": busy_loaded, "idle_median": _median([t for _, t in idle]),
@@ -204,6 +217,8 @@ def table(results: list[dict[str, Any]], interval: float) -> str:
             + " ".join(f"{x:.3f}" for x in r["ratios"])
         )
     for r in results:
+        lines.append(f"{r['mode']}: the driver's event loop while generating, how late a 10 ms sleep wakes: median "
+                     f"{r['loop_lag_s']['median'] * 1e3:.1f}ms, p90 {r['loop_lag_s']['p90'] * 1e3:.1f}ms")  # fmt: skip
         if not r["wait"]:
             u = r["loaded_s"]
             lines.append(f"{r['mode']}: the call does not wait; until every engine serves the epoch (median): generating "

@@ -217,7 +217,7 @@ class RolloutEngine:
         if prompts is None or isinstance(prompts, (bytes, int, float)) or not isinstance(prompts, Iterable):
             raise InvalidPromptError(f"submit: expected prompts (a list, a prompt), got {type(prompts).__name__}")
         items = self._checked(list(prompts))
-        take = (lambda g: hand_out(g, self.epoch, self._staleness, scheduler.admission, keep_dropped=True)) if train else None
+        take = (lambda g: hand_out(g, self._updates.learner_epoch, self._staleness, scheduler.admission, keep_dropped=True)) if train else None
         submission = Submission(items, train, take)
         scheduler.submit(submission)
         return submission
@@ -290,8 +290,8 @@ class RolloutEngine:
 
         def keep(g: Group) -> Group | None:
             if recovered:
-                return self._staleness.apply(g, self.epoch)
-            return hand_out(g, self.epoch, self._staleness, self._live_scheduler().admission, keep_dropped)
+                return self._staleness.apply(g, self._updates.learner_epoch)
+            return hand_out(g, self._updates.learner_epoch, self._staleness, self._live_scheduler().admission, keep_dropped)
 
         return keep(group) if self._commits is None else await self._commits.hand_out(group, keep)
 

@@ -61,6 +61,7 @@ class WeightUpdates:
         self._durable: Any = None
         self._start_epoch = 0
         self._closed = False  # the engine is shutting down: updates end with EngineClosedError, nothing restarts
+        self.handed = 0  # the newest epoch an update call returned before its engines loaded it (`learner_epoch`)
         self._settling: anyio.Event | None = None  # set when an update that did not wait (`wait=False`) ends
         self._failure: Exception | None = None  # ... its failure, raised once by the next call that waits on it
 
@@ -119,6 +120,17 @@ class WeightUpdates:
                 self._settling = None
             done.set()
 
+    @property
+    def learner_epoch(self) -> int:
+        """The learner's weights: the newest epoch an update call returned, its engines loading it
+        or not (`wait=False`). Staleness counts lag from it, admission too."""
+        return max(self.epoch, self.handed)
+
+    def hand_over(self, epoch: int) -> None:
+        """An update call returns `epoch` before its engines load it: the learner holds it from now."""
+        self.handed = epoch
+        self._scheduler.admission.set_epoch(epoch - self._start_epoch)
+
     async def settled(self) -> int:
         """Wait for an update that did not wait (`wait=False`) to end; raise its failure once (then
         it is forgotten). Returns the epoch every healthy engine serves."""
@@ -144,10 +156,11 @@ class WeightUpdates:
             live = self._members()
             engines = [pool.engines[i] for i in live]
             epoch = max(self.epoch, self._allocated) + 1
-            shared = pool.share(payload)
+            shared = await anyio.to_thread.run_sync(pool.share, payload)  # a copy into the object store: off the loop
             if handed is not None:  # the caller goes on from here: the epoch is its, failed or not
                 self._allocated = epoch
                 await self._record(epoch)
+                self.hand_over(epoch)
                 handed(epoch)
             live, engines, received = await self._stage(epoch, live, engines, shared)
             self._allocated = epoch  # an engine may hold it from here on: never allocated again

@@ -230,6 +230,7 @@ class WeightTransfer:
                 rnd.busy -= 1
                 raise
             rnd.finishing = True
+            self.u.hand_over(rnd.epoch)
             self.u.detach(lambda: self._finish_closing(rnd, weight_version))
             return rnd.epoch
         return await self._finish_closing(rnd, weight_version)

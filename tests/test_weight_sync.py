@@ -293,3 +293,23 @@ async def test_a_trainer_round_that_does_not_wait_returns_once_sent_and_the_next
                 await send(t, source, changed(3))  # the next round raises it, once, and changes nothing
             assert engine.epoch == 2 and pool.engines[0].commits == [1, 2]
             t.shutdown()
+
+
+async def test_lag_counts_from_the_epoch_the_learner_holds_while_the_engines_still_load(cfg):
+    """After `update_weights(wait=False)` returned epoch 1, the learner trains with epoch 1: a token
+    of epoch 0 handed out meanwhile lags 1, though no engine serves epoch 1 yet."""
+    from rollout import Prompt
+
+    pool = FakePool(2)
+    for e in pool.engines:
+        e.commit_gate = anyio.Event()
+    with anyio.fail_after(TIMEOUT):
+        async with RolloutEngine(cfg, pool=pool) as engine:
+            assert await engine.update_weights(changed(1), wait=False) == 1
+            engine.feed([Prompt(token_ids=[5, 6, 7], id="p", sampling={"max_tokens": 4, "n": 1})])
+            group = await engine.next_group()
+            assert engine.epoch == 0 and group.trajectories[0].token_epochs() == [0] * 4
+            assert engine.staleness.lag_tokens == {1: 4}
+            for e in pool.engines:
+                e.commit_gate.set()
+            assert await engine.weights_loaded() == 1
