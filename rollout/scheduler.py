@@ -71,6 +71,7 @@ class Lobby:
         self._waiting: list[list[Any]] = []  # heap of [-budget, arrival, event]
         self._arrivals = 0
         self._head: tuple[list[Any], anyio.CancelScope] | None = None  # the one in `Runner.acquire`
+        self._shrunk = anyio.Event()  # set when a group leaves the waiting ones
 
     async def acquire(self, n: int, cost: int, budget: int) -> int:
         """`Runner.acquire(n, cost)` once no group with a larger budget (or as large, earlier) waits."""
@@ -85,6 +86,7 @@ class Lobby:
                     entry[2] = anyio.Event()
                     await entry[2].wait()
                 heapq.heappop(self._waiting)
+                self._shrunk.set()
                 with anyio.CancelScope() as scope:
                     self._head = (entry, scope)
                     try:
@@ -97,8 +99,21 @@ class Lobby:
             if any(e is entry for e in self._waiting):
                 self._waiting.remove(entry)
                 heapq.heapify(self._waiting)
+                self._shrunk.set()
                 self._next()
             raise
+
+    async def room(self, limit: int) -> None:
+        """Wait until fewer than `limit` groups wait here (a caller's submission, which takes no
+        learner queue slots, is read no further ahead than that)."""
+        while len(self._waiting) >= limit:
+            if self._shrunk.is_set():
+                self._shrunk = anyio.Event()
+            await self._shrunk.wait()
+
+    def __len__(self) -> int:
+        """Groups waiting (the head in `Runner.acquire` not counted)."""
+        return len(self._waiting)
 
     def _next(self) -> None:
         if self._head is None and self._waiting:
@@ -219,7 +234,12 @@ class Scheduler:
         """Start one prompt's group in `tg`. False when no engine is left to run it."""
         if train:
             await self.admission.acquire()
-        seq = await self.queue.reserve() if dest is self.queue else index
+        if dest is self.queue:
+            seq = await self.queue.reserve()
+        else:
+            await anyio.lowlevel.checkpoint()  # the group started before this one enters the lobby first
+            await self.lobby.room(self.cfg.queue.max_groups)
+            seq = index
         self._numbers += 1
         try:
             return await self._start(item, tg, dest, train, seq, self._numbers)

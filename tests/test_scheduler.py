@@ -189,6 +189,25 @@ async def test_waiting_groups_start_longest_budget_first(make_cfg):
     assert waited == ["w2-16", "w5-16", "w4-8", "w0-2", "w1-2", "w3-2"]
 
 
+async def test_a_submission_waits_in_the_lobby_no_deeper_than_max_groups(make_cfg):
+    """A caller's submission takes no learner queue slots: its prompts are read into the lobby only
+    while fewer than `queue.max_groups` groups wait there, not all at once (a task each)."""
+    pool = FakePool(2)
+    gate = anyio.Event()
+    for e in pool.engines:
+        e.gate = gate
+    async with rollout(make_cfg("queue.max_groups=3"), pool) as engine:
+        sub = engine.submit(prompts(12), train=False)  # 4 start (2 per engine), at most 3 wait
+        for e in pool.engines:
+            await e.wait_until(lambda e: e.inflight == 4)
+        await wait_all_tasks_blocked()
+        assert len(engine._live_scheduler().lobby) == 3
+        gate.set()
+        with anyio.fail_after(TIMEOUT):
+            done = await sub.result()
+    assert len(done) == 12 and all(g.ok for g in done)
+
+
 async def test_group_members_share_an_engine_under_load(make_cfg):
     pool = FakePool(2)
     async with rollout(make_cfg("sampling.n=4", "engines.max_inflight_per_engine=4"), pool) as engine:
