@@ -201,12 +201,16 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
     def start_weight_update(self) -> None:
         if gloo := self._via_gloo():
             gloo.start_weight_update()  # the model is untouched until finish_weight_update
+        elif self.pending is not None and self.pending[0].is_alive():
+            raise RuntimeError("shm transfer: start_weight_update while the last round's bytes are still coming")
+        else:
+            self.pending = None  # a round ended without finish_weight_update: nothing of it is loaded
 
     def receive_weights(self, update_info: ShmUpdateInfo) -> None:
         if self.sock is None or self.info is None:
             raise RuntimeError("shm weight transfer not initialized: call init_weight_transfer_engine first")
         if self.pending is not None:
-            raise RuntimeError("shm transfer: update_weights called twice in one round")
+            raise RuntimeError("shm transfer: update_weights called twice in one round (or without start_weight_update)")
         tensors, total = layout(update_info)
         if self.staging.numel() != total:
             self.staging = torch.empty(total, dtype=torch.uint8)

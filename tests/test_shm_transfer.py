@@ -224,6 +224,21 @@ def test_a_source_that_disagrees_with_its_metadata_ends_the_round_everywhere_at_
     trainer.shutdown()
 
 
+def test_a_round_the_learner_gave_up_without_finish_leaves_the_next_round_working():
+    """A learner whose send failed does not call finish_weight_update (vLLM's trainers do not):
+    its next round starts clean, nothing of the failed one loaded."""
+    trainer, client, _ = setup(timeout_s=300)
+    trainer.source = Lying(weights(1), "model.norm.weight")
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        trainer.send_weights()
+    w = weights(2)
+    trainer.source = StateDictSource(w)
+    trainer.send_weights()
+    for wk in client.workers:
+        assert wk.model.loaded == list(w) and all(torch.equal(wk.model.w[k], v) for k, v in w.items())
+    trainer.shutdown()
+
+
 def test_a_worker_gone_is_dropped_and_the_others_get_every_byte():
     trainer, client, source = setup()
     w = weights(1)
