@@ -99,15 +99,16 @@ class WeightUpdates:
             handed = True
             task_status.started(epoch)
 
-        await self._detached(lambda: self._update(weights, hand_off), lambda: handed)
+        self._settling = anyio.Event()
+        await self._detached(lambda: self._update(weights, hand_off), lambda: handed, self._settling)
 
     def detach(self, work: Callable[[], Awaitable[Any]]) -> None:
         """Run `work()` (an update's last phases, after its caller returned) in the background: the
-        next update, and `settled`, wait for it; its failure is raised once by `settled`."""
-        self._tg.start_soon(self._detached, work, lambda: True)
+        next update, and `settled`, wait for it (from now on); its failure is raised once by `settled`."""
+        self._settling = anyio.Event()
+        self._tg.start_soon(self._detached, work, lambda: True, self._settling)
 
-    async def _detached(self, work: Callable[[], Awaitable[Any]], handed: Callable[[], bool]) -> None:
-        done = self._settling = anyio.Event()
+    async def _detached(self, work: Callable[[], Awaitable[Any]], handed: Callable[[], bool], done: anyio.Event) -> None:
         try:
             await work()
         except Exception as e:
