@@ -308,3 +308,114 @@ def test_a_learner_that_never_sends_fails_the_worker_at_its_timeout():
     with pytest.raises(RuntimeError, match=r"shm transfer: chunk 1/\d+ \(model.embed.weight\): TimeoutError: timed out; the model is unchanged"):
         wk.finish_weight_update()
     trainer.shutdown()
+
+
+# -- through rollout's client (`RolloutEngine.weight_sync_client()`) over fake engines whose model
+# workers run the real shm worker engine -------------------------------------------------------
+
+STATE = {"embed.weight": torch.randn(40, 30), "layers.0.weight": torch.randn(30, 30).to(torch.bfloat16), "norm.weight": torch.ones(30, dtype=torch.bfloat16)}
+
+
+class PoolModel(torch.nn.Module):
+    """What vLLM's layerwise reload does, in short: loads are held until the update finishes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loaded: dict[str, torch.Tensor] = {}
+        self.pending: dict[str, torch.Tensor] = {}
+
+    def load_weights(self, pairs) -> None:
+        for name, t in pairs:
+            self.pending[name] = t.clone()
+
+
+class PoolWorker(ShmWeightTransferEngine):
+    def _reload(self, pairs) -> None:
+        self.model.load_weights(pairs)
+        self.model.loaded, self.model.pending = {**self.model.loaded, **self.model.pending}, {}
+
+
+@pytest.fixture
+def pool_cfg(tmp_path, monkeypatch):
+    import msgspec
+    from safetensors.torch import save_file
+
+    import tests.fakes
+    from rollout.config import load_config
+
+    vllm = types.SimpleNamespace(parallel_config=types.SimpleNamespace(data_parallel_index=0, world_size=1, rank=0), model_config=None)
+    monkeypatch.setattr(tests.fakes, "transfer_worker", lambda i: PoolWorker(types.SimpleNamespace(backend="shm"), vllm, torch.device("cpu"), PoolModel()))
+    (tmp_path / "config.json").write_text('{"vocab_size": 260}')
+    save_file(STATE, str(tmp_path / "model.safetensors"))
+    cfg = load_config(None, ["engines.count=2", "logging.level=error", "weight_sync.timeout_s=5", "engines.restart_backoff_s=0",
+                             "engines.vllm={weight_transfer_config: {backend: shm}}"])  # fmt: skip
+    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=str(tmp_path)))
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({**STATE, "norm.weight": torch.ones(3, dtype=torch.bfloat16)}, r"norm.weight: bfloat16 \[3\], model has bfloat16 \[30\]"),
+        ({**STATE, "norm.weight": torch.ones(30)}, r"norm.weight: float32 \[30\], model has bfloat16"),
+        ({**STATE, "extra.weight": torch.ones(1)}, "unknown extra.weight"),
+    ],
+)
+async def test_weights_that_do_not_fit_are_refused_before_any_byte_naming_the_tensor(pool_cfg, bad, match):
+    import anyio
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from rollout.engine import RolloutEngine
+    from rollout.errors import InvalidWeightsError
+    from tests.fakes import FakePool
+
+    pool = FakePool(2)
+    with anyio.fail_after(60):
+        async with RolloutEngine(pool_cfg, pool=pool) as engine:
+            client, source = engine.weight_sync_client(), StateDictSource(STATE)
+            init = ShmTrainerInitInfo(world_size=1 + client.world_size(), rank=0, slot_bytes=1000, timeout_s=300)
+            t = await anyio.to_thread.run_sync(lambda: WeightTransferTrainerFactory.trainer_init(init, client=client, source=source))
+            source.update(bad)
+            with pytest.raises(InvalidWeightsError, match=match) as e:
+                await anyio.to_thread.run_sync(t.send_weights)  # at once: no worker drains, nothing waits out the 300 s
+            assert "no engine changed" in str(e.value)
+            assert engine.epoch == 0 and not any(e.commits or e.worker.pending or e.worker.model.loaded for e in pool.engines)
+            good = {n: v + 1 for n, v in STATE.items()}
+            source.update(good)
+            await anyio.to_thread.run_sync(t.send_weights)
+            assert engine.epoch == 1 and all(torch.equal(e.worker.model.loaded[n], v) for e in pool.engines for n, v in good.items())
+            t.shutdown()
+
+
+async def test_a_learner_gone_mid_transfer_leaves_no_engine_serving_torn_weights(pool_cfg):
+    """The learner goes after its first chunks (its sockets close): every engine's round fails
+    (the model untouched), each leaves rotation and restarts, the epoch stays where it was and its
+    number is never used again."""
+    import anyio
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from rollout.engine import RolloutEngine
+    from tests.fakes import FakePool
+
+    pool = FakePool(2)
+    with anyio.fail_after(60):
+        async with RolloutEngine(pool_cfg, pool=pool) as engine:
+            client = engine.weight_sync_client()
+            init = ShmTrainerInitInfo(world_size=1 + client.world_size(), rank=0, slot_bytes=1000, timeout_s=300)
+
+            class Dies(StateDictSource):
+                def __iter__(self):
+                    for k, pair in enumerate(super().__iter__()):
+                        if k == 1:  # the first tensor (4800 bytes) went out in chunks
+                            t.shutdown()
+                            raise ConnectionError("learner died")
+                        yield pair
+
+            t = await anyio.to_thread.run_sync(lambda: WeightTransferTrainerFactory.trainer_init(init, client=client, source=Dies(STATE)))
+            workers = [e.worker for e in pool.engines]
+            with pytest.raises(ConnectionError):
+                await anyio.to_thread.run_sync(t.send_weights)
+            while engine._weight_transfer().round is not None or len(pool.restarts) < 2:
+                await anyio.sleep(0.05)  # the round ends on its own (no learner call within weight_sync.timeout_s); they restart
+            assert engine.epoch == 0 and not any(e.commits for e in pool.engines) and sorted(pool.restarts) == [0, 1]
+            assert engine._updates._allocated == 1  # epoch 1 may be torn somewhere: never used again
+            assert all(w.model.loaded == {} and w.sock is None for w in workers)  # nothing loaded; the socket's end was seen
