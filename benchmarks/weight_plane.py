@@ -1,23 +1,29 @@
-"""What one weight update costs on a real model, by source: Ray's object store vs vLLM's trainer API.
+"""What one weight update costs on a real model, by source: Ray's object store vs vLLM's trainer API
+(through our `gloo` or `shm` backend), against vLLM's reload floor for the same engines, same run.
 
 For each model size: build (once, cached) a random Llama of about that many parameters in bf16
 with transformers' config and safetensors (byte-level tokenizer of the tiny model), start
 `engines.count` engines (eager, small KV cache, idle), then per method and repeat push the
 model's own weights back and time:
 - update: the learner's call (`engine.update_weights(state_dict)` for the object store; for
-  `gloo`, vLLM's trainer factory's gloo engine `send_weights()` through
-  `engine.weight_sync_client()`) until every engine serves the new epoch;
+  `gloo` and `shm`, vLLM's trainer factory's engine of that backend, `send_weights()` through
+  `engine.weight_sync_client()`, the engines started with that backend) until every engine serves
+  the new epoch;
 - stall: pause -> resume of the slowest engine (`UpdateStats.stall_s`);
 - memcpy: one plain copy of the same bytes into a preallocated, already touched buffer, in this
   process, in the same run (the physical floor of moving the bytes once on this machine);
 - prepare / load phase: the update's split at the first pause (`UpdateStats.prepare_s`, `.seconds`);
-- /dev/shm: the peak of `/dev/shm` usage above its level before the update (sampled every 5 ms);
-- send (gloo): the learner's call less vLLM's start / update / finish calls: its broadcast of
+- /dev/shm: the peak of `/dev/shm` usage above its level before the update, and shmem: of the
+  machine's shared memory (`Shmem` in /proc/meminfo: /dev/shm and anonymous shared files, such as
+  the shm backend's ring), sampled every 5 ms;
+- send (gloo, shm): the learner's call less vLLM's start / update / finish calls: its send of
   the bytes, while the engines stage them.
-Reports medians over the repeats, ratios to memcpy, one table, and a JSON report.
+Then, after the engines are gone, vLLM's reload floor (`benchmarks/reload_floor.py`) for one engine
+alone and for `--engines` engines loading at once, and update / floor and stall / floor against the
+latter. Reports medians over the repeats, one table, and a JSON report.
 
-    python benchmarks/weight_plane.py --sizes 0.5B --methods store,gloo --repeats 3
-    python benchmarks/weight_plane.py --sizes 60M,250M,1B --methods gloo --repeats 3
+    python benchmarks/weight_plane.py --sizes 0.5B --methods shm,gloo,store --repeats 3
+    python benchmarks/weight_plane.py --sizes 250M,1B --methods shm --repeats 3 --no-floor
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import argparse
 import asyncio
 import shutil
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -82,12 +89,18 @@ def build_model(size: str, root: Path) -> Path:
     return out
 
 
+def shmem() -> int:
+    """The machine's shared memory in bytes (`Shmem`: /dev/shm, memfd files, shared anonymous maps)."""
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("Shmem:"))
+
+
 class ShmPeak:
-    """Peak /dev/shm usage above its level at start, sampled every 5 ms in a thread."""
+    """Peak /dev/shm usage and shmem above their levels at start, sampled every 5 ms in a thread."""
 
     def __init__(self) -> None:
-        self.base = shutil.disk_usage("/dev/shm").used
-        self.peak = 0
+        self.base, self.base_shmem = shutil.disk_usage("/dev/shm").used, shmem()
+        self.peak = self.peak_shmem = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -95,23 +108,28 @@ class ShmPeak:
     def _run(self) -> None:
         while not self._stop.wait(0.005):  # a measurement's sampling period, not a synchronisation
             self.peak = max(self.peak, shutil.disk_usage("/dev/shm").used - self.base)
+            self.peak_shmem = max(self.peak_shmem, shmem() - self.base_shmem)
 
-    def stop(self) -> int:
+    def stop(self) -> tuple[int, int]:
         self._stop.set()
         self._thread.join()
-        return self.peak
+        return self.peak, self.peak_shmem
 
 
-async def transfer_update(engine: RolloutEngine, weights: dict[str, Any], bucket_bytes: int = 64 << 20) -> Any:
-    """An update function sending through vLLM's trainer API: its trainer factory builds the gloo
-    engine (`policies.gloo_transfer`) over `engine.weight_sync_client()`; returns the new epoch."""
+async def transfer_update(engine: RolloutEngine, weights: dict[str, Any], method: str, bucket_bytes: int = 64 << 20) -> Any:
+    """An update function sending through vLLM's trainer API: its trainer factory builds our `gloo`
+    (`policies.gloo_transfer`) or `shm` (`policies.shm_transfer`) engine over
+    `engine.weight_sync_client()`; returns the new epoch."""
     import anyio
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from policies.gloo_transfer import GlooTrainerInitInfo, StateDictSource
+    from policies.shm_transfer import ShmTrainerInitInfo
 
     client, source = TimedClient(engine.weight_sync_client()), StateDictSource(weights)
-    init = GlooTrainerInitInfo(world_size=1 + client.world_size(), rank=0, bucket_bytes=bucket_bytes, timeout_s=600)
+    world = 1 + client.world_size()
+    init = (GlooTrainerInitInfo(world_size=world, rank=0, bucket_bytes=bucket_bytes, timeout_s=600) if method == "gloo"
+            else ShmTrainerInitInfo(world_size=world, rank=0, slot_bytes=bucket_bytes, timeout_s=600))  # fmt: skip
     trainer = await anyio.to_thread.run_sync(lambda: WeightTransferTrainerFactory.trainer_init(init, client=client, source=source))
 
     async def update(w: dict[str, Any]) -> int:
@@ -164,50 +182,64 @@ async def bench_size(size: str, methods: list[str], repeats: int, args: argparse
     from safetensors.torch import load_file
 
     path = build_model(size, Path(args.cache))
-    overrides = [
-        f"model.path={path}", "model.dtype=bfloat16", "model.max_model_len=512", f"engines.count={args.engines}",
-        "engines.vllm={kv_cache_gib: 0.25, enforce_eager: true}", "logging.level=warning", "weight_sync.timeout_s=600",
-    ]  # fmt: skip
-    cfg = load_config(args.config, overrides)
     weights = load_file(str(path / "model.safetensors"))
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
     out: dict[str, Any] = {"size": size, "params": sum(t.numel() for t in weights.values()), "bytes": nbytes, "methods": {}}
-    async with RolloutEngine(cfg) as engine:
-        for method in methods:
-            update = engine.update_weights if method == "store" else await transfer_update(engine, weights, args.bucket_mb << 20)
-            await update(weights)  # warm-up: first-use costs (groups, slots, staging) are not the figure
-            runs = []
-            for _ in range(repeats):
-                copy = memcpy_s(weights)
-                shm = ShmPeak()
-                start = time.perf_counter()
-                await update(weights)
-                seconds = time.perf_counter() - start
-                u = engine.weight_updates[-1]
-                runs.append({
-                    "update_s": seconds, "prepare_s": u.prepare_s, "load_phase_s": u.seconds, "stall_s": max(u.stall_s.values()),
-                    "memcpy_s": copy, "shm_peak_bytes": shm.stop(),
-                    "send_s": seconds - sum(update.calls.values()) if hasattr(update, "calls") else float("nan"),
-                })  # fmt: skip
-            med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-            med["update_x_memcpy"] = med["update_s"] / med["memcpy_s"]
-            med["stall_x_memcpy"] = med["stall_s"] / med["memcpy_s"]
-            out["methods"][method] = {"median": med, "runs": runs}
-            print(row(size, nbytes, method, med), flush=True)
+    # engines start with one weight-transfer backend: one start per backend, the object store on the first
+    backends = [m for m in methods if m != "store"] or ["shm"]
+    for backend in backends:
+        overrides = [
+            f"model.path={path}", "model.dtype=bfloat16", "model.max_model_len=512", f"engines.count={args.engines}",
+            f"engines.vllm={{kv_cache_gib: 0.25, enforce_eager: true, weight_transfer_config: {{backend: {backend}}}}}",
+            "logging.level=warning", "weight_sync.timeout_s=600",
+        ]  # fmt: skip
+        here = [m for m in methods if m == backend or (m == "store" and backend == backends[0])]
+        async with RolloutEngine(load_config(args.config, overrides)) as engine:
+            for method in here:
+                update = engine.update_weights if method == "store" else await transfer_update(engine, weights, method, args.bucket_mb << 20)
+                await update(weights)  # warm-up: first-use costs (groups, ring, staging) are not the figure
+                runs = []
+                for _ in range(repeats):
+                    copy = memcpy_s(weights)
+                    shm = ShmPeak()
+                    start = time.perf_counter()
+                    await update(weights)
+                    seconds = time.perf_counter() - start
+                    u = engine.weight_updates[-1]
+                    peak, peak_shmem = shm.stop()
+                    runs.append({
+                        "update_s": seconds, "prepare_s": u.prepare_s, "load_phase_s": u.seconds, "stall_s": max(u.stall_s.values()),
+                        "memcpy_s": copy, "shm_peak_bytes": peak, "shmem_peak_bytes": peak_shmem,
+                        "send_s": seconds - sum(update.calls.values()) if hasattr(update, "calls") else float("nan"),
+                    })  # fmt: skip
+                med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+                out["methods"][method] = {"median": med, "runs": runs}
+                print(row(size, nbytes, method, med), flush=True)
     return out
 
 
-def row(size: str, nbytes: int, method: str, m: dict[str, float]) -> str:
+def floor(size: str, args: argparse.Namespace) -> dict[str, float]:
+    """vLLM's reload floor (`benchmarks/reload_floor.py`, its own processes, after the engines are
+    gone): seconds of one engine alone and of `args.engines` loading at once."""
+    report = Path(args.report).with_suffix(f".floor-{size}.json")
+    subprocess.run([sys.executable, str(Path(__file__).with_name("reload_floor.py")), "--size", size, "--engines", f"1,{args.engines}",
+                    "--repeats", str(args.repeats), "--no-transport", "--cache", args.cache, "--report", str(report)], check=True)  # fmt: skip
+    got = msgspec.json.decode(report.read_bytes())["floors"]
+    return {"alone_s": got[0]["median"]["reload_memory_s"], "together_s": got[-1]["median"]["reload_memory_s"]}
+
+
+def row(size: str, nbytes: int, method: str, m: dict[str, float], fl: dict[str, float] | None = None) -> str:
+    ratios = f"{m['update_s'] / fl['together_s']:>8.2f} {m['stall_s'] / fl['together_s']:>8.2f}" if fl else f"{'':>8} {'':>8}"
     return (
         f"{size:>5} {nbytes / 2**30:>6.2f} {method:>6} {m['update_s']:>8.3f} {m['prepare_s']:>8.3f} {m['load_phase_s']:>8.3f} "
-        f"{m['stall_s']:>8.3f} {m['memcpy_s']:>8.3f} {m['update_x_memcpy']:>7.1f} {m['stall_x_memcpy']:>7.1f} "
-        f"{m['shm_peak_bytes'] / 2**20:>9.0f} {m['send_s']:>7.3f}"
+        f"{m['stall_s']:>8.3f} {m['memcpy_s']:>8.3f} {ratios} "
+        f"{m['shm_peak_bytes'] / 2**20:>9.0f} {m['shmem_peak_bytes'] / 2**20:>10.0f} {m['send_s']:>7.3f}"
     )
 
 
 HEADER = (
     f"{'size':>5} {'GiB':>6} {'method':>6} {'update s':>8} {'prepare':>8} {'phase 2':>8} {'stall s':>8} {'memcpy s':>8} "
-    f"{'upd/cp':>7} {'stl/cp':>7} {'shm MiB':>9} {'send s':>7}"
+    f"{'upd/flr':>8} {'stl/flr':>8} {'shm MiB':>9} {'shmem MiB':>10} {'send s':>7}"
 )
 
 
@@ -215,20 +247,28 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("config", nargs="?", default=str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"))
     ap.add_argument("--sizes", default="0.5B", help=f"comma-separated, of {', '.join(SIZES)}")
-    ap.add_argument("--methods", default="store,gloo", help="store (Ray's object store), gloo (vLLM's trainer API)")
+    ap.add_argument("--methods", default="shm,gloo,store", help="shm, gloo (vLLM's trainer API through that backend), store (Ray's object store)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--engines", type=int, default=2)
-    ap.add_argument("--bucket-mb", type=int, default=64)
+    ap.add_argument("--bucket-mb", type=int, default=64, help="gloo's bucket, shm's slot (4 slots)")
+    ap.add_argument("--no-floor", action="store_true", help="skip vLLM's reload floor")
     ap.add_argument("--cache", default=str(Path.home() / ".cache" / "rollout"))
     ap.add_argument("--report", default="weight_plane_report.json")
     args = ap.parse_args(argv)
     methods = args.methods.split(",")
+    if unknown := set(methods) - {"shm", "gloo", "store"}:
+        ap.error(f"unknown methods {sorted(unknown)}: shm, gloo, store")
     print(HEADER, flush=True)
     results = [asyncio.run(bench_size(size, methods, args.repeats, args)) for size in args.sizes.split(",")]
+    for r in results:
+        r["floor"] = None if args.no_floor else floor(r["size"], args)
     print(HEADER)
     for r in results:
         for method, m in r["methods"].items():
-            print(row(r["size"], r["bytes"], method, m["median"]))
+            print(row(r["size"], r["bytes"], method, m["median"], r["floor"]))
+        if r["floor"]:
+            print(f"{r['size']:>5} vLLM's reload floor: {r['floor']['together_s']:.3f} s for {args.engines} engines loading at once "
+                  f"(upd/flr, stl/flr against it), {r['floor']['alone_s']:.3f} s for one alone")  # fmt: skip
     Path(args.report).write_text(msgspec.json.encode({"args": vars(args), "results": results}).decode())
     print(f"report: {args.report}")
     return 0
