@@ -1,8 +1,9 @@
 """Exact per-token epochs under in-flight weight updates, checked by the float32 HF oracle.
 
 For each `weight_sync.mode`: 2 real engines, 128 requests of 160-200 tokens sampled at temperature
-0.7, top_p 0.9, top_k 50, 3 updates with distinct random weights while they stream (1 and 3 through
-vLLM's trainer API, its factory's gloo trainer engine; 2 through Ray's object store), and a KV cache
+0.7, top_p 0.9, top_k 50, 3 updates with distinct random weights while they stream (through vLLM's
+trainer API, its factory's trainer engines of ours: 1 through `shm`, 3 through `gloo`, the engines
+started with `shm` serving both; 2 through Ray's object store), and a KV cache
 of ~3k tokens per engine for the ~5k its 16 running requests need, so vLLM preempts (and each
 preemption is recorded as an eviction and a KV recompute); every behaviour logprob (processed:
 of the distribution sampled from) must match the oracle's replay (same tokens, the weights each
@@ -12,6 +13,7 @@ position was computed with, the same processing) within 1e-3, and a replay of ra
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import random
 from collections.abc import Awaitable, Callable
@@ -183,14 +185,17 @@ async def run_with_updates(engine: RolloutEngine, parts: list[list[Prompt]], upd
     return trajectories
 
 
-async def vllm_trainer_update(engine: RolloutEngine, weights: dict) -> Callable[[dict], Awaitable[int]]:
-    """An update through vLLM's trainer API: its factory's gloo trainer engine + our client."""
+async def vllm_trainer_update(engine: RolloutEngine, weights: dict, backend: str = "gloo") -> Callable[[dict], Awaitable[int]]:
+    """An update through vLLM's trainer API: its factory's trainer engine of `backend` (ours, gloo
+    or shm) + our client."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from policies.gloo_transfer import GlooTrainerInitInfo, StateDictSource
+    from policies.shm_transfer import ShmTrainerInitInfo
 
     client, source = engine.weight_sync_client(), StateDictSource(weights)
-    init = GlooTrainerInitInfo(world_size=1 + client.world_size(), rank=0, timeout_s=600)
+    info = {"gloo": GlooTrainerInitInfo, "shm": ShmTrainerInitInfo}[backend]
+    init = info(world_size=1 + client.world_size(), rank=0, timeout_s=600)
     trainer = await anyio.to_thread.run_sync(lambda: WeightTransferTrainerFactory.trainer_init(init, client=client, source=source))
 
     async def update(w: dict) -> int:
@@ -203,17 +208,27 @@ async def vllm_trainer_update(engine: RolloutEngine, weights: dict) -> Callable[
 
 async def stream_with_updates(mode: str) -> tuple[list[Trajectory], dict[int, dict], RolloutEngine]:
     # 16 running per engine; 4 parts of 8 groups of 4 (one wave of 32 each), an update between parts.
-    # Updates 1 and 3 go through vLLM's trainer API (gloo), update 2 through Ray's object store:
-    # both paths land inside running requests in every mode, on one pair of engines.
-    cfg = integration_config(f"weight_sync.mode={mode}", "engines.count=2", "engines.max_inflight_per_engine=16", SMALL_KV, *SAMPLING)
+    # Update 1 goes through vLLM's trainer API with our shm backend, 2 through Ray's object store,
+    # 3 through vLLM's trainer API with our gloo backend (its learner joins then, as one off the
+    # node would, the engines started with shm): every path lands inside running requests in every
+    # mode, on one pair of engines.
+    shm = "engines.vllm={kv_cache_gib: 0.003, weight_transfer_config: {backend: shm}}"  # SMALL_KV's cache
+    cfg = integration_config(f"weight_sync.mode={mode}", "engines.count=2", "engines.max_inflight_per_engine=16", shm, *SAMPLING)
     async with RolloutEngine(cfg) as engine:
         weights = {0: load_file(f"{engine.model_path}/model.safetensors")}
         batch = prompts(32, seed=len(mode))
-        paths = [await vllm_trainer_update(engine, weights[0]), engine.update_weights]
+        trainers: dict[str, Callable[[dict], Awaitable[int]]] = {}
+
+        async def via(backend: str, w: dict) -> int:
+            if backend not in trainers:  # its learner joins at its first update
+                trainers[backend] = await vllm_trainer_update(engine, weights[0], backend)
+            return await trainers[backend](w)
+
+        paths = [functools.partial(via, "shm"), engine.update_weights, functools.partial(via, "gloo")]
         calls = itertools.count()
 
         async def update(w: dict) -> int:
-            return await paths[next(calls) % 2](w)
+            return await paths[next(calls)](w)
 
         trajectories = await run_with_updates(engine, [batch[8 * k : 8 * (k + 1)] for k in range(UPDATES + 1)], update, weights)
         engine.final_stats = await engine.stats()  # type: ignore[attr-defined]
