@@ -91,9 +91,6 @@ def engine_args(cfg: Config, model_path: str) -> Any:
         # Every request the scheduler keeps on an engine runs: a hidden queue inside vLLM (its
         # engine default is 128) would keep the router from seeing real load.
         max_num_seqs=cfg.engines.max_inflight_per_engine,
-        # Each request's priority is its remaining token budget, longest first (`VllmFrontend.run`):
-        # equal budgets run in arrival order, as fcfs would (issue 29).
-        scheduling_policy="priority",
     )
     if cfg.engines.max_inflight_per_engine > 2048:  # vLLM's default token budget per step; it must cover max_num_seqs
         args["max_num_batched_tokens"] = cfg.engines.max_inflight_per_engine

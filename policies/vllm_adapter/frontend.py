@@ -178,10 +178,9 @@ class VllmFrontend:
         prompt = tokens_input(token_ids, cache_salt=cache_salt)
         out = None
         try:
-            # Longest remaining budget first (vLLM's `scheduling_policy: priority`, set by
-            # `policies.vllm_args.engine_args`; lower runs earlier, ties in arrival order; it orders
-            # vLLM's queue and picks KV-preemption victims, never preempts for a waiting request):
-            # a long-tailed set's long samples start first instead of running alone at the end.
+            # Longest remaining budget first where vLLM runs `scheduling_policy: priority`
+            # (`engines.vllm`; lower runs earlier, ties in arrival order; it orders vLLM's queue and
+            # picks KV-preemption victims, never preempts for a waiting request); fcfs ignores it.
             async for out in self.llm.generate(prompt, params, request_id=piece_id, priority=-params.max_tokens):
                 pass  # one output, when it ends
         except VllmDead as e:
