@@ -108,13 +108,20 @@ def buckets(names: list[str], dtypes: list[str], shapes: list[list[int]], bucket
     return [b for b in out if b]
 
 
+def _offsets(bucket: list[tuple[str, torch.dtype, list[int], int]]) -> tuple[list[int], int]:
+    """Where each of the bucket's tensors starts in the staging buffer, each at a multiple of its
+    itemsize (a load views it as its dtype), and the buffer's size."""
+    out, at = [], 0
+    for _, dtype, _, nbytes in bucket:
+        at = -(-at // dtype.itemsize) * dtype.itemsize
+        out.append(at)
+        at += nbytes
+    return out, at
+
+
 def _slices(buf: torch.Tensor, bucket: list[tuple[str, torch.dtype, list[int], int]]) -> list[torch.Tensor]:
     """`buf` cut into the bucket's tensors, in order: each is broadcast on its own (no packing)."""
-    out, at = [], 0
-    for *_, nbytes in bucket:
-        out.append(buf[at : at + nbytes])
-        at += nbytes
-    return out
+    return [buf[at : at + b[3]] for at, b in zip(_offsets(bucket)[0], bucket)]
 
 
 def _store(address: str, port: int, timeout_s: float, master: bool = False) -> Any:
@@ -190,7 +197,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             raise RuntimeError("gloo weight transfer not initialized: call init_weight_transfer_engine first")
         cut = buckets(update_info.names, update_info.dtype_names, update_info.shapes, self.info.bucket_bytes)
         for k, bucket in enumerate(cut):
-            buf = torch.empty(sum(b[3] for b in bucket), dtype=torch.uint8)
+            buf = torch.empty(_offsets(bucket)[1], dtype=torch.uint8)
             names = bucket[0][0] if len(bucket) == 1 else f"{bucket[0][0]} .. {bucket[-1][0]}"
             parts = _slices(buf, bucket)
             self.staged.append((f"bucket {k + 1}/{len(cut)} ({names})", bucket, parts, [_broadcast(self.pg, part) for part in parts]))

@@ -108,6 +108,22 @@ def test_the_trainer_sends_exact_bytes_to_every_worker_round_after_round():
     trainer.shutdown()
 
 
+def test_tensors_of_odd_byte_sizes_and_mixed_dtypes_share_a_bucket():
+    """bf16 [31, 31] is 1922 bytes: a float32 right after it in the staging buffer would sit at an
+    offset vLLM's load cannot view as float32 (storage_offset must be divisible by 4)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    g = torch.Generator().manual_seed(3)
+    w = {"a": torch.randn(31, 31, generator=g).to(torch.bfloat16), "b": torch.randn(7, generator=g), "c": torch.randn(3, generator=g).double()}
+    client = Client([worker(r, w) for r in range(2)])
+    source = StateDictSource(w)
+    trainer = WeightTransferTrainerFactory.trainer_init(GlooTrainerInitInfo(world_size=3, rank=0, bucket_bytes=1 << 20, timeout_s=30), client=client, source=source)
+    trainer.send_weights()
+    for wk in client.workers:
+        assert wk.model.loaded == list(w) and all(torch.equal(wk.model.w[k], v) for k, v in w.items())
+    trainer.shutdown()
+
+
 def test_bytes_are_staged_while_the_model_serves_and_loaded_only_at_finish():
     """vLLM's update_weights posts the receives and returns before any byte is sent (the engine
     core is free to keep generating); the bytes land in a staging buffer, and the model changes
