@@ -201,10 +201,13 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
     def start_weight_update(self) -> None:
         if gloo := self._via_gloo():
             gloo.start_weight_update()  # the model is untouched until finish_weight_update
-        elif self.pending is not None and self.pending[0].is_alive():
-            raise RuntimeError("shm transfer: start_weight_update while the last round's bytes are still coming")
-        else:
-            self.pending = None  # a round ended without finish_weight_update: nothing of it is loaded
+        elif self.pending is not None:
+            # a round ended without finish_weight_update (its send failed): the learner starts the
+            # next only after its own end of that one, so the receiver is ending too; nothing of it is loaded
+            self.pending[0].join(self.info.timeout_s if self.info is not None else None)
+            if self.pending[0].is_alive():
+                raise RuntimeError("shm transfer: start_weight_update while the last round's bytes are still coming")
+            self.pending = None
 
     def receive_weights(self, update_info: ShmUpdateInfo) -> None:
         if self.sock is None or self.info is None:
