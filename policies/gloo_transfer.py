@@ -47,11 +47,16 @@ DEFAULT_BUCKET_BYTES = 64 << 20
 
 def register() -> None:
     """Put the gloo engines in vLLM's factories (idempotent: vLLM loads plugins in every process)."""
+    register_engines(BACKEND, __name__, "GlooWeightTransferEngine", "GlooTrainerWeightTransferEngine")
+
+
+def register_engines(backend: str, module: str, worker_cls: str, trainer_cls: str) -> None:
+    """`backend`'s worker and trainer engines (classes of `module`) in vLLM's factories, once."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
-    for factory, cls in ((WeightTransferEngineFactory, "GlooWeightTransferEngine"), (WeightTransferTrainerFactory, "GlooTrainerWeightTransferEngine")):
-        if BACKEND not in factory._registry:  # vLLM's registries refuse a second registration
-            factory.register_engine(BACKEND, __name__, cls)
+    for factory, cls in ((WeightTransferEngineFactory, worker_cls), (WeightTransferTrainerFactory, trainer_cls)):
+        if backend not in factory._registry:  # vLLM's registries refuse a second registration
+            factory.register_engine(backend, module, cls)
 
 
 @dataclass(kw_only=True)

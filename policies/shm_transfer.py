@@ -49,10 +49,9 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
     WeightTransferEngine,
     WeightTransferInitInfo,
-    WeightTransferUpdateInfo,
 )
 
-from policies.gloo_transfer import GlooInitInfo, GlooWeightTransferEngine
+from policies.gloo_transfer import GlooInitInfo, GlooUpdateInfo, GlooWeightTransferEngine, register_engines
 
 BACKEND = "shm"
 ALIGN = 64  # each tensor's offset in the stream: any dtype's view, on a cache line
@@ -62,11 +61,7 @@ ABORT = -1  # chunk of a round the learner gave up (its source disagreed with it
 
 def register() -> None:
     """Put the shm engines in vLLM's factories (idempotent: vLLM loads plugins in every process)."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
-
-    for factory, cls in ((WeightTransferEngineFactory, "ShmWeightTransferEngine"), (WeightTransferTrainerFactory, "ShmTrainerWeightTransferEngine")):
-        if BACKEND not in factory._registry:  # vLLM's registries refuse a second registration
-            factory.register_engine(BACKEND, __name__, cls)
+    register_engines(BACKEND, __name__, "ShmWeightTransferEngine", "ShmTrainerWeightTransferEngine")
 
 
 @dataclass(kw_only=True)
@@ -81,14 +76,7 @@ class ShmInitInfo(WeightTransferInitInfo):
     timeout_s: float = 300.0
 
 
-@dataclass
-class ShmUpdateInfo(WeightTransferUpdateInfo):
-    """One round: what the trainer sends, in order (vLLM's NCCL update info, plus the round)."""
-
-    names: list[str]
-    dtype_names: list[str]
-    shapes: list[list[int]]
-    round: int = 0
+ShmUpdateInfo = GlooUpdateInfo  # one round: what the trainer sends, in order (the same metadata as gloo's)
 
 
 @dataclass
