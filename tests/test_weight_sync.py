@@ -210,12 +210,18 @@ async def test_a_learner_gone_mid_transfer_leaves_no_engine_serving_torn_weights
             assert engine._updates._allocated == 1  # epoch 1 may be torn somewhere: never used again
 
 
-async def test_an_update_that_does_not_wait_returns_its_epoch_before_any_engine_loads(cfg):
-    """Object store, `wait=False`: the epoch comes back while every load is held; `epoch` moves only
-    once every engine serves it; `weights_loaded` waits for that."""
+def gated_pool() -> FakePool:
+    """Two fake engines whose loads wait until the test sets each one's `commit_gate`."""
     pool = FakePool(2)
     for e in pool.engines:
         e.commit_gate = anyio.Event()
+    return pool
+
+
+async def test_an_update_that_does_not_wait_returns_its_epoch_before_any_engine_loads(cfg):
+    """Object store, `wait=False`: the epoch comes back while every load is held; `epoch` moves only
+    once every engine serves it; `weights_loaded` waits for that."""
+    pool = gated_pool()
     with anyio.fail_after(TIMEOUT):
         async with RolloutEngine(cfg, pool=pool) as engine:
             assert await engine.update_weights(changed(1), wait=False) == 1
@@ -300,9 +306,7 @@ async def test_lag_counts_from_the_epoch_the_learner_holds_while_the_engines_sti
     of epoch 0 handed out meanwhile lags 1, though no engine serves epoch 1 yet."""
     from rollout import Prompt
 
-    pool = FakePool(2)
-    for e in pool.engines:
-        e.commit_gate = anyio.Event()
+    pool = gated_pool()
     with anyio.fail_after(TIMEOUT):
         async with RolloutEngine(cfg, pool=pool) as engine:
             assert await engine.update_weights(changed(1), wait=False) == 1
