@@ -362,7 +362,7 @@ class RolloutEngine:
 
     def weight_sync_client(self, *, wait: bool = True) -> Any:
         """vLLM's `VLLMWeightSyncClient` over every engine, for a learner on vLLM's trainer API
-        (`TrainerWeightTransferEngine`: gloo on CPU, nccl / ipc on GPUs); its calls block, so the
+        (`TrainerWeightTransferEngine`: shm, or gloo across nodes, on CPU; nccl / ipc on GPUs); its calls block, so the
         learner makes them from a thread. `finish_weight_update` starts the new epoch and returns it;
         with `wait=False` it returns once every tensor was sent, the engines load in the background
         (as `update_weights(wait=False)`). Call on the engine's event loop. (`rollout.weight_sync` runs it.)"""
