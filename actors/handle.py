@@ -21,8 +21,7 @@ from policies.group_calls import CANCEL, FAILED, HELLO, PROGRESS, RESULTS, SUBMI
 from rollout.errors import EngineDeadError, InvalidPromptError, RetryableError, RolloutError
 from rollout.log import get_logger
 from rollout.packed import encode
-from rollout.specdecode import SpecCounters
-from rollout.types import EngineStats, GroupResult, ProgressReport, Request, Trajectory
+from rollout.types import EngineStats, GroupResult, ProgressReport, Request, SpecCounters, Trajectory
 
 log = get_logger(__name__)
 

@@ -58,15 +58,16 @@ def cpu_by_kind(before: dict, after: dict, mine: set[int]) -> dict[str, float]:
 
 
 async def timeline(engine: RolloutEngine) -> None:
-    e0, runner, queue = engine.pool.engines[0], engine._live_scheduler().runner, engine._queue
+    e0, runner, window = engine.pool.engines[0], engine._live_scheduler().runner, engine.metrics_window()
     prev = await e0.batch()
     t0 = prev[2]
     while True:
         await asyncio.sleep(0.5)
-        cur = await e0.batch()
+        cur, figures = await e0.batch(), await window.read()
+        ready, depth = int(figures["rollout/queue_ready"]), int(figures["rollout/queue_depth"])
         dt = max(cur[2] - prev[2], 1e-9)
         print(f"    {cur[2] - t0:5.1f}s run {(cur[0] - prev[0]) / dt:5.0f} wait {(cur[1] - prev[1]) / dt:5.0f} "
-              f"driver {runner.loads[0].requests:4d}/{runner.loads[1].requests:4d} queue {len(queue)}+{queue.in_flight}", flush=True)  # fmt: skip
+              f"driver {runner.loads[0].requests:4d}/{runner.loads[1].requests:4d} queue {ready}+{depth - ready}", flush=True)  # fmt: skip
         prev = cur
 
 

@@ -32,9 +32,10 @@ from typing import Any
 import msgspec
 
 from policies.group_calls import GroupCalls
+from rollout.epochs import append_run, kv_runs
 from rollout.errors import EngineDeadError
 from rollout.packed import Logprobs, TokenIds, encode
-from rollout.types import EngineStats, Request, Trajectory, append_run, kv_runs
+from rollout.types import EngineStats, Request, Trajectory
 
 TABLE = 8192  # lengths and token offsets drawn per engine host, picked by a request id's hash
 
@@ -292,7 +293,7 @@ class SimEngine(GroupCalls):
         return {"pause_s": 0.0, "load_s": pause, "stall_s": pause}
 
     async def spec_counters(self) -> Any:
-        from rollout.specdecode import SpecCounters
+        from rollout.types import SpecCounters
 
         return SpecCounters(engine_id=self.engine_id)
 

@@ -25,7 +25,8 @@ from typing import Any
 
 import msgspec
 
-from rollout.types import Trajectory, append_run
+from rollout.epochs import append_run
+from rollout.types import Trajectory
 
 Spans = list[tuple[int, int]]  # (first token within the piece, epoch)
 

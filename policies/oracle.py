@@ -35,7 +35,8 @@ from typing import Any
 
 import msgspec
 
-from rollout.types import Trajectory, expand_runs
+from rollout.epochs import expand_runs
+from rollout.types import Trajectory
 
 WeightsSource = Mapping[str, Any] | str | Path  # param name -> torch.Tensor, or a safetensors dir
 # A top-p cut closer than this to a token's cumulative probability is ambiguous: engine and oracle
@@ -294,6 +295,9 @@ class TrajectoryFailure(msgspec.Struct):
     mismatched: int = 0
     first_index: int = -1  # first mismatched token
     max_abs_err: float = 0.0
+    token_id: int = -1  # the token at `first_index`, its oracle and behaviour logprobs
+    oracle_logprob: float = 0.0
+    behaviour_logprob: float = 0.0
 
 
 class OracleReport(msgspec.Struct):
@@ -364,7 +368,9 @@ def compare(
             report.worst_request_id, report.worst_index = traj.request_id, errors.index(report.max_abs_err)
         if bad:
             report.mismatched += len(bad)
-            fail(TrajectoryFailure(traj.request_id, "logprob mismatch", len(bad), bad[0], max(errors)))
+            i = bad[0]
+            token = [x for turn in (traj.turns or [traj]) for x in turn.token_ids][i]
+            fail(TrajectoryFailure(traj.request_id, "logprob mismatch", len(bad), i, max(errors), int(token), exact[i], behaviour[i]))
     return report
 
 

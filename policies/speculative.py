@@ -10,7 +10,7 @@ from typing import Any
 
 from rollout.config import Config
 from rollout.errors import InvalidConfigError
-from rollout.specdecode import SpecCounters
+from rollout.types import SpecCounters
 
 
 def speculative_config(cfg: Config) -> dict[str, Any]:

@@ -25,7 +25,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-
 from policies.group_calls import GroupCalls
 from policies.ledger import Piece, Verdict, settle
 from policies.ledger import snapshot as ledger_snapshot
@@ -37,11 +36,11 @@ from policies.vllm_args import engine_args, request_seed
 from policies.weight_loading import WeightLoading
 from rollout.backend import as_finished
 from rollout.config import Config
+from rollout.epochs import kv_runs
 from rollout.errors import EngineDeadError, InvalidPromptError
 from rollout.log import configure, get_logger
 from rollout.packed import Logprobs, TokenIds, encode
-from rollout.specdecode import SpecCounters
-from rollout.types import EngineStats, Request, Trajectory, kv_runs
+from rollout.types import EngineStats, Request, SpecCounters, Trajectory
 
 log = get_logger(__name__)
 

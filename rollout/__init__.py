@@ -2,10 +2,11 @@
 
 from rollout.config import Config, load_config
 from rollout.engine import RolloutEngine
-from rollout.sync_engine import SyncRolloutEngine
+from rollout.epochs import expand_runs
 from rollout.errors import EngineDeadError, InvalidConfigError, InvalidPromptError, RetryableError, RolloutError
 from rollout.generation import GenerationError, RolloutGeneration, verify_right_padding
-from rollout.types import Batch, Group, Prompt, Sampling, Trajectory, expand_runs
+from rollout.sync_engine import SyncRolloutEngine
+from rollout.types import Batch, Group, Prompt, Sampling, Trajectory
 
 __all__ = [
     "Batch",

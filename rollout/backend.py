@@ -10,8 +10,7 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from rollout.specdecode import SpecCounters
-from rollout.types import EngineStats, Request, Trajectory
+from rollout.types import EngineStats, Request, SpecCounters, Trajectory
 
 if TYPE_CHECKING:
     from rollout.config import Config

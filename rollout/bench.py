@@ -37,12 +37,12 @@ from rollout.backend import EnginePool
 from rollout.bench_table import format_table
 from rollout.config import Config, dump_config
 from rollout.engine import RolloutEngine
-from rollout.process import freeze_heap
 from rollout.errors import InvalidPromptError
+from rollout.process import freeze_heap
 from rollout.progress import Progress
 from rollout.prompts import BadPrompt, configured_prompts, effective_sampling
-from rollout.specdecode import SpecCounters, SpecDecodeMeter, SpecDecodeReport, window
-from rollout.types import Group, Prompt, Request, Trajectory
+from rollout.specdecode import SpecDecodeMeter, SpecDecodeReport, window
+from rollout.types import Group, Prompt, Request, SpecCounters, Trajectory
 
 __all__ = ["format_table", "median_interval", "percentiles", "pooled", "run_bench", "summarize"]
 

@@ -24,8 +24,10 @@ import msgspec
 from anyio.abc import TaskGroup
 
 from rollout.backend import Engine
+from rollout.chat import chat_renderer
 from rollout.config import Config
 from rollout.engine import RolloutEngine
+from rollout.env import load_env
 from rollout.episodes import run_episode
 from rollout.prompts import configured_prompts, effective_sampling
 from rollout.types import Prompt, Request, Trajectory
@@ -92,8 +94,9 @@ class _Turns:
 
 async def _raw(engine: RolloutEngine, cfg: Config, prompts: list[Prompt]) -> dict[str, Any]:
     engines = engine.pool.engines  # type: ignore[union-attr]
-    scheduler = engine._live_scheduler()
-    assert scheduler.env is not None
+    env = load_env(cfg.env, cfg.env_args)  # as the engine loads them
+    chat = await anyio.to_thread.run_sync(chat_renderer, engine.model_path, cfg.serve.tool_parser, cfg.serve.reasoning_parser)
+    assert env is not None
     episodes: list[Trajectory] = []
 
     async def one(e: int, prompt: Prompt, turns: _Turns) -> None:
@@ -106,7 +109,7 @@ async def _raw(engine: RolloutEngine, cfg: Config, prompts: list[Prompt]) -> dic
         sampling = effective_sampling(cfg.sampling, prompt)
         request = Request(f"raw{e}", prompt.id, 0, msgspec.structs.replace(sampling, n=1), token_ids=prompt.token_ids, text=prompt.text)
         try:
-            episodes.append(await run_episode(request, prompt, scheduler.env(), cfg.episode, scheduler.limits, scheduler.chat, run_turn))
+            episodes.append(await run_episode(request, prompt, env(), cfg.episode, engine.limits, chat, run_turn))
         finally:
             turns.ended()
 

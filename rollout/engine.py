@@ -14,9 +14,9 @@ hand out groups and batches, and shut everything down (also on errors and cancel
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Generator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -26,16 +26,21 @@ from rollout.config import Config, load_config
 from rollout.durable import Commits, DurableLog, DurableLogError
 from rollout.env import EnvFactory, load_env
 from rollout.errors import EngineClosedError, InvalidConfigError, InvalidPromptError
+from rollout.handout import Batches, HandOut
 from rollout.log import configure, get_logger
-from rollout.metrics import EngineMetrics, MetricsWindow, PrometheusExporter
+from rollout.metrics import Collector, EngineMetrics, MetricsWindow, PrometheusExporter
 from rollout.process import catch_sigterm, restore_sigterm
 from rollout.prompts import BadPrompt, ModelLimits, as_async, check_prompt, coerce, effective_sampling, sampling_problem
 from rollout.queue import Submission, TrajectoryQueue
 from rollout.rewards import RewardFn, load_reward
 from rollout.scheduler import Scheduler
-from rollout.staleness import StalenessFilter, StalenessStats, hand_out, trainable
+from rollout.staleness import StalenessFilter, StalenessStats, hand_out
 from rollout.types import Batch, EngineStats, Group, Prompt, Trajectory, UpdateStats
 from rollout.updates import WeightUpdates
+
+if TYPE_CHECKING:
+    from rollout.server import Server
+    from rollout.weight_sync import WeightTransfer
 
 log = get_logger(__name__)
 
@@ -67,15 +72,15 @@ class RolloutEngine:
         self._reward = reward
         self._env = env
         self._closed = False
-        self._servers: list[Any] = []  # `serve()`: stopped before the engines
+        self._servers: list[Server] = []  # `serve()`: stopped before the engines
         self.pool = pool
         self.model_path = ""
         self._on_trajectory = on_trajectory
         self._scheduler: Scheduler | None = None
-        self._queue: TrajectoryQueue | None = None
-        self._tg: Any = None
+        self._hand: HandOut | None = None  # the learner's end: next_group, next_batch, commit
+        self._tg: anyio.abc.TaskGroup | None = None
         self._updates = WeightUpdates(self.cfg)  # epochs, weight updates, restarts
-        self._transfer: Any = None  # vLLM's weight-transfer calls (`weight_sync_client`)
+        self._transfer: WeightTransfer | None = None  # vLLM's weight-transfer calls (`weight_sync_client`)
         self.epoch = start_epoch or 0  # the weights every healthy engine serves; +1 per update_weights
         self._resume_at = start_epoch  # None: at the durable log's latest epoch
         self._start_epoch = self.epoch  # the epoch this run started at, once known
@@ -111,12 +116,16 @@ class RolloutEngine:
             self._start_epoch = self.epoch
             if self.pool is None:  # keeps this process's SIGTERM handler through Ray's start (`actors.cluster`)
                 self.pool = await start_pool(self.cfg, self.model_path)
-            self._queue = TrajectoryQueue(self.cfg.queue.max_groups, in_order=self.cfg.queue.order == "in_order")
-            self._metrics = EngineMetrics(self, self._queue)
+            queue = TrajectoryQueue(self.cfg.queue.max_groups, in_order=self.cfg.queue.order == "in_order")
+            self._metrics = EngineMetrics(self, queue)
             on_trajectory = self._metrics.counting(self._on_trajectory)
             self._scheduler = Scheduler(
-                self.cfg, self.pool.engines, self._queue, limits, on_trajectory, reward, self._durable,
+                self.cfg, self.pool.engines, queue, limits, on_trajectory, reward, self._durable,
                 self._updates.restart_later, env, chat,
+            )  # fmt: skip
+            self._hand = HandOut(
+                queue, self._staleness, self._scheduler.admission, lambda: self._updates.learner_epoch,
+                self._commits, self._recovered, self.cfg.queue.max_groups,
             )  # fmt: skip
             self._scheduler.runner.on_load = self._metrics.busy.change
             self._tg = anyio.create_task_group()
@@ -149,8 +158,8 @@ class RolloutEngine:
         try:
             self._tg.cancel_scope.cancel()  # aborts every in-flight request
             await self._tg.__aexit__(None, None, None)
-            if exc_type is None and self._commits is not None and self._commits.auto:
-                await self._commits.commit()
+            if exc_type is None and self._hand is not None:
+                await self._hand.commit_on_exit()
             clean = exc_type is None
         finally:
             with anyio.CancelScope(shield=True):
@@ -188,6 +197,11 @@ class RolloutEngine:
     def limits(self) -> ModelLimits:
         return self._live_scheduler().limits
 
+    @property
+    def healthy(self) -> bool:
+        """Whether any engine is in rotation (a server's `/health`)."""
+        return any(load.healthy for load in self._live_scheduler().runner.loads)
+
     def feed(self, prompts: Prompt | str | Iterable[Any] | AsyncIterable[Any]) -> None:
         """Queue prompts for generation.
 
@@ -222,7 +236,7 @@ class RolloutEngine:
         scheduler.submit(submission)
         return submission
 
-    async def serve(self, host: str | None = None, port: int | None = None, api_key: str | None = None) -> Any:
+    async def serve(self, host: str | None = None, port: int | None = None, api_key: str | None = None) -> Server:
         """Start the OpenAI-compatible HTTP server (`rollout.server.Server`, `serve:` config) on this
         engine's loop, next to a learner using the engine; stopped when the engine exits. Its URL
         is `server.url`. Raises OSError when it cannot listen."""
@@ -262,38 +276,12 @@ class RolloutEngine:
     async def next_group(self, *, keep_dropped: bool = False) -> Group | None:
         """The next finished group, or None once every fed prompt has been handed out. `keep_dropped`:
         a group dropped as too stale comes back with `error` set instead of being skipped."""
-        scheduler = self._live_scheduler()
-        if self._commits is not None:
-            await self._commits.poll()
-        if scheduler.admission.batch_groups is None:
-            scheduler.admission.learner_batch(1)  # a learner taking single groups
-        return await self._next_group(keep_dropped)
+        return await self._hand_out().next_group(keep_dropped)
 
     def admit_step(self, groups: int) -> None:
         """Let `groups` more groups start now, whatever `staleness.max_lag`: a step of a caller that takes
         all of its groups before it can update weights (`RolloutGeneration`). Lag is checked at hand-out."""
         self._live_scheduler().admission.grant(groups)
-
-    async def _next_group(self, keep_dropped: bool = False) -> Group | None:
-        assert self._queue is not None
-        while self._recovered:  # logged by an earlier run: first, and checked like any other
-            if (kept := await self._hand_out(self._recovered.pop(0), recovered=True)) is not None:
-                return kept
-        while (group := await self._queue.get()) is not None:
-            if (out := await self._hand_out(group, keep_dropped=keep_dropped)) is not None:
-                return out  # else: every sample too stale, dropped
-        return None
-
-    async def _hand_out(self, group: Group, *, recovered: bool = False, keep_dropped: bool = False) -> Group | None:
-        """`group` through the staleness check (None: dropped); with a durable log, taken until committed.
-        A recovered group was not admitted by this run, so this run's admission does not count it."""
-
-        def keep(g: Group) -> Group | None:
-            if recovered:
-                return self._staleness.apply(g, self._updates.learner_epoch)
-            return hand_out(g, self._updates.learner_epoch, self._staleness, self._live_scheduler().admission, keep_dropped)
-
-        return keep(group) if self._commits is None else await self._commits.hand_out(group, keep)
 
     async def commit(self, handed: Batch | Group | Iterable[Group] | None = None) -> None:
         """The learner is done with `handed` (default: everything handed out so far): with
@@ -303,8 +291,8 @@ class RolloutEngine:
         clean exit; `explicit` leaves it to this call. Raises DurableLogError when the log cannot
         record it: those groups stay uncommitted, and a new run hands them out again.
         """
-        if self._commits is not None:
-            await self._commits.commit(handed)
+        if self._hand is not None:
+            await self._hand.commit(handed)
 
     async def groups(self) -> AsyncIterator[Group]:
         """Finished groups as they complete; ends once every prompt fed so far is handed out."""
@@ -315,20 +303,11 @@ class RolloutEngine:
         """`groups` complete groups with something to train on (fewer only at the end of the input),
         and any group met on the way with nothing to train on (a rejected prompt, every sample
         failed), for its errors; None when nothing is left."""
-        self._check_batch_size(groups)
-        self._live_scheduler().admission.learner_batch(groups)
-        if self._commits is not None:
-            await self._commits.poll()
-        batch, to_train = Batch(), 0
-        while to_train < groups and (group := await self._next_group()) is not None:
-            batch.groups.append(group)
-            to_train += trainable(group)
-        return batch if batch.groups else None
+        return await self._hand_out().next_batch(groups)
 
-    def batches(self, groups: int) -> _Batches:
+    def batches(self, groups: int) -> Batches:
         """`await engine.batches(groups=k)` for one batch, `async for b in engine.batches(groups=k)` for all."""
-        self._check_batch_size(groups)
-        return _Batches(self, groups)
+        return self._hand_out().batches(groups)
 
     async def update_weights(self, weights: Any, *, wait: bool = True) -> int:
         """Load new weights into every healthy engine while requests keep streaming; returns the new epoch.
@@ -369,9 +348,11 @@ class RolloutEngine:
         from rollout.weight_sync import WeightSyncClient, loop_caller
 
         self._live_scheduler()
-        return WeightSyncClient(self._weight_transfer(), loop_caller(asyncio.get_running_loop()), wait)
+        return WeightSyncClient(self.weight_transfer(), loop_caller(asyncio.get_running_loop()), wait)
 
-    def _weight_transfer(self) -> Any:
+    def weight_transfer(self) -> WeightTransfer:
+        """The engine's one `WeightTransfer` (vLLM's four calls over every engine, our two-phase
+        guarantee and epochs), shared by every `weight_sync_client` and NeMo RL's collective calls."""
         from rollout.weight_sync import WeightTransfer
 
         if self._transfer is None:
@@ -420,11 +401,12 @@ class RolloutEngine:
         assert self._metrics is not None
         return self._metrics.opened()
 
-    def _check_batch_size(self, groups: int) -> None:
-        if groups < 1:
-            raise ValueError(f"groups: expected >= 1, got {groups}")
-        if groups > self.cfg.queue.max_groups:
-            raise ValueError(f"groups: {groups} can never fill, queue.max_groups is {self.cfg.queue.max_groups}")
+    def prometheus_collector(self) -> Collector:
+        """The engine's figures as a prometheus_client collector, for a registry of the caller's
+        (`rollout serve`'s `/metrics`); `await c.refresh()` reads the engines' own counters."""
+        self._live_scheduler()
+        assert self._metrics is not None
+        return Collector(self._metrics)
 
     def _live_scheduler(self) -> Scheduler:
         if self._closed:
@@ -433,17 +415,8 @@ class RolloutEngine:
             raise EngineClosedError("the engine is not running: use it inside `async with RolloutEngine(cfg) as engine:`")
         return self._scheduler
 
+    def _hand_out(self) -> HandOut:
+        self._live_scheduler()
+        assert self._hand is not None
+        return self._hand
 
-class _Batches:
-    def __init__(self, engine: RolloutEngine, groups: int):
-        self._engine, self._groups = engine, groups
-
-    def __await__(self) -> Generator[Any, None, Batch | None]:
-        return self._engine.next_batch(self._groups).__await__()
-
-    def __aiter__(self) -> AsyncIterator[Batch]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[Batch]:
-        while (batch := await self._engine.next_batch(self._groups)) is not None:
-            yield batch

@@ -26,8 +26,9 @@ from typing import Any
 from rollout.chat import ChatRenderer
 from rollout.config import EpisodeConfig
 from rollout.env import Action, EnvError, as_messages, as_step, call, check_ids
+from rollout.epochs import append_run, kv_runs
 from rollout.prompts import ModelLimits
-from rollout.types import Prompt, Request, Sampling, Trajectory, append_run, kv_runs
+from rollout.types import Prompt, Request, Sampling, Trajectory
 
 TurnRunner = Callable[[Request], Awaitable[Trajectory]]
 

@@ -37,7 +37,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from rollout.types import Trajectory, append_run, kv_runs
+from rollout.epochs import append_run, kv_runs
+from rollout.types import Trajectory
 
 
 def to_megatron(traj: Trajectory) -> dict[str, Any]:

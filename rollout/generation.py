@@ -25,22 +25,26 @@ import itertools
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import anyio.from_thread
-import msgspec
 import anyio.lowlevel
 import anyio.to_thread
+import msgspec
 
 from rollout.config import Config
 from rollout.engine import RolloutEngine
 from rollout.errors import RolloutError, WeightSyncError
-from rollout.log import get_logger
 from rollout.generation_tensors import output_tensors, pad_id_from_model_dir, prompts_from_batch, verify_right_padding
+from rollout.log import get_logger
 from rollout.prompts import effective_sampling
 from rollout.queue import Submission
 from rollout.types import Group, Prompt, Trajectory
+
+if TYPE_CHECKING:
+    from rollout.metrics import MetricsWindow
+    from rollout.weight_sync import WeightSyncClient, WeightTransfer
 
 __all__ = ["GenerationError", "RolloutGeneration", "output_tensors", "pad_id_from_model_dir", "prompts_from_batch", "verify_right_padding"]
 
@@ -89,10 +93,10 @@ class RolloutGeneration:
         self._lock = threading.Lock()  # guards the call counter: callers' threads use it
         self._calls = itertools.count()
         self._tag = next(_instances)
-        self._client: Any = None  # vLLM's weight-transfer calls, once init_collective joined the trainer's group
+        self._client: WeightSyncClient | None = None  # vLLM's weight-transfer calls, once init_collective joined the trainer's group
         self._refit: dict[str, Any] | None = None  # prepare_refit_info's: each refit's update info
         self._refit_round = 0
-        self._metrics: Any = None  # get_logger_metrics' window
+        self._metrics: MetricsWindow | None = None  # get_logger_metrics' window
         owned = engine is None
         self.engine = engine = RolloutEngine(cfg, **engine_kwargs) if owned else engine  # type: ignore[arg-type]
         if not owned:
@@ -220,7 +224,7 @@ class RolloutGeneration:
     async def aclear_logger_metrics(self) -> None:
         await self._on_engine(lambda: self._window().reset())
 
-    def _window(self) -> Any:
+    def _window(self) -> MetricsWindow:
         if self._metrics is None:
             self._metrics = self.engine.metrics_window()
         return self._metrics
@@ -251,8 +255,8 @@ class RolloutGeneration:
         self._check_open()
         from rollout.weight_sync import WeightSyncClient
 
-        async def transfer() -> Any:
-            return self.engine._weight_transfer()
+        async def transfer() -> WeightTransfer:
+            return self.engine.weight_transfer()
 
         client = WeightSyncClient(self._blocking(transfer), self._blocking)
         client.init_weight_transfer_engine({"master_address": ip, "master_port": port, "rank_offset": train_world_size, "world_size": world_size})

@@ -12,9 +12,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from rollout.epochs import fill_runs
 from rollout.errors import InvalidPromptError
 from rollout.packed import tensor
-from rollout.types import Prompt, Trajectory, fill_runs
+from rollout.types import Prompt, Trajectory
 
 GREEDY = {"temperature": 0.0, "top_k": 1}
 PAIRS = (("input_ids", "input_lengths"), ("output_ids", "unpadded_sequence_lengths"))

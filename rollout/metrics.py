@@ -21,20 +21,22 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import msgspec
 
 from rollout.errors import EngineDeadError, InvalidConfigError
 from rollout.log import get_logger
-from rollout.specdecode import SpecCounters, SpecDecodeMeter, delta, derive
+from rollout.specdecode import SpecDecodeMeter, delta, derive
 from rollout.staleness import StalenessStats
-from rollout.types import Trajectory
+from rollout.types import SpecCounters, Trajectory
 
 if TYPE_CHECKING:
-    from rollout.engine import RolloutEngine
+    from rollout.backend import EnginePool
+    from rollout.config import Config
     from rollout.queue import TrajectoryQueue
+    from rollout.types import UpdateStats
 
 log = get_logger(__name__)
 
@@ -81,10 +83,26 @@ class Totals(msgspec.Struct):
     durable_torn_bytes: int = 0
 
 
+class MeteredEngine(Protocol):
+    """What the metrics read of the engine they count (`RolloutEngine` is one)."""
+
+    cfg: Config
+    pool: EnginePool | None
+
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def weight_updates(self) -> list[UpdateStats]: ...
+    @property
+    def durable_torn(self) -> tuple[int, int]: ...
+    @property
+    def staleness(self) -> StalenessStats: ...
+
+
 class EngineMetrics:
     """The metrics of one `RolloutEngine`; created by it once the engines run."""
 
-    def __init__(self, engine: RolloutEngine, queue: TrajectoryQueue, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, engine: MeteredEngine, queue: TrajectoryQueue, clock: Callable[[], float] = time.monotonic):
         self._engine, self._queue, self._clock = engine, queue, clock
         count = len(engine.pool.engines) if engine.pool is not None else 0
         self.busy = BusyTime(count, clock)
@@ -164,11 +182,11 @@ class EngineMetrics:
         """A window of figures of its own, beside `window()`'s (`RolloutEngine.metrics_window`)."""
         return MetricsWindow(self)
 
-    def last_updates(self, count: int) -> list[Any]:
+    def last_updates(self, count: int) -> list[UpdateStats]:
         """The latest `count` weight updates (`UpdateStats`)."""
         return self._engine.weight_updates[-count:]
 
-    async def serve(self, tg: Any) -> PrometheusExporter | None:
+    async def serve(self, tg: anyio.abc.TaskGroup) -> PrometheusExporter | None:
         """Start the Prometheus exporter if `metrics.port` is set, with its refresher in `tg`."""
         cfg = self._engine.cfg.metrics
         if cfg.port is None:
@@ -271,7 +289,7 @@ class PrometheusExporter:
         from prometheus_client import CollectorRegistry, start_http_server  # installed with vLLM
 
         registry = CollectorRegistry()
-        registry.register(_Collector(metrics))
+        registry.register(Collector(metrics))
         try:
             self._server, self._thread = start_http_server(port, addr=host, registry=registry)
         except OSError as e:
@@ -289,11 +307,15 @@ class PrometheusExporter:
         self._thread.join()
 
 
-class _Collector:
-    """A prometheus_client custom collector: one scrape, one `EngineMetrics.totals()`."""
+class Collector:
+    """A prometheus_client custom collector: one scrape, one `EngineMetrics.totals()`; `refresh()`
+    reads the engines' own counters first (`RolloutEngine.prometheus_collector`)."""
 
     def __init__(self, metrics: EngineMetrics):
         self._metrics = metrics
+
+    async def refresh(self) -> None:
+        await self._metrics.refresh()
 
     def describe(self) -> list[Any]:
         return []  # names are fixed but not worth listing twice; registering must not collect

@@ -45,6 +45,7 @@ from rollout.config import Config
 from rollout.durable import DurableLog
 from rollout.env import EnvError, EnvFactory
 from rollout.episodes import run_episode
+from rollout.epochs import kv_runs
 from rollout.errors import EngineDeadError, InvalidPromptError, RetryableError, RolloutError
 from rollout.log import get_logger
 from rollout.prompts import BadPrompt, ModelLimits, check_prompt, coerce, effective_sampling
@@ -52,7 +53,7 @@ from rollout.queue import Submission, TrajectoryQueue
 from rollout.rewards import RewardFn, score
 from rollout.runner import Runner, failed
 from rollout.staleness import Admission, trainable
-from rollout.types import Group, Prompt, Request, Sampling, Trajectory, kv_runs
+from rollout.types import Group, Prompt, Request, Sampling, Trajectory
 from rollout.usercode import passes_through
 
 log = get_logger(__name__)

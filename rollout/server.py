@@ -26,7 +26,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import msgspec
@@ -34,7 +34,7 @@ import msgspec
 from rollout import openai_api as api
 from rollout import server_io as io
 from rollout.chat import chat_parsers
-from rollout.config import ServeConfig
+from rollout.config import Config, ServeConfig
 from rollout.episodes import assemble
 from rollout.errors import EngineClosedError, EngineDeadError, InvalidPromptError, RetryableError
 from rollout.log import get_logger
@@ -42,16 +42,40 @@ from rollout.rl_routes import add_rl_routes
 from rollout.types import Group, Prompt, Trajectory, printable
 from rollout.types import Request as EngineRequest  # `Request` is FastAPI's here
 
+if TYPE_CHECKING:
+    from rollout.metrics import Collector
+    from rollout.queue import Submission
+    from rollout.weight_sync import WeightSyncClient
+
 log = get_logger(__name__)
 MAX_KEPT = 65536  # sessions found by token ids, episodes collecting turns: the oldest forgotten first
 SEEDED = "http-seeded"  # the prompt id of every request with a `seed`: its vLLM seed depends on the seed alone
 RETRY_AFTER = {"Retry-After": "1"}  # seconds; the OpenAI SDK waits this long before its retry
 
 
+class ServedEngine(Protocol):
+    """What the server and its RL routes use of the engine (`RolloutEngine` is one)."""
+
+    cfg: Config
+    model_path: str
+
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def healthy(self) -> bool: ...
+    def submit(self, prompts: list[Prompt], *, train: bool = True) -> "Submission": ...
+    async def hand_in(self, group: Group) -> None: ...
+    def prometheus_collector(self) -> "Collector": ...
+    def weight_sync_client(self, *, wait: bool = True) -> "WeightSyncClient": ...
+    async def pause_generation(self, mode: str) -> None: ...
+    async def resume_generation(self) -> None: ...
+    async def is_paused(self) -> bool: ...
+
+
 class Server:
     """The app and its uvicorn server, on the engine's event loop (`start`, `stop`)."""
 
-    def __init__(self, engine: Any, cfg: ServeConfig, api_key: str | None = None):
+    def __init__(self, engine: ServedEngine, cfg: ServeConfig, api_key: str | None = None):
         """Raises InvalidConfigError for an API key HTTP cannot carry."""
         self.engine = engine
         self.cfg = cfg
@@ -67,7 +91,7 @@ class Server:
         self.url = ""
         self._server: Any = None
         self._done = anyio.Event()
-        self._stats = io.Stats(engine)
+        self._stats = io.Stats(engine.prometheus_collector())
         self._prepare = io.Preparer()
         self.app = self._app()
 
@@ -187,7 +211,7 @@ class Server:
 
         @app.get("/health")
         async def health() -> Any:
-            alive = any(load.healthy for load in self.engine._live_scheduler().runner.loads)
+            alive = self.engine.healthy
             return io.json_response({"status": "ok" if alive else "no engine"}, 200 if alive else 503)
 
         @app.get("/metrics")

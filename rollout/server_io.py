@@ -19,7 +19,7 @@ import json
 import socket
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import msgspec
@@ -29,6 +29,9 @@ from rollout.chat import ChatRenderer
 from rollout.errors import InvalidConfigError
 from rollout.log import get_logger
 from rollout.types import not_utf8
+
+if TYPE_CHECKING:
+    from rollout.metrics import Collector
 
 log = get_logger(__name__)
 T = TypeVar("T")
@@ -220,11 +223,12 @@ class ApiKey:
 class Stats:
     """Prometheus figures of the server, and the engine's (`rollout.metrics`), for `GET /metrics`."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: Collector):
         from prometheus_client import CollectorRegistry, Counter, Histogram
 
-        self.engine = engine
+        self.engine = engine  # the engine's own figures (`RolloutEngine.prometheus_collector`)
         self.registry = CollectorRegistry()
+        self.registry.register(engine)
         self.requests = Counter("rollout_http_requests", "HTTP requests by path and status", ["path", "status"], registry=self.registry)
         self.latency = Histogram("rollout_http_latency_seconds", "HTTP request latency", ["path"], registry=self.registry,
                                  buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))  # fmt: skip
@@ -232,7 +236,6 @@ class Stats:
         self.generated = Counter("rollout_http_generated_tokens", "tokens generated for HTTP requests", registry=self.registry)
         self.episodes_forgotten = Counter("rollout_http_episodes_forgotten", "open episodes (turns kept, never rewarded) "
                                           "forgotten, the oldest first, past the server's bound", registry=self.registry)  # fmt: skip
-        self._engine_registered = False
 
     def request(self, path: str, status: int, seconds: float) -> None:
         self.requests.labels(path, str(status)).inc()
@@ -245,14 +248,7 @@ class Stats:
     async def exposition(self) -> str:
         from prometheus_client import generate_latest
 
-        from rollout.metrics import _Collector
-
-        metrics = self.engine._metrics
-        if metrics is not None:
-            await metrics.refresh()
-            if not self._engine_registered:
-                self.registry.register(_Collector(metrics))
-                self._engine_registered = True
+        await self.engine.refresh()
         return generate_latest(self.registry).decode()
 
 

@@ -19,32 +19,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from msgspec import Struct, field
 
-from rollout.errors import EngineDeadError
+from rollout.errors import EngineClosedError, EngineDeadError
 from rollout.log import get_logger
+from rollout.types import SpecCounters
+
+if TYPE_CHECKING:
+    from rollout.backend import EnginePool
 
 log = get_logger(__name__)
-
-
-class SpecCounters(Struct):
-    """One engine's speculative decoding counts: cumulative since it started, or over a window."""
-
-    engine_id: int = 0
-    num_speculative_tokens: int = 0  # 0: this engine does not speculate
-    drafts: int = 0  # verification steps of a request that had draft tokens
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)  # [i]: drafts whose token i was accepted
-
-    def add(self, drafts: int, draft_tokens: int, accepted_tokens: int, accepted_per_pos: Sequence[int]) -> None:
-        """Count one engine step (vLLM's SpecDecodingStats of that step)."""
-        self.drafts += drafts
-        self.draft_tokens += draft_tokens
-        self.accepted_tokens += accepted_tokens
-        self.accepted_per_pos = _add_lists(self.accepted_per_pos, accepted_per_pos)
 
 
 class SpecDecodeMetrics(Struct):
@@ -135,6 +121,12 @@ def window(before: Sequence[SpecCounters], after: Sequence[SpecCounters], second
     )
 
 
+class Pooled(Protocol):
+    """What the meter reads of the engine: its running engines (`RolloutEngine` is one)."""
+
+    pool: EnginePool | None
+
+
 class SpecDecodeMeter:
     """Speculative decoding figures of a running `RolloutEngine`, window by window.
 
@@ -146,24 +138,27 @@ class SpecDecodeMeter:
 
     `read()` gives the figures since the previous reading (or `open`) and starts the next
     window; `step()` does the same and logs them as one structlog event ("spec decode", info).
-    Any object with `.pool.engines` (each with `spec_counters()`) works in place of the engine.
+    Any object with `.pool.engines` (each with `spec_counters()`) works in place of the engine (`Pooled`).
     Engines that are dead are left out of the window; a restarted one counts from its restart.
     """
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: Pooled):
         self._engine = engine
         self._last: list[SpecCounters] = []
         self._at = 0.0
 
     @classmethod
-    async def open(cls, engine: Any) -> SpecDecodeMeter:
+    async def open(cls, engine: Pooled) -> SpecDecodeMeter:
         meter = cls(engine)
         await meter.read()
         return meter
 
     async def snapshot(self) -> list[SpecCounters]:
         """Every live engine's cumulative counters now."""
-        engines = self._engine.pool.engines
+        pool = self._engine.pool
+        if pool is None:
+            raise EngineClosedError("spec decode meter: the engine is not running")
+        engines = pool.engines
         got = await asyncio.gather(*(e.spec_counters() for e in engines), return_exceptions=True)
         for r in got:
             if isinstance(r, BaseException) and not isinstance(r, EngineDeadError):

@@ -3,27 +3,23 @@
 Owns: `Prompt` (what a user feeds), `Sampling` (per-request sampling values), `Request` (one
 sample sent to one engine), `Trajectory` (one finished sample), `Group` (the `sampling.n` samples
 of one prompt), `GroupResult` (an engine's answer for one group), `ProgressReport` (an engine's
-samples so far), `EngineStats`. Every field has
+samples so far), `EngineStats`, `SpecCounters`. Every field has
 a default so old readers keep decoding new data. A trajectory's per-token fields travel packed
 (`rollout.packed`: msgpack bins, which readers from before packing refuse) and read lists too.
 
-Epoch runs (exact meaning in the README, "Per-token epochs"): `policy_epochs` is a list of `(first generated index,
-epoch)` runs, the weights whose logits sampled each generated token; `kv_epochs` is a list of
-`(first position, epoch)` runs over prompt + generated positions, the weights that computed each KV
-entry as held at the end; `kv_recomputes` lists `(generated index j, epoch)`: before token j was
-sampled, every position before it was recomputed with that epoch. A run holds until the next one
-starts. `expand_runs` turns runs into one value per token.
+A trajectory's epoch fields are runs (`rollout.epochs`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta, Struct
 
+from rollout.epochs import expand_runs, fill_runs
 from rollout.packed import Logprobs, TokenIds, tensor, unpack
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -272,6 +268,25 @@ class EngineStats(Struct):
     preemptions: int = 0  # requests vLLM evicted for KV cache (each continued as a new request, recorded)
 
 
+class SpecCounters(Struct):
+    """One engine's speculative decoding counts: cumulative since it started, or over a window."""
+
+    engine_id: int = 0
+    num_speculative_tokens: int = 0  # 0: this engine does not speculate
+    drafts: int = 0  # verification steps of a request that had draft tokens
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_pos: list[int] = msgspec.field(default_factory=list)  # [i]: drafts whose token i was accepted
+
+    def add(self, drafts: int, draft_tokens: int, accepted_tokens: int, accepted_per_pos: Sequence[int]) -> None:
+        """Count one engine step (vLLM's SpecDecodingStats of that step)."""
+        self.drafts += drafts
+        self.draft_tokens += draft_tokens
+        self.accepted_tokens += accepted_tokens
+        mine, step = self.accepted_per_pos, accepted_per_pos
+        self.accepted_per_pos = [(mine[i] if i < len(mine) else 0) + (step[i] if i < len(step) else 0) for i in range(max(len(mine), len(step)))]
+
+
 class UpdateStats(Struct):
     """One weight update: what moved and what each engine's requests saw."""
 
@@ -286,66 +301,6 @@ class UpdateStats(Struct):
     # engine -> KV positions its running requests had to recompute (recompute, abort_resume)
     recomputed_tokens: dict[int, int] = msgspec.field(default_factory=dict)
     failed: list[int] = msgspec.field(default_factory=list)
-
-
-def expand_runs(runs: list[tuple[int, int]], length: int) -> list[int]:
-    """Expand `(first index, value)` runs into `length` values. Raises ValueError on bad runs."""
-    if length == 0:
-        return []
-    if not runs or runs[0][0] != 0:
-        raise ValueError(f"runs must start at index 0, got {runs[:1]}")
-    out: list[int] = []
-    for (start, value), (end, _) in zip(runs, [*runs[1:], (length, 0)]):
-        if end <= start:
-            raise ValueError(f"runs must have increasing starts, got {runs}")
-        out.extend([value] * (end - start))
-    return out[:length]
-
-
-def fill_runs(row: Any, runs: list[tuple[int, int]]) -> None:
-    """Write `(first index, value)` runs into the tensor `row` (`expand_runs`, without a Python int
-    per position). Raises ValueError on bad runs, as `expand_runs` does."""
-    length = len(row)
-    if length == 0:
-        return
-    if not runs or runs[0][0] != 0:
-        raise ValueError(f"runs must start at index 0, got {runs[:1]}")
-    for (start, value), (end, _) in zip(runs, [*runs[1:], (length, 0)]):
-        if end <= start:
-            raise ValueError(f"runs must have increasing starts, got {runs}")
-        row[start:end] = value
-
-
-def kv_runs(
-    prompt_len: int, num_tokens: int, policy_epochs: list[tuple[int, int]], kv_recomputes: list[tuple[int, int]],
-    reused: int = 0, before: list[tuple[int, int]] | tuple = (),
-) -> list[tuple[int, int]]:
-    """`kv_epochs` implied by the policy epochs and recompute points.
-
-    KV entries exist for positions 0..P+T-2 (the last token is never fed back). Without a
-    recompute, position P+i-1 was computed by the step that sampled token i, so it has token i's
-    policy epoch, and the prompt has token 0's, except the first `reused` positions of an
-    episode's turn, which keep the epochs `before` (the turn before's `kv_epochs`) gives them.
-    A recompute at token j recomputed 0..P+j-1.
-    """
-    if num_tokens == 0:
-        return []
-    if kv_recomputes:
-        base, epoch = kv_recomputes[-1]
-        runs = [(0, epoch)]
-    else:
-        base, runs = 0, [tuple(r) for r in before if r[0] < reused] if reused else []
-        append_run(runs, reused if runs else 0, policy_epochs[0][1])
-    for start, e in policy_epochs:
-        if start > base:
-            append_run(runs, prompt_len + start - 1, e)
-    return runs
-
-
-def append_run(runs: list[tuple[int, int]], index: int, value: int) -> None:
-    """Record that the tokens from `index` on carry `value` (no-op when the value is unchanged)."""
-    if not runs or runs[-1][1] != value:
-        runs.append((index, value))
 
 
 class Batch(Struct):

@@ -24,8 +24,9 @@ import asyncio
 import random
 from typing import Any
 
+from rollout.epochs import expand_runs
 from rollout.errors import EngineDeadError
-from rollout.types import Trajectory, expand_runs
+from rollout.types import Trajectory
 
 BLOCK = 4
 

@@ -18,9 +18,9 @@ import anyio
 import msgspec
 
 from rollout.backend import as_finished
+from rollout.epochs import append_run
 from rollout.errors import EngineDeadError
-from rollout.specdecode import SpecCounters
-from rollout.types import EngineStats, Request, Trajectory, append_run
+from rollout.types import EngineStats, Request, SpecCounters, Trajectory
 
 VOCAB_SIZE = 260  # the tiny model's: 4 special ids, then 256 bytes
 EOS_ID = 2

@@ -14,8 +14,9 @@ from benchmarks.cluster_sim import WEIGHTS, Options, config, main, model_dir, pa
 from benchmarks.sim_engine import SimEngine, SimSpec
 from benchmarks.sim_pool import SimPool
 from rollout.engine import RolloutEngine
+from rollout.epochs import expand_runs
 from rollout.errors import EngineDeadError
-from rollout.types import Prompt, expand_runs
+from rollout.types import Prompt
 
 TIMEOUT = 30  # seconds; only reached when a test is about to fail
 

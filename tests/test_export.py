@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import pytest
 
+from rollout.epochs import kv_runs
 from rollout.export import expand_megatron_runs, policy_epochs_from_megatron, to_megatron, to_nemo_gym
-from rollout.types import Trajectory, kv_runs
+from rollout.types import Trajectory
 
 P = 4
 

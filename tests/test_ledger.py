@@ -18,8 +18,9 @@ import pytest
 
 from policies.vllm_policy import VLLMPolicy
 from rollout.config import load_config
+from rollout.epochs import kv_runs
 from rollout.errors import EngineDeadError
-from rollout.types import ProgressReport, Request, Sampling, Trajectory, kv_runs
+from rollout.types import ProgressReport, Request, Sampling, Trajectory
 from tests.fake_vllm import FakeVllm, replay, replay_episode
 
 MODES = ["keep", "recompute", "abort_resume", "drain"]

@@ -15,12 +15,11 @@ from safetensors.torch import save_file
 
 from rollout.config import load_config
 from rollout.engine import RolloutEngine
-from rollout.sync_engine import SyncRolloutEngine
 from rollout.errors import InvalidConfigError
 from rollout.metrics import BusyTime, Totals, figures
-from rollout.specdecode import SpecCounters
 from rollout.staleness import StalenessStats
-from rollout.types import Prompt, UpdateStats
+from rollout.sync_engine import SyncRolloutEngine
+from rollout.types import Prompt, SpecCounters, UpdateStats
 from tests.fakes import FakePool
 from tests.test_weights import STATE
 

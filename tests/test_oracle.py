@@ -14,7 +14,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from policies.oracle import Oracle, Processing, compare, main
 from policies.tiny import TinySpec, build_tiny
-from rollout.types import Trajectory, expand_runs
+from rollout.epochs import expand_runs
+from rollout.types import Trajectory
 
 EPOCHS = (0, 1, 2, 3)
 PROMPT = [1, 40, 41, 42, 43, 44, 45]

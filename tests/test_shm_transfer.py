@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from policies.gloo_transfer import GlooTrainerInitInfo, GlooWeightTransferEngine, StateDictSource
 from policies.shm import mapped
 from policies.shm_transfer import ALIGN, ShmInitInfo, ShmTrainerInitInfo, ShmUpdateInfo, ShmWeightTransferEngine, layout
-from policies.gloo_transfer import GlooTrainerInitInfo, GlooWeightTransferEngine, StateDictSource
 from tests.transfer_doubles import Client, Module, reload
 
 
@@ -368,7 +368,7 @@ async def test_a_learner_gone_mid_transfer_leaves_no_engine_serving_torn_weights
             workers = [e.worker for e in pool.engines]
             with pytest.raises(ConnectionError):
                 await anyio.to_thread.run_sync(t.send_weights)
-            while engine._weight_transfer().round is not None or len(pool.restarts) < 2:
+            while engine.weight_transfer().round is not None or len(pool.restarts) < 2:
                 await anyio.sleep(0.05)  # the round ends on its own (no learner call within weight_sync.timeout_s); they restart
             assert engine.epoch == 0 and not any(e.commits for e in pool.engines) and sorted(pool.restarts) == [0, 1]
             assert engine._updates._allocated == 1  # epoch 1 may be torn somewhere: never used again

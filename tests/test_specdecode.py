@@ -6,7 +6,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from rollout.log import configure
-from rollout.specdecode import SpecCounters, SpecDecodeMeter, aggregate, delta, derive, window
+from rollout.specdecode import SpecDecodeMeter, aggregate, delta, derive, window
+from rollout.types import SpecCounters
 
 from .fakes import FakePool
 

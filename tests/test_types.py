@@ -6,7 +6,8 @@ import msgspec
 import pytest
 import torch
 
-from rollout.types import Batch, Group, ProgressReport, Prompt, Sampling, Trajectory, append_run, expand_runs
+from rollout.epochs import append_run, expand_runs
+from rollout.types import Batch, Group, ProgressReport, Prompt, Sampling, Trajectory
 
 
 def make_trajectory(prompt, tokens, epochs=None, **kw) -> Trajectory:

@@ -176,7 +176,7 @@ async def test_a_learner_that_stops_calling_mid_round_ends_its_round(cfg):
         async with RolloutEngine(cfg, pool=pool) as engine:
             t, client, source = await trainer(engine, STATE)
             await anyio.to_thread.run_sync(client.start_weight_update)
-            while engine._weight_transfer().round is not None:
+            while engine.weight_transfer().round is not None:
                 await anyio.sleep(0.05)
             assert engine.epoch == 0 and not any(e.commits for e in pool.engines)
             await send(t, source, changed(1))
@@ -204,7 +204,7 @@ async def test_a_learner_gone_mid_transfer_leaves_no_engine_serving_torn_weights
             t.source = Dies(changed(1))
             with pytest.raises(ConnectionError):
                 await anyio.to_thread.run_sync(t.send_weights)
-            while engine._weight_transfer().round is not None or len(pool.restarts) < 2:
+            while engine.weight_transfer().round is not None or len(pool.restarts) < 2:
                 await anyio.sleep(0.05)  # the engines' transfers fail on their own; they restart
             assert engine.epoch == 0 and not any(e.commits for e in pool.engines) and sorted(pool.restarts) == [0, 1]
             assert engine._updates._allocated == 1  # epoch 1 may be torn somewhere: never used again

@@ -12,8 +12,9 @@ from safetensors.torch import save_file
 from policies.weights import Packed, TensorSpec, pack, read_manifest, save_dir, unpack
 from rollout.config import load_config
 from rollout.engine import RolloutEngine
+from rollout.epochs import kv_runs
 from rollout.errors import EngineDeadError, InvalidWeightsError, WeightSyncError
-from rollout.types import Prompt, Trajectory, kv_runs
+from rollout.types import Prompt, Trajectory
 from tests.fakes import FakePool
 
 STATE = {

@@ -27,8 +27,9 @@ from policies.oracle import Oracle, Processing, compare
 from policies.shm import descendants
 from policies.vllm_args import engine_env
 from rollout import Prompt, RolloutEngine
+from rollout.epochs import kv_runs
 from rollout.errors import EngineDeadError
-from rollout.types import Trajectory, kv_runs
+from rollout.types import Trajectory
 
 from .conftest import engine_processes, integration_config, leaked_shm, shm_segments
 from .test_weights import random_weights

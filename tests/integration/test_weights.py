@@ -28,8 +28,9 @@ from safetensors.torch import load_file
 from policies.oracle import Oracle, Processing, compare
 from policies.weights import save_dir
 from rollout import Prompt, RolloutEngine
+from rollout.epochs import kv_runs
 from rollout.errors import InvalidWeightsError
-from rollout.types import Trajectory, kv_runs
+from rollout.types import Trajectory
 
 from .conftest import integration_config
 
@@ -77,7 +78,7 @@ def commit_when(engine: RolloutEngine, ready: Callable[[int], Awaitable[Any]]) -
         return await commit(epoch, *args, **kwargs)
 
     engine._updates._commit = gated  # type: ignore[method-assign]
-    transfer = engine._weight_transfer()  # vLLM's trainer API: its engines pause and start here
+    transfer = engine.weight_transfer()  # vLLM's trainer API: its engines pause and start here
     start = transfer._start_engines
 
     async def gated_start(rnd: Any) -> Any:
