@@ -34,7 +34,7 @@ from policies.startup import shm_names, start_failure
 from policies.vllm_adapter.worker import CPU_WORKER
 from policies.vllm_args import engine_args, request_seed
 from policies.weight_loading import WeightLoading
-from rollout.backend import as_finished
+from rollout.aio import as_finished
 from rollout.config import Config
 from rollout.epochs import kv_runs
 from rollout.errors import EngineDeadError, InvalidPromptError

@@ -1,12 +1,13 @@
 """Asynchronous, actor-based rollout engine for LLM reinforcement learning."""
 
+from rollout.batch import Batch
 from rollout.config import Config, load_config
 from rollout.engine import RolloutEngine
 from rollout.epochs import expand_runs
 from rollout.errors import EngineDeadError, InvalidConfigError, InvalidPromptError, RetryableError, RolloutError
 from rollout.generation import GenerationError, RolloutGeneration, verify_right_padding
 from rollout.sync_engine import SyncRolloutEngine
-from rollout.types import Batch, Group, Prompt, Sampling, Trajectory
+from rollout.types import Group, Prompt, Sampling, Trajectory
 
 __all__ = [
     "Batch",

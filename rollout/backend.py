@@ -1,21 +1,15 @@
 """The small interface `rollout/` uses to talk to generation engines, so it never imports ray or vllm.
 
 `Engine` is one engine (a Ray actor in production, a small fake in unit tests); `EnginePool` owns a
-set of them. `start_pool` builds the real one (Ray actors running vLLM) on demand.
+set of them. `RolloutEngine` starts the real one (`actors.pool`: Ray actors running vLLM).
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any, Protocol
 
 from rollout.types import EngineStats, Request, SpecCounters, Trajectory
-
-if TYPE_CHECKING:
-    from rollout.config import Config
-
-T = TypeVar("T")
 
 
 class Engine(Protocol):
@@ -89,44 +83,3 @@ class EnginePool(Protocol):
         ...
 
     async def shutdown(self) -> None: ...
-
-
-async def as_finished(coros: Iterable[Awaitable[T]]) -> AsyncIterator[T]:
-    """Run `coros` concurrently; yield each result as it finishes (an exception ends the stream).
-
-    For engine implementations of `generate_group`. Closing or cancelling the stream cancels
-    whatever is still running, and waits for it to unwind (vLLM aborts a cancelled request).
-    """
-    results: asyncio.Queue[tuple[Any, BaseException | None]] = asyncio.Queue()
-
-    async def run(coro: Awaitable[T]) -> None:
-        try:
-            results.put_nowait((await coro, None))
-        except Exception as e:
-            results.put_nowait((None, e))
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():  # ours (the stream closed): nobody waits for it
-                raise
-            # Cancelled from within (a library's own abort or timeout): the stream waits for a
-            # result that would never come, so it gets an error instead.
-            results.put_nowait((None, RuntimeError("a request was cancelled inside the engine")))
-
-    tasks = [asyncio.ensure_future(run(c)) for c in coros]
-    try:
-        for _ in tasks:
-            value, error = await results.get()
-            if error is not None:
-                raise error
-            yield value
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def start_pool(cfg: Config, model_path: str) -> EnginePool:
-    """Start `cfg.engines.count` vLLM engines as Ray actors and wait until all serve."""
-    from actors.pool import RayEnginePool  # the only way in to ray, taken lazily
-
-    return await RayEnginePool.start(cfg, model_path)

@@ -33,6 +33,7 @@ from typing import Any
 import anyio
 import msgspec
 
+from rollout.batch import Batch
 from rollout.config import QueueConfig
 from rollout.grouplog import (
     LOG_NAME,
@@ -50,7 +51,7 @@ from rollout.grouplog import (
 )
 from rollout.log import get_logger
 from rollout.packed import wire_hook
-from rollout.types import Batch, Group
+from rollout.types import Group
 
 __all__ = ["LOCK_NAME", "LOG_NAME", "Commits", "DurableLog", "DurableLogError", "LogReader", "LogState", "read_log"]
 

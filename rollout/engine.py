@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from rollout.backend import EnginePool, start_pool
+from rollout.backend import EnginePool
+from rollout.batch import Batch
 from rollout.chat import chat_renderer
 from rollout.config import Config, load_config
 from rollout.durable import Commits, DurableLog, DurableLogError
@@ -35,7 +36,7 @@ from rollout.queue import Submission, TrajectoryQueue
 from rollout.rewards import RewardFn, load_reward
 from rollout.scheduler import Scheduler
 from rollout.staleness import StalenessFilter, StalenessStats, hand_out
-from rollout.types import Batch, EngineStats, Group, Prompt, Trajectory, UpdateStats
+from rollout.types import EngineStats, Group, Prompt, Trajectory, UpdateStats
 from rollout.updates import WeightUpdates
 
 if TYPE_CHECKING:
@@ -43,6 +44,13 @@ if TYPE_CHECKING:
     from rollout.weight_sync import WeightTransfer
 
 log = get_logger(__name__)
+
+
+async def start_pool(cfg: Config, model_path: str) -> EnginePool:
+    """Start `cfg.engines.count` vLLM engines as Ray actors and wait until all serve."""
+    from actors.pool import RayEnginePool  # the only way in to ray and vLLM, taken lazily
+
+    return await RayEnginePool.start(cfg, model_path)
 
 
 class RolloutEngine:

@@ -12,10 +12,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Generator, Iterable
 from typing import Any
 
+from rollout.batch import Batch
 from rollout.durable import Commits
 from rollout.queue import TrajectoryQueue
 from rollout.staleness import Admission, StalenessFilter, hand_out, trainable
-from rollout.types import Batch, Group
+from rollout.types import Group
 
 
 class HandOut:

@@ -1,6 +1,7 @@
-"""Off-policy corrections for the learner: pure torch over `Batch.to_tensors()` layouts, no engine.
+"""Off-policy corrections for the learner: pure torch over `Batch.to_tensors()` layouts, no engine
+(GRPO advantages: `rollout.batch`).
 
-Owns: GRPO group advantages, staleness filtering by policy epoch, behaviour importance weights
+Owns: staleness filtering by policy epoch, behaviour importance weights
 (truncated, TIS, or masked, MIS; per token or per sequence) and the decoupled PPO loss (AReaL).
 
 Conventions: per-token tensors are `[batch, tokens]`, right-padded, aligned with `input_ids`;
@@ -24,28 +25,6 @@ def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     `x` outside the mask is ignored even when it is NaN or inf, and gets a zero gradient.
     """
     return (torch.where(mask != 0, x, 0.0) * mask).sum() / mask.sum().clamp(min=1)
-
-
-def grpo_advantages(rewards: Tensor, normalize_std: bool = True, eps: float = 1e-6) -> Tensor:
-    """GRPO advantages of `rewards` shaped `[num_groups, n]` (one row per prompt), same shape.
-
-    Each reward minus its group's mean, divided by `std + eps` when `normalize_std` (the unbiased
-    std, as TRL and verl use). A group whose rewards are all equal (any group when n == 1) gets
-    exactly 0. `.reshape(-1)` gives one advantage per row of `Batch.to_tensors()` when every
-    trajectory is ok (rows come group by group). Raises ValueError on a non-finite reward.
-    """
-    if rewards.ndim != 2:
-        raise ValueError(f"rewards: expected shape [num_groups, n], got {tuple(rewards.shape)}")
-    rewards = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
-    bad = (~torch.isfinite(rewards)).nonzero()
-    if len(bad):
-        g, i = bad[0].tolist()
-        raise ValueError(f"rewards[{g}, {i}]: reward must be finite, got {rewards[g, i].item()}")
-    centered = rewards - rewards.mean(dim=1, keepdim=True)
-    if normalize_std and rewards.shape[1] > 1:
-        centered = centered / (rewards.std(dim=1, keepdim=True) + eps)
-    flat = rewards.amax(dim=1, keepdim=True) == rewards.amin(dim=1, keepdim=True)
-    return torch.where(flat, 0.0, centered)
 
 
 def lag(token_epochs: Tensor, learner_epoch: int) -> Tensor:

@@ -9,11 +9,12 @@ from typing import Any
 
 import anyio.from_thread
 
+from rollout.batch import Batch
 from rollout.config import Config
 from rollout.engine import RolloutEngine
 from rollout.process import catch_sigterm, exit_on_sigterm, restore_sigterm
 from rollout.staleness import StalenessStats
-from rollout.types import Batch, EngineStats, Group
+from rollout.types import EngineStats, Group
 
 
 class SyncRolloutEngine:

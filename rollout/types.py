@@ -19,8 +19,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from rollout.epochs import expand_runs, fill_runs
-from rollout.packed import Logprobs, TokenIds, tensor, unpack
+from rollout.epochs import expand_runs
+from rollout.packed import Logprobs, TokenIds, unpack
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -301,67 +301,3 @@ class UpdateStats(Struct):
     # engine -> KV positions its running requests had to recompute (recompute, abort_resume)
     recomputed_tokens: dict[int, int] = msgspec.field(default_factory=dict)
     failed: list[int] = msgspec.field(default_factory=list)
-
-
-class Batch(Struct):
-    """Complete groups for one learner step."""
-
-    groups: list[Group] = msgspec.field(default_factory=list)
-
-    @property
-    def trajectories(self) -> list[Trajectory]:
-        return [t for g in self.groups for t in g.trajectories]
-
-    def to_tensors(self, pad_id: int = 0, normalize_std: bool = True) -> dict[str, Any]:
-        """Right-padded torch tensors, NeMo RL layout, one row per successful trajectory.
-
-        `input_ids` = prompt + generation; `logprobs` aligned with `input_ids` (0 on prompt and
-        padding); `token_epochs` (-1 on prompt and padding); `loss_mask` 1 on generated tokens
-        (except the leading `stale_tokens` of a trajectory, masked as too stale). An episode is one
-        row: its whole conversation, `loss_mask` 1 on model tokens only (observation tokens: 0,
-        logprob 0, epoch -1).
-        When every row has a reward: `rewards` and GRPO `advantages` (per group, over its
-        successful samples; divided by the group's std when `normalize_std`).
-        """
-        import torch
-
-        from rollout.offpolicy import grpo_advantages
-
-        rows = [t for t in self.trajectories if t.ok]
-        lengths = [len(t.prompt_token_ids) + len(t.token_ids) for t in rows]
-        width = max(lengths, default=0)
-        b = len(rows)
-        input_ids = torch.full((b, width), pad_id, dtype=torch.long)
-        logprobs = torch.zeros((b, width), dtype=torch.float32)
-        epochs = torch.full((b, width), -1, dtype=torch.long)
-        loss_mask = torch.zeros((b, width), dtype=torch.float32)
-        for r, t in enumerate(rows):  # per row, never per token: packed ids and logprobs are read as buffers
-            p, g = len(t.prompt_token_ids), len(t.token_ids)
-            input_ids[r, :p] = tensor(t.prompt_token_ids, torch.long)
-            input_ids[r, p : p + g] = tensor(t.token_ids, torch.long)
-            logprobs[r, p : p + g] = tensor(t.logprobs, torch.float32)
-            fill_runs(epochs[r, p : p + g], t.policy_epochs)
-            if t.loss_mask:  # an episode: its model tokens, less the leading stale ones among them
-                mask = torch.tensor(t.loss_mask, dtype=torch.float32)
-                if t.stale_tokens:
-                    mask[mask.nonzero()[: t.stale_tokens, 0]] = 0.0
-                loss_mask[r, p : p + g] = mask
-            else:
-                loss_mask[r, p + min(t.stale_tokens, g) : p + g] = 1.0
-        extra = {}
-        if rows and all(t.reward is not None for t in rows):
-            extra["rewards"] = torch.tensor([t.reward for t in rows], dtype=torch.float32)
-            per_group = [[t.reward for t in g.trajectories if t.ok] for g in self.groups]
-            extra["advantages"] = torch.cat(
-                [grpo_advantages(torch.tensor([r], dtype=torch.float32), normalize_std)[0] for r in per_group if r]
-            )
-        return {
-            **extra,
-            "input_ids": input_ids,
-            "input_lengths": torch.tensor([len(t.prompt_token_ids) for t in rows], dtype=torch.long),
-            "generation_lengths": torch.tensor([len(t.token_ids) for t in rows], dtype=torch.long),
-            "unpadded_sequence_lengths": torch.tensor(lengths, dtype=torch.long),
-            "logprobs": logprobs,
-            "token_epochs": epochs,
-            "loss_mask": loss_mask,
-        }

@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 import msgspec
 
-from rollout.backend import as_finished
+from rollout.aio import as_finished
 from rollout.epochs import append_run
 from rollout.errors import EngineDeadError
 from rollout.types import EngineStats, Request, SpecCounters, Trajectory

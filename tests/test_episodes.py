@@ -7,11 +7,12 @@ import anyio
 import pytest
 
 from benchmarks.envs import Calculator, evaluate
+from rollout.batch import Batch
 from rollout.config import load_config
 from rollout.engine import RolloutEngine
 from rollout.env import Step
 from rollout.errors import InvalidConfigError, InvalidPromptError
-from rollout.types import Batch, Prompt
+from rollout.types import Prompt
 from tests.fakes import EOS_ID, FakePool
 
 TIMEOUT = 30  # a hang guard; the first episode pays the tokenizer import (seconds on a busy machine)

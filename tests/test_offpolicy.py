@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from rollout.batch import grpo_advantages
 from rollout.offpolicy import (
     decoupled_ppo_loss,
-    grpo_advantages,
     importance_weights,
     lag,
     masked_mean,

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from policies.group_calls import RESULTS, GroupCalls
+from rollout.batch import Batch
 from rollout.packed import Logprobs, TokenIds, encode, json_hook, to_json, wire_hook
-from rollout.types import Batch, Group, GroupResult, ProgressReport, Prompt, Request, Sampling, Trajectory
+from rollout.types import Group, GroupResult, ProgressReport, Prompt, Request, Sampling, Trajectory
 
 
 def packed(prompt, tokens, epochs) -> Trajectory:

@@ -15,7 +15,7 @@ import msgspec
 import pytest
 
 from policies.group_calls import RESULTS
-from rollout.backend import as_finished
+from rollout.aio import as_finished
 from rollout.config import Config, config_from_dict, load_config
 from rollout.engine import RolloutEngine
 from rollout.errors import InvalidConfigError, InvalidPromptError, RetryableError, RolloutError, WeightSyncError

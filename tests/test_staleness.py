@@ -11,10 +11,11 @@ import torch
 from anyio import wait_all_tasks_blocked
 from safetensors.torch import save_file
 
+from rollout.batch import Batch
 from rollout.config import StalenessConfig, load_config
 from rollout.engine import RolloutEngine
 from rollout.staleness import StalenessFilter, StalenessStats
-from rollout.types import Batch, Group, Prompt, Trajectory
+from rollout.types import Group, Prompt, Trajectory
 from tests.fakes import FakePool
 
 TIMEOUT = 5

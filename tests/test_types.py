@@ -6,8 +6,9 @@ import msgspec
 import pytest
 import torch
 
+from rollout.batch import Batch
 from rollout.epochs import append_run, expand_runs
-from rollout.types import Batch, Group, ProgressReport, Prompt, Sampling, Trajectory
+from rollout.types import Group, ProgressReport, Prompt, Sampling, Trajectory
 
 
 def make_trajectory(prompt, tokens, epochs=None, **kw) -> Trajectory:
