@@ -24,7 +24,8 @@ from rollout.generation import GenerationError, RolloutGeneration
 from rollout.types import Prompt, Trajectory
 from tests.fakes import FakeEngine, FakePool
 
-TIMEOUT = 5  # seconds; only reached when a test is about to fail
+TIMEOUT = 30  # a hang guard, only reached by a test about to fail; fake engines have no timers, so
+# a verdict never waits on the clock, but on a busy 2-core machine startup alone can take seconds
 STATE = {"embed.weight": torch.zeros(4, 3)}
 
 
@@ -208,9 +209,15 @@ async def test_admission_counts_episodes_not_turns(make_cfg):
     """An episode is one group's sample however many turns it plays: admission lets in
     `(epoch + max_lag + 1) * batch_groups` episodes, every turn of those runs, and no more start
     until the learner takes a batch and the epoch moves."""
+    # An engine with an environment loads the model's chat template (`rollout.chat`): the process's
+    # first transformers import (10-14 s on a loaded 2-core machine) is paid here, not on the guard.
+    from transformers import AutoTokenizer  # noqa: F401
+
     pool = FakePool(2)
     with anyio.fail_after(TIMEOUT):
-        async with RolloutEngine(make_cfg("staleness.max_lag=0", "staleness.batch_groups=2"), pool=pool, env=ThreeTurns) as engine:
+        async with RolloutEngine(
+            make_cfg("staleness.max_lag=0", "staleness.batch_groups=2"), pool=pool, env=ThreeTurns
+        ) as engine:
             engine.feed(prompts(8))
             await wait_all_tasks_blocked()
             assert started_ids(pool) == {"q0", "q1"}
