@@ -44,6 +44,9 @@ WeightsSource = Mapping[str, Any] | str | Path  # param name -> torch.Tensor, or
 TOP_P_EPS = 1e-3
 # Likewise a top-k cut between logits (after temperature) closer than this.
 TOP_K_EPS = 1e-3
+# The sampled token's logit (after temperature) this close to another's: their order, and so which
+# side of a top-k or top-p cut each falls, may be the other way in the engine.
+TIE_EPS = 1e-3
 
 
 class Processing(msgspec.Struct, frozen=True):
@@ -87,6 +90,32 @@ class Processing(msgspec.Struct, frozen=True):
             x[:rows, list(self.stop_ids)] = -math.inf
         if self.temperature >= 1e-5:
             x = x / self.temperature
+        cut, ambiguous = self._cut(x)
+        lp = torch.log_softmax(cut, dim=-1).gather(-1, tokens[:, None])[:, 0]
+        for r in ambiguous.nonzero().flatten().tolist():
+            alts[r] = [torch.log_softmax(v, dim=-1)[tokens[r]].item() for v in self._variants(x[r], int(tokens[r]))]
+        if cut is not x:  # the sampled token within float error of another's logit: the engine may order them the other way
+            rows = torch.arange(x.shape[0])
+            for shift in (TIE_EPS, -TIE_EPS):
+                nudged = x.clone()
+                nudged[rows, tokens] += shift
+                kept = self._cut(nudged)[0] > -math.inf
+                other = torch.log_softmax(x.masked_fill(~kept, -math.inf), dim=-1).gather(-1, tokens[:, None])[:, 0]
+                for r in (other != lp).nonzero().flatten().tolist():
+                    alts[r].append(other[r].item())
+        lo, hi = self.min_tokens - first_index, self.min_tokens + self.spec_tokens + 1 - first_index
+        if self.spec_tokens and self.stop_ids and hi > 0 and lo < x.shape[0]:
+            masked = msgspec.structs.replace(self, min_tokens=self.min_tokens + self.spec_tokens + 1, spec_tokens=0)
+            mlp, malts = masked.logprobs_of(logits, tokens, first_index)
+            for r in range(max(lo, 0), min(hi, x.shape[0])):
+                alts[r] += [mlp[r].item(), *malts[r]]
+        return lp, alts
+
+    def _cut(self, x: Any) -> tuple[Any, Any]:
+        """vLLM's top-k then top-p mask of the rows of `x` (temperature applied; `x` itself when
+        neither is set), and which rows have a cut within float error of a token."""
+        import torch
+
         cut, ambiguous = x, torch.zeros(x.shape[0], dtype=torch.bool)
         if 0 < self.top_k < x.shape[-1]:
             top = x.topk(self.top_k + 1, dim=-1).values
@@ -95,16 +124,7 @@ class Processing(msgspec.Struct, frozen=True):
         if self.top_p < 1.0:
             cut, near = _top_p(cut, self.top_p)
             ambiguous |= near
-        lp = torch.log_softmax(cut, dim=-1).gather(-1, tokens[:, None])[:, 0]
-        for r in ambiguous.nonzero().flatten().tolist():
-            alts[r] = [torch.log_softmax(v, dim=-1)[tokens[r]].item() for v in self._variants(x[r], int(tokens[r]))]
-        lo, hi = self.min_tokens - first_index, self.min_tokens + self.spec_tokens + 1 - first_index
-        if self.spec_tokens and self.stop_ids and hi > 0 and lo < x.shape[0]:
-            masked = msgspec.structs.replace(self, min_tokens=self.min_tokens + self.spec_tokens + 1, spec_tokens=0)
-            mlp, malts = masked.logprobs_of(logits, tokens, first_index)
-            for r in range(max(lo, 0), min(hi, x.shape[0])):
-                alts[r] += [mlp[r].item(), *malts[r]]
-        return lp, alts
+        return cut, ambiguous
 
     def _variants(self, row: Any, token: int) -> list[Any]:
         """The masked logits of one row (temperature applied) with each cut the engine's float error

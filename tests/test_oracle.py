@@ -223,6 +223,26 @@ def test_a_top_k_tie_the_engine_broke_accepts_exactly_k_and_the_top_p_cut_that_f
     assert clear == [[]]
 
 
+def test_the_sampled_token_tied_with_its_neighbour_across_a_top_p_cut_accepts_either_order() -> None:
+    # A CI run (test_weights drain, every run the same token): the sampled token and another one
+    # 1e-5 apart in logit sit either side of the top-p cut, 0.09 and 0.102 in ascending cumulative
+    # probability, far from the cut itself. The engine's float error ordered them the other way:
+    # it kept the sampled token and dropped its twin, the oracle dropped the sampled one (-inf).
+    probs = torch.tensor([[0.25, 0.03, 0.06, 0.06 + 1e-7, 0.6 - 1e-7]])
+    logits, token = torch.log(probs), torch.tensor([2])  # id 2 sorts just below its twin, id 3
+
+    def kept(ids: list[int]) -> float:
+        x = torch.full((5,), -math.inf)
+        x[ids] = logits[0, ids]
+        return torch.log_softmax(x, -1)[2].item()
+
+    got, alts = Processing(top_p=0.9).logprobs_of(logits, token, 0)  # ascending cumulative: 0.03, 0.09, 0.15, ...
+    assert got.item() == -math.inf  # the oracle's order: ids 1 and 2 dropped (<= 0.1)
+    assert any(a == pytest.approx(kept([0, 2, 4]), abs=1e-5) for a in alts[0]), alts  # the engine's: 1 and 3 dropped
+    _, clear = Processing(top_p=0.9).logprobs_of(torch.log(torch.tensor([[0.25, 0.03, 0.05, 0.07, 0.6]])), token, 0)
+    assert clear == [[]]
+
+
 def test_under_speculation_the_tokens_just_past_min_tokens_accept_the_stop_mask() -> None:
     """vLLM masks a speculative step's bonus token by the count at the step's start: with K draft
     tokens, tokens min_tokens..min_tokens+K may have been sampled with the stop ids masked."""
