@@ -31,7 +31,7 @@ from rollout.handout import Batches, HandOut
 from rollout.log import configure, get_logger
 from rollout.metrics import Collector, EngineMetrics, MetricsWindow, PrometheusExporter
 from rollout.process import catch_sigterm, restore_sigterm
-from rollout.prompts import BadPrompt, ModelLimits, as_async, check_prompt, coerce, effective_sampling, sampling_problem
+from rollout.prompts import ModelLimits, as_async, check_all, sampling_problem
 from rollout.queue import Submission, TrajectoryQueue
 from rollout.rewards import RewardFn, load_reward
 from rollout.scheduler import Scheduler
@@ -222,7 +222,7 @@ class RolloutEngine:
         if isinstance(prompts, (Prompt, str, dict)):
             prompts = [prompts]
         if isinstance(prompts, (list, tuple)):
-            prompts = self._checked(prompts)
+            prompts = check_all(prompts, self.cfg.sampling, scheduler.limits)
         elif prompts is None or isinstance(prompts, (bytes, int, float)) or not isinstance(prompts, (Iterable, AsyncIterable)):
             raise InvalidPromptError(f"feed: expected prompts (a list, an iterator, a prompt), got {type(prompts).__name__}")
         scheduler.add_source(as_async(prompts))
@@ -238,7 +238,7 @@ class RolloutEngine:
             prompts = [prompts]
         if prompts is None or isinstance(prompts, (bytes, int, float)) or not isinstance(prompts, Iterable):
             raise InvalidPromptError(f"submit: expected prompts (a list, a prompt), got {type(prompts).__name__}")
-        items = self._checked(list(prompts))
+        items = check_all(list(prompts), self.cfg.sampling, scheduler.limits)
         take = (lambda g: hand_out(g, self._updates.learner_epoch, self._staleness, scheduler.admission, keep_dropped=True)) if train else None
         submission = Submission(items, train, take)
         scheduler.submit(submission)
@@ -259,22 +259,6 @@ class RolloutEngine:
         """Put a group finished elsewhere (an episode served over HTTP) into the learner's queue.
         Raises RetryableError when the queue is full."""
         await self._live_scheduler().hand_in(group)
-
-    def _checked(self, prompts: list[Any]) -> list[Prompt]:
-        """Every prompt coerced and checked against the model; raises InvalidPromptError naming each bad one."""
-        scheduler = self._live_scheduler()
-        items = [coerce(p) for p in prompts]
-        problems = []
-        for i, item in enumerate(items):
-            try:
-                if isinstance(item, BadPrompt):
-                    raise InvalidPromptError(item.reason)
-                check_prompt(item, effective_sampling(self.cfg.sampling, item), scheduler.limits)
-            except InvalidPromptError as e:
-                problems.append(f"[{i}] {e}")
-        if problems:
-            raise InvalidPromptError(f"{len(problems)} of {len(items)} prompts rejected: " + "; ".join(problems))
-        return items  # type: ignore[return-value]
 
     @property
     def staleness(self) -> StalenessStats:

@@ -103,6 +103,23 @@ def check_prompt(prompt: Prompt, sampling: Sampling, limits: ModelLimits) -> Non
         )
 
 
+def check_all(prompts: list[Any], base: Sampling, limits: ModelLimits) -> list[Prompt]:
+    """Every prompt coerced and checked against the model (`base`: the config's sampling); raises
+    InvalidPromptError naming each bad one, and admits none of them."""
+    items = [coerce(p) for p in prompts]
+    problems = []
+    for i, item in enumerate(items):
+        try:
+            if isinstance(item, BadPrompt):
+                raise InvalidPromptError(item.reason)
+            check_prompt(item, effective_sampling(base, item), limits)
+        except InvalidPromptError as e:
+            problems.append(f"[{i}] {e}")
+    if problems:
+        raise InvalidPromptError(f"{len(problems)} of {len(items)} prompts rejected: " + "; ".join(problems))
+    return items  # type: ignore[return-value]
+
+
 def synthetic_prompts(cfg: PromptsConfig, vocab_size: int) -> list[Prompt]:
     """`cfg.count` prompts of random tokens, lengths uniform in [min_len, max_len], seeded."""
     rng = random.Random(cfg.seed)
