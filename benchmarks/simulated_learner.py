@@ -8,7 +8,9 @@ weights, so every step generates the same distribution of tokens). Two runs of t
 - async: `staleness.max_lag=--max-lag` and `weight_sync.mode=keep`: the engines generate the next
   batches while the learner trains.
 `--step-time auto` (default) sets the step time to the batch generation time, measured as the
-median wait for a batch in the sync run's warm-up steps (the learner sleeps 0 there). Then the
+median wait for a batch in the sync run's warm-up steps but the first (the learner sleeps 0
+there; the default 4 warm-up steps give a median of 3, which one slow step does not move: with
+3, a 10 s wait after the first update once made the "median" of 2 the step time: 5.4 s). Then the
 ideal speed-up is 2x: the sync loop pays generation + training per step, the async one the larger
 of the two. Each run starts its own engines; engine start and `--warmup` steps are not timed.
 The async learner's push does not wait for the engines to load (`update_weights(wait=False)`, the
@@ -17,7 +19,8 @@ allocated, the engines load while it trains, and its next push waits for that (`
 push waits until every engine serves the new epoch, as the sync run's does).
 
     python benchmarks/simulated_learner.py configs/tiny.yaml --steps 8 --groups 16 --report simulated_learner.json
-    python benchmarks/simulated_learner.py configs/tiny.yaml --transfer    # pushes through vLLM's trainer API
+    python benchmarks/simulated_learner.py configs/tiny.yaml --transfer    # pushes through vLLM's trainer API (gloo)
+    python benchmarks/simulated_learner.py configs/tiny.yaml --transfer shm
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from rollout.config import Config, load_config  # noqa: E402
 from rollout.engine import RolloutEngine  # noqa: E402
 from rollout.prompts import configured_prompts  # noqa: E402
 
+from benchmarks.weight_sync import TRANSFERS  # noqa: E402
+
 
 def configured(cfg: Config, max_lag: int, mode: str, groups: int) -> Config:
     return msgspec.structs.replace(
@@ -47,10 +52,10 @@ def configured(cfg: Config, max_lag: int, mode: str, groups: int) -> Config:
     )
 
 
-async def learner_loop(cfg: Config, groups: int, warmup: int, steps: int, step_time: float | None, transfer: bool,
+async def learner_loop(cfg: Config, groups: int, warmup: int, steps: int, step_time: float | None, transfer: str | None,
                        wait: bool = True) -> dict[str, Any]:  # fmt: skip
     """Run `warmup + steps` learner steps; `step_time` None: 0 in warm-up, then the median warm-up wait.
-    `transfer`: push through vLLM's trainer API (gloo), else `engine.update_weights` (Ray's object store);
+    `transfer`: push through vLLM's trainer API (`gloo`, `shm`), else `engine.update_weights` (Ray's object store);
     `wait=False`: the push returns before the engines load."""
     from safetensors.torch import load_file
 
@@ -60,7 +65,9 @@ async def learner_loop(cfg: Config, groups: int, warmup: int, steps: int, step_t
         weights: dict[str, Any] = {}
         for f in sorted(Path(engine.model_path).glob("*.safetensors")):
             weights.update(load_file(str(f)))
-        count = (warmup + steps + (cfg.staleness.max_lag or 0) + 2) * groups
+        # twice what the steps take: groups handed out too stale are dropped and their prompts are
+        # gone (an async run on the object store ran out with 2 batches to spare)
+        count = 2 * (warmup + steps + (cfg.staleness.max_lag or 0) + 2) * groups
         push = await learner_update(engine, weights, transfer, wait)
         engine.feed(configured_prompts(msgspec.structs.replace(cfg.prompts, count=count), engine.limits.vocab_size))
         rows: list[dict[str, float]] = []
@@ -89,7 +96,7 @@ async def learner_loop(cfg: Config, groups: int, warmup: int, steps: int, step_t
     wall = sum(r["wait_s"] + r["train_s"] + r["push_s"] for r in measured)
     return {
         "max_lag": cfg.staleness.max_lag,
-        "path": "vLLM's trainer API (gloo)" if transfer else "Ray's object store",
+        "path": f"vLLM's trainer API ({transfer})" if transfer else "Ray's object store",
         "weight_sync_mode": cfg.weight_sync.mode,
         "push_waits": wait,
         "step_time_s": step_time,
@@ -134,10 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-o", "--override", action="append", default=[], help="dotted override, e.g. sampling.n=8")
     ap.add_argument("--groups", type=int, default=16, help="groups per learner step")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per run")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed steps per run")
+    ap.add_argument("--warmup", type=int, default=4, help="untimed steps per run (auto's step time: the median wait of all but the first)")
     ap.add_argument("--step-time", default="auto", help="seconds per learner step, or auto (= batch generation time)")
     ap.add_argument("--max-lag", type=int, default=1, help="staleness.max_lag of the async run")
-    ap.add_argument("--transfer", action="store_true", help="push through vLLM's trainer API (gloo), not Ray's object store")
+    ap.add_argument("--transfer", nargs="?", const="gloo", choices=TRANSFERS, help="push through vLLM's trainer API (gloo; or shm), not Ray's object store")
     ap.add_argument("--wait", action="store_true", help="the async learner's push waits until every engine serves the new epoch")
     ap.add_argument("--report", default="simulated_learner.json")
     args = ap.parse_args(argv)

@@ -4,6 +4,8 @@ For each mode: start the engines, warm them up, then alternate rounds of the sam
 without updates and with an update every `--interval` seconds (the model's own weights pushed
 back, so every round generates the same distribution of tokens). Reports per mode:
 - the stall each engine saw per update (pause -> resume; median and max) and the load alone;
+- each update's two phases as the driver saw them: before the first pause (checks, the object
+  store, each engine staging), and from the first engine's pause to the last one's resume;
 - the learner's update call (until every engine serves the new epoch) while the engines generate,
   against the same call with the engines idle (3 calls before the rounds), median of each, and how
   late the driver's event loop wakes meanwhile (the learner's calls all go through it);
@@ -16,7 +18,7 @@ back, so every round generates the same distribution of tokens). Reports per mod
     python benchmarks/weight_sync.py configs/tiny.yaml -o prompts.count=128 --report weight_sync.json --plot weight_sync.png
 
 `--transfer` sends every update through vLLM's trainer API (its trainer factory's gloo engine and
-`engine.weight_sync_client()`) instead of Ray's object store. `--no-wait` makes the learner's call
+`engine.weight_sync_client()`) instead of Ray's object store; `--transfer shm` through the shm engine. `--no-wait` makes the learner's call
 the one that does not wait for the engines to load (`update_weights(wait=False)`, the client's
 `wait=False`): the table shows that call, and beside it the time until every engine serves the epoch.
 """
@@ -42,6 +44,7 @@ from rollout.prompts import configured_prompts  # noqa: E402
 from benchmarks.weight_plane import TimedClient  # noqa: E402
 
 MODES = ("keep", "recompute", "abort_resume", "drain")
+TRANSFERS = ("gloo", "shm")  # vLLM's trainer API over our CPU weight-transfer engines
 
 
 async def one_round(engine: RolloutEngine, prompts: PromptsConfig, weights: Any, interval: float | None, update: Any = None) -> dict[str, Any]:
@@ -106,21 +109,28 @@ async def loaded(engine: RolloutEngine, update: Any) -> None:
     await engine.weights_loaded()
 
 
-async def learner_update(engine: RolloutEngine, weights: dict[str, Any], transfer: bool, wait: bool = True) -> Any:
+async def learner_update(engine: RolloutEngine, weights: dict[str, Any], transfer: str | None, wait: bool = True) -> Any:
     """The learner's update call, `update(weights) -> epoch`: `engine.update_weights` (Ray's object
-    store), or with `transfer` vLLM's trainer API: its trainer factory builds the gloo engine
-    (`policies.gloo_transfer`) over `engine.weight_sync_client()`, timed per vLLM call (`update.calls`).
-    `wait=False`: the forms that return before the engines load (the trainer's `hand_off`: its
-    send returns once every engine receives and the weights are copied)."""
+    store), or with `transfer` (`gloo`, `shm`) vLLM's trainer API: its trainer factory builds that
+    engine (`policies.gloo_transfer`, `policies.shm_transfer`) over `engine.weight_sync_client()`,
+    timed per vLLM call (`update.calls`). `wait=False`: the forms that return before the engines
+    load (the client's `finish_weight_update` returns the epoch at once; gloo's trainer also hands
+    off its send: `send_weights` returns once every engine receives and the weights are copied)."""
     if not transfer:
         return lambda w: engine.update_weights(w, wait=wait)
     import anyio
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from policies.gloo_transfer import GlooTrainerInitInfo, StateDictSource
+    from policies.shm_transfer import ShmTrainerInitInfo
 
     client, source = TimedClient(engine.weight_sync_client(wait=wait)), StateDictSource(weights)
-    init = GlooTrainerInitInfo(world_size=1 + client.world_size(), rank=0, timeout_s=600, hand_off=not wait)
+    if transfer not in TRANSFERS:
+        raise ValueError(f"transfer {transfer!r}: one of {', '.join(TRANSFERS)}")
+    if transfer == "shm":
+        init: Any = ShmTrainerInitInfo(world_size=1 + client.world_size(), timeout_s=600)
+    else:
+        init = GlooTrainerInitInfo(world_size=1 + client.world_size(), rank=0, timeout_s=600, hand_off=not wait)
     trainer = await anyio.to_thread.run_sync(lambda: WeightTransferTrainerFactory.trainer_init(init, client=client, source=source))
 
     async def update(w: dict[str, Any]) -> int:
@@ -128,11 +138,11 @@ async def learner_update(engine: RolloutEngine, weights: dict[str, Any], transfe
         await anyio.to_thread.run_sync(trainer.send_weights)
         return engine.epoch
 
-    update.calls, update.settle = client.last, trainer.settle  # type: ignore[attr-defined]
+    update.calls, update.settle = client.last, getattr(trainer, "settle", None)  # type: ignore[attr-defined]
     return update
 
 
-async def bench_mode(cfg: Config, mode: str, rounds: int, interval: float, transfer: bool = False, wait: bool = True) -> dict[str, Any]:
+async def bench_mode(cfg: Config, mode: str, rounds: int, interval: float, transfer: str | None = None, wait: bool = True) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     cfg = msgspec.structs.replace(cfg, weight_sync=msgspec.structs.replace(cfg.weight_sync, mode=mode))
@@ -153,6 +163,8 @@ async def bench_mode(cfg: Config, mode: str, rounds: int, interval: float, trans
             updated.append(await one_round(engine, cfg.prompts, weights, interval, update))
     stalls = [s for r in updated for u in r["updates"] for s in u.stall_s.values()]
     loads = [s for r in updated for u in r["updates"] for s in u.load_s.values()]
+    prepare = [u.prepare_s for r in updated for u in r["updates"]]  # the driver's view: before phase 2, then phase 2
+    commit = [u.seconds for r in updated for u in r["updates"]]
     ratios = [u["tokens_per_s"] / p["tokens_per_s"] for p, u in zip(plain, updated)]
     busy = [s for r in updated for s in r["update_s"]]
     busy_loaded = [s for r in updated for s in r["loaded_s"]]
@@ -168,6 +180,7 @@ async def bench_mode(cfg: Config, mode: str, rounds: int, interval: float, trans
         "stall_s": {"median": _median(stalls), "max": max(stalls, default=float("nan"))},
         "stalls_s": stalls,
         "load_s": {"median": _median(loads), "max": max(loads, default=float("nan"))},
+        "phases_s": {"prepare_median": _median(prepare), "commit_median": _median(commit)},
         "wait": wait,
         "loop_lag_s": {"median": _median(lag), "p90": lag[int(0.9 * len(lag))] if lag else float("nan")},
         "update_s": {"idle": [c for c, _ in idle], "generating": busy, "idle_median": _median([c for c, _ in idle]), "generating_median": _median(busy),
@@ -224,6 +237,9 @@ def table(results: list[dict[str, Any]], interval: float) -> str:
             lines.append(f"{r['mode']}: the call does not wait; until every engine serves the epoch (median): generating "
                          f"{u['generating_median'] * 1e3:.1f}ms, idle {u['idle_median'] * 1e3:.1f}ms")  # fmt: skip
     for r in results:
+        lines.append(f"{r['mode']}: each update while generating (median), the driver's view: checks, object store and staging "
+                     f"{r['phases_s']['prepare_median'] * 1e3:.1f}ms, then every engine's pause..resume {r['phases_s']['commit_median'] * 1e3:.1f}ms")
+    for r in results:
         if calls := r["update_s"]["calls_generating_median"]:
             lines.append(f"{r['mode']}: vLLM's calls while generating (median): " + ", ".join(f"{k} {v * 1e3:.1f}ms" for k, v in calls.items()))
     for r in results:
@@ -244,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--interval", type=float, default=2.0, help="seconds between updates")
     ap.add_argument("--report", default="weight_sync_report.json")
-    ap.add_argument("--transfer", action="store_true", help="updates through vLLM's trainer API (gloo)")
+    ap.add_argument("--transfer", nargs="?", const="gloo", choices=TRANSFERS, help="updates through vLLM's trainer API (gloo; or shm)")
     ap.add_argument("--no-wait", action="store_true", help="the learner's call returns before the engines load (wait=False)")
     ap.add_argument("--plot", metavar="FILE.png", help="also draw the ratios and stalls per mode (needs matplotlib)")
     args = ap.parse_args(argv)
