@@ -102,7 +102,7 @@ class RolloutEngine:
 
     async def __aenter__(self) -> RolloutEngine:
         configure(self.cfg.logging.level, self.cfg.logging.json)
-        self._catch_sigterm()
+        self._old_sigterm = catch_sigterm()
         reward = self._reward or load_reward(self.cfg.reward)  # a bad path fails before engines start
         env = self._env or load_env(self.cfg.env, self.cfg.env_args)
         from policies.tiny import resolve_model_path
@@ -192,14 +192,8 @@ class RolloutEngine:
                 if self.pool is not None:
                     await self.pool.shutdown()
             finally:
-                self._restore_sigterm()
-
-    def _catch_sigterm(self) -> None:
-        self._old_sigterm = catch_sigterm()
-
-    def _restore_sigterm(self) -> None:
-        restore_sigterm(self._old_sigterm)
-        self._old_sigterm = None
+                restore_sigterm(self._old_sigterm)
+                self._old_sigterm = None
 
     @property
     def limits(self) -> ModelLimits:
