@@ -25,12 +25,13 @@ from typing import Any
 
 import anyio
 import httpx
+import pytest
 from safetensors.torch import load_file
 
 from policies.gloo_transfer import GlooTrainerInitInfo, StateDictSource
 from rollout import RolloutEngine
 
-from .conftest import integration_config
+from .conftest import held_engine, integration_config
 from .test_chaos import kill
 from .test_weights import random_weights
 
@@ -39,21 +40,29 @@ LONG = {"max_tokens": 48, "min_tokens": 48, "temperature": 0.8}  # in flight acr
 GREEDY = {"max_tokens": 12, "temperature": 0.0}
 
 
+@pytest.fixture(scope="module")
+async def served() -> AsyncIterator[tuple[RolloutEngine, Any]]:
+    """One start of the engines and their server for both tests (an engine start is the slow part),
+    with the restart test's health checks every 0.5 s and restarts after 0.5 s. The restart test
+    runs first: the update test then drives an engine that was killed and restarted."""
+    cfg = integration_config("engines.count=2", "weight_sync.timeout_s=60", "model.max_model_len=256",
+                             "engines.health_interval_s=0.5", "engines.restart_backoff_s=0.5")  # fmt: skip
+    async for engine in held_engine(cfg):
+        yield engine, await engine.serve(port=0)
+
+
 @contextlib.asynccontextmanager
-async def serving(*overrides: str) -> AsyncIterator[tuple[RolloutEngine, Any, httpx.AsyncClient, list[asyncio.Task]]]:
-    """The engine, its server, a client, and a list for the test's request tasks: those still
-    running when the test fails are cancelled before the client closes."""
-    cfg = integration_config("engines.count=2", "weight_sync.timeout_s=60", "model.max_model_len=256", *overrides)
-    async with RolloutEngine(cfg) as engine:
-        server = await engine.serve(port=0)
-        async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT) as http:
-            tasks: list[asyncio.Task] = []
-            try:
-                yield engine, server, http, tasks
-            finally:
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+async def client(server: Any) -> AsyncIterator[tuple[httpx.AsyncClient, list[asyncio.Task]]]:
+    """A client, and a list for the test's request tasks: those still running when the test fails
+    are cancelled before the client closes."""
+    async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT) as http:
+        tasks: list[asyncio.Task] = []
+        try:
+            yield http, tasks
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def within(what: str, awaitable: Any) -> Any:
@@ -92,8 +101,32 @@ def learner(url: str, weights: dict) -> tuple[Any, StateDictSource]:
     return WeightTransferTrainerFactory.trainer_init(init, client=client, source=source), source
 
 
-async def test_vllms_http_client_updates_a_real_rollout_serve_between_pause_and_resume():
-    async with serving() as (engine, server, http, tasks):
+async def test_a_real_engine_restarted_while_the_learner_holds_pause_comes_back_paused(served):
+    engine, server = served
+    async with client(server) as (http, tasks):
+        runner = engine._scheduler.runner
+        r = await within("POST /pause", http.post("/pause", params={"mode": "keep"}))
+        assert r.json() == {"status": "paused"}
+        old = runner.engines[1]
+        await within("killing engine 1", kill(old, "actor"))
+
+        async def back() -> None:  # a state the restart sets, polled; the wait is bounded by within()
+            while runner.engines[1] is old or not runner.loads[1].healthy:
+                await asyncio.sleep(0.1)
+
+        await within("engine 1 restarted and back in rotation", back())
+        assert await within("engine 1's vLLM is_paused", runner.engines[1].call("is_paused")) is True
+        sent = asyncio.ensure_future(chat(http, server.model, "sent while paused", GREEDY))
+        tasks.append(sent)
+        r = await within("POST /resume", http.post("/resume"))
+        assert r.json() == {"status": "resumed"}
+        assert [await within("is_paused", e.call("is_paused")) for e in runner.engines] == [False, False]
+        assert (await within("the request sent while paused", sent))["generation_token_ids"]
+
+
+async def test_vllms_http_client_updates_a_real_rollout_serve_between_pause_and_resume(served):
+    engine, server = served
+    async with client(server) as (http, tasks):
         get = lambda path, **kw: ok(f"GET {path}", http.get(path, **kw))  # noqa: E731
         post = lambda path, **kw: ok(f"POST {path}", http.post(path, **kw))  # noqa: E731
         assert await get("/get_world_size") == {"world_size": 2}  # 2 engines x 1 model worker
@@ -137,26 +170,3 @@ async def test_vllms_http_client_updates_a_real_rollout_serve_between_pause_and_
         assert set(epochs(via_http)) == {2} and set(epochs(via_store)) == {3}
         assert await post("/shutdown_weight_transfer_engine") == {"message": "Weight transfer shut down"}
         await anyio.to_thread.run_sync(t.shutdown)
-
-
-async def test_a_real_engine_restarted_while_the_learner_holds_pause_comes_back_paused():
-    restarts = ("engines.health_interval_s=0.5", "engines.restart_backoff_s=0.5")
-    async with serving(*restarts) as (engine, server, http, tasks):
-        runner = engine._scheduler.runner
-        r = await within("POST /pause", http.post("/pause", params={"mode": "keep"}))
-        assert r.json() == {"status": "paused"}
-        old = runner.engines[1]
-        await within("killing engine 1", kill(old, "actor"))
-
-        async def back() -> None:  # a state the restart sets, polled; the wait is bounded by within()
-            while runner.engines[1] is old or not runner.loads[1].healthy:
-                await asyncio.sleep(0.1)
-
-        await within("engine 1 restarted and back in rotation", back())
-        assert await within("engine 1's vLLM is_paused", runner.engines[1].call("is_paused")) is True
-        sent = asyncio.ensure_future(chat(http, server.model, "sent while paused", GREEDY))
-        tasks.append(sent)
-        r = await within("POST /resume", http.post("/resume"))
-        assert r.json() == {"status": "resumed"}
-        assert [await within("is_paused", e.call("is_paused")) for e in runner.engines] == [False, False]
-        assert (await within("the request sent while paused", sent))["generation_token_ids"]
