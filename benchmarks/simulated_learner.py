@@ -12,7 +12,10 @@ median wait for a batch in the sync run's warm-up steps but the first (the learn
 there; the default 4 warm-up steps give a median of 3, which one slow step does not move: with
 3, a 10 s wait after the first update once made the "median" of 2 the step time: 5.4 s). Then the
 ideal speed-up is 2x: the sync loop pays generation + training per step, the async one the larger
-of the two. Each run starts its own engines; engine start and `--warmup` steps are not timed.
+of the two. Each run starts its own engines; engine start and `--warmup` steps are not timed. The
+learner's heap is frozen once the engines start (`rollout.process.freeze_heap`, as `rollout
+bench` does): unfrozen, a full collection walked torch's, Ray's and vLLM's objects for seconds,
+holding the learner and every update it made.
 The async learner's push does not wait for the engines to load (`update_weights(wait=False)`, the
 weight-sync client's `wait=False`): it returns once its weights are handed off and the epoch is
 allocated, the engines load while it trains, and its next push waits for that (`--wait`: the
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import statistics
 import sys
 import time
@@ -39,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rollout.config import Config, load_config  # noqa: E402
 from rollout.engine import RolloutEngine  # noqa: E402
+from rollout.process import freeze_heap  # noqa: E402
 from rollout.prompts import configured_prompts  # noqa: E402
 
 from benchmarks.weight_sync import TRANSFERS  # noqa: E402
@@ -69,6 +74,7 @@ async def learner_loop(cfg: Config, groups: int, warmup: int, steps: int, step_t
         # gone (an async run on the object store ran out with 2 batches to spare)
         count = 2 * (warmup + steps + (cfg.staleness.max_lag or 0) + 2) * groups
         push = await learner_update(engine, weights, transfer, wait)
+        freeze_heap()  # as `rollout bench` does once started: else the driver's full collections (seconds) hold the learner
         engine.feed(configured_prompts(msgspec.structs.replace(cfg.prompts, count=count), engine.limits.vocab_size))
         rows: list[dict[str, float]] = []
         lag_before: dict[int, int] = {}
@@ -92,6 +98,7 @@ async def learner_loop(cfg: Config, groups: int, warmup: int, steps: int, step_t
         stalls = [s for u in engine.weight_updates[warmup:] for s in u.stall_s.values()]
         reruns = sum(s.reruns for s in await engine.stats())
         lags = {k: v - lag_before.get(k, 0) for k, v in engine.staleness.lag_tokens.items() if v - lag_before.get(k, 0)}
+    gc.unfreeze()
     measured = rows[warmup:]
     wall = sum(r["wait_s"] + r["train_s"] + r["push_s"] for r in measured)
     return {

@@ -8,7 +8,10 @@ back, so every round generates the same distribution of tokens). Reports per mod
   store, each engine staging), and from the first engine's pause to the last one's resume;
 - the learner's update call (until every engine serves the new epoch) while the engines generate,
   against the same call with the engines idle (3 calls before the rounds), median of each, and how
-  late the driver's event loop wakes meanwhile (the learner's calls all go through it);
+  late the driver's event loop wakes meanwhile (the learner's calls all go through it), and the
+  driver's garbage collections (each holds every thread of the driver: one full collection of an
+  unfrozen heap took 3.6 s). The driver's heap is frozen once the engines start
+  (`rollout.process.freeze_heap`, as `rollout bench` does; a learner's process should do the same);
 - generated tokens/s with updates vs without, as the median of the per-round ratios;
 - the KV each update makes running requests recompute (`recompute`, `abort_resume`), in seconds at
   the engines' measured prefill rate, and a warning line for a mode whose recompute takes longer
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import statistics
 import sys
 import time
@@ -39,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rollout.config import Config, PromptsConfig, load_config  # noqa: E402
 from rollout.engine import RolloutEngine  # noqa: E402
+from rollout.process import freeze_heap  # noqa: E402
 from rollout.prompts import configured_prompts  # noqa: E402
 
 from benchmarks.weight_plane import TimedClient  # noqa: E402
@@ -78,17 +83,30 @@ async def one_round(engine: RolloutEngine, prompts: PromptsConfig, weights: Any,
             await asyncio.sleep(0.01)
             lags.append(time.perf_counter() - t - 0.01)
 
+    pauses: list[float] = []  # the driver's garbage collections (each holds every thread of the driver, the update's too)
+    began = [0.0]
+
+    def collected(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            pauses.append(time.perf_counter() - began[0])
+
     task = asyncio.ensure_future(updater()) if interval else None
     watch = asyncio.ensure_future(lag())
-    async for group in engine.groups():
-        tokens += sum(len(t.token_ids) for t in group.trajectories if t.ok)
+    gc.callbacks.append(collected)
+    try:
+        async for group in engine.groups():
+            tokens += sum(len(t.token_ids) for t in group.trajectories if t.ok)
+    finally:
+        gc.callbacks.remove(collected)
     elapsed = time.perf_counter() - start
     done.set()
     await watch
     if task:
         await task
     return {"tokens": tokens, "elapsed_s": elapsed, "tokens_per_s": tokens / elapsed, "updates": engine.weight_updates[first_update:], "update_s": calls,
-            "loaded_s": loaded, "phases": phases, "loop_lag_s": lags}  # fmt: skip
+            "loaded_s": loaded, "phases": phases, "loop_lag_s": lags, "gc_s": pauses}  # fmt: skip
 
 
 async def timed(engine: RolloutEngine, update: Any, weights: Any) -> tuple[float, float]:
@@ -128,7 +146,7 @@ async def learner_update(engine: RolloutEngine, weights: dict[str, Any], transfe
     if transfer not in TRANSFERS:
         raise ValueError(f"transfer {transfer!r}: one of {', '.join(TRANSFERS)}")
     if transfer == "shm":
-        init: Any = ShmTrainerInitInfo(world_size=1 + client.world_size(), timeout_s=600)
+        init: Any = ShmTrainerInitInfo(world_size=1 + client.world_size(), rank=0, timeout_s=600)
     else:
         init = GlooTrainerInitInfo(world_size=1 + client.world_size(), rank=0, timeout_s=600, hand_off=not wait)
     trainer = await anyio.to_thread.run_sync(lambda: WeightTransferTrainerFactory.trainer_init(init, client=client, source=source))
@@ -150,6 +168,7 @@ async def bench_mode(cfg: Config, mode: str, rounds: int, interval: float, trans
         weights = {}
         for f in sorted(Path(engine.model_path).glob("*.safetensors")):
             weights.update(load_file(str(f)))
+        freeze_heap()  # as `rollout bench` does once started: else the driver's full collections walk torch's, Ray's and vLLM's heap
         warm = msgspec.structs.replace(cfg.prompts, count=cfg.bench.warmup_prompts or 64)
         await one_round(engine, warm, weights, interval=None)
         update = await learner_update(engine, weights, transfer, wait)
@@ -161,6 +180,7 @@ async def bench_mode(cfg: Config, mode: str, rounds: int, interval: float, trans
         for _ in range(rounds):
             plain.append(await one_round(engine, cfg.prompts, weights, None))
             updated.append(await one_round(engine, cfg.prompts, weights, interval, update))
+    gc.unfreeze()
     stalls = [s for r in updated for u in r["updates"] for s in u.stall_s.values()]
     loads = [s for r in updated for u in r["updates"] for s in u.load_s.values()]
     prepare = [u.prepare_s for r in updated for u in r["updates"]]  # the driver's view: before phase 2, then phase 2
@@ -169,6 +189,7 @@ async def bench_mode(cfg: Config, mode: str, rounds: int, interval: float, trans
     busy = [s for r in updated for s in r["update_s"]]
     busy_loaded = [s for r in updated for s in r["loaded_s"]]
     lag = sorted(s for r in updated for s in r["loop_lag_s"])
+    collections = [s for r in updated for s in r["gc_s"]]
     phases = [p for r in updated for p in r["phases"] if p]
     # What one update costs the engines in KV recompute, at the prefill rate measured above: an
     # engine whose recompute takes longer than the update interval never gets back to decoding.
@@ -182,7 +203,8 @@ async def bench_mode(cfg: Config, mode: str, rounds: int, interval: float, trans
         "load_s": {"median": _median(loads), "max": max(loads, default=float("nan"))},
         "phases_s": {"prepare_median": _median(prepare), "commit_median": _median(commit)},
         "wait": wait,
-        "loop_lag_s": {"median": _median(lag), "p90": lag[int(0.9 * len(lag))] if lag else float("nan")},
+        "loop_lag_s": {"median": _median(lag), "p90": lag[int(0.9 * len(lag))] if lag else float("nan"), "max": max(lag, default=float("nan"))},
+        "gc_s": {"count": len(collections), "max": max(collections, default=0.0), "total": sum(collections)},
         "update_s": {"idle": [c for c, _ in idle], "generating": busy, "idle_median": _median([c for c, _ in idle]), "generating_median": _median(busy),
                      "calls_generating_median": {k: _median([p[k] for p in phases]) for k in (phases[0] if phases else {})}},
         "loaded_s": {"idle": [t for _, t in idle], "generating": busy_loaded, "idle_median": _median([t for _, t in idle]),
@@ -231,7 +253,9 @@ def table(results: list[dict[str, Any]], interval: float) -> str:
         )
     for r in results:
         lines.append(f"{r['mode']}: the driver's event loop while generating, how late a 10 ms sleep wakes: median "
-                     f"{r['loop_lag_s']['median'] * 1e3:.1f}ms, p90 {r['loop_lag_s']['p90'] * 1e3:.1f}ms")  # fmt: skip
+                     f"{r['loop_lag_s']['median'] * 1e3:.1f}ms, p90 {r['loop_lag_s']['p90'] * 1e3:.1f}ms, max {r['loop_lag_s']['max'] * 1e3:.1f}ms; "
+                     f"its garbage collections: {r['gc_s']['count']}, longest {r['gc_s']['max'] * 1e3:.1f}ms, "
+                     f"{r['gc_s']['total'] * 1e3:.1f}ms in all")  # fmt: skip
         if not r["wait"]:
             u = r["loaded_s"]
             lines.append(f"{r['mode']}: the call does not wait; until every engine serves the epoch (median): generating "
