@@ -20,13 +20,14 @@ from typing import Any
 import msgspec
 import openai
 import pytest
+import pytest_asyncio
 from safetensors.torch import load_file
 
 from policies.oracle import Oracle, Processing, compare
 from rollout import RolloutEngine
 from rollout.types import Trajectory
 
-from .conftest import integration_config
+from .conftest import held_engine, integration_config
 from .test_chaos import kill
 from .test_weights import commit_when, random_weights
 
@@ -41,15 +42,25 @@ TURNS = 4
 PILOTS = 2  # conversations with short turns
 
 
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def served() -> AsyncIterator[tuple[RolloutEngine, Any]]:
+    """One start of 2 engines and their server for the module's tests (an engine start is the slow
+    part), in file order: the oracle test (which kills an engine: health checks every 0.5 s,
+    restart after 0.5 s), then the 512 requests (128 in flight per engine), then seeds and stop
+    strings, on weights that changed and engines that restarted."""
+    cfg = integration_config("engines.count=2", "engines.vllm={block_size: 32}", "engines.health_interval_s=0.5", "model.max_model_len=1024",
+                             "engines.restart_backoff_s=0.5", "engines.max_inflight_per_engine=128")  # fmt: skip
+    async for engine in held_engine(cfg):
+        yield engine, await engine.serve(port=0)
+
+
 @contextlib.asynccontextmanager
-async def serving(cfg: Any) -> AsyncIterator[tuple[RolloutEngine, Any, openai.AsyncOpenAI]]:
-    """The engine, its server, and a client closed before the server goes (an unclosed client's
-    sockets, closed by the garbage collector, stay in the loop's selector map: a later socket
-    given the same fd number is never polled)."""
-    async with RolloutEngine(cfg) as engine:
-        server = await engine.serve(port=0)
-        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=600) as client:
-            yield engine, server, client
+async def connected(server: Any) -> AsyncIterator[openai.AsyncOpenAI]:
+    """A client of the test's own, closed before the server goes (an unclosed client's sockets,
+    closed by the garbage collector, stay in the loop's selector map: a later socket given the same
+    fd number is never polled)."""
+    async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=600) as client:
+        yield client
 
 
 def turn(message: dict) -> Trajectory:
@@ -61,10 +72,9 @@ def turn(message: dict) -> Trajectory:
     )  # fmt: skip
 
 
-async def test_served_turns_match_the_oracle_across_updates_and_a_killed_engine():
-    cfg = integration_config("engines.count=2", "engines.vllm={block_size: 32}", "engines.health_interval_s=0.5", "model.max_model_len=1024",
-                             "engines.restart_backoff_s=0.5")  # fmt: skip
-    async with serving(cfg) as (engine, server, client):
+async def test_served_turns_match_the_oracle_across_updates_and_a_killed_engine(served):
+    engine, server = served
+    async with connected(server) as client:
         base = load_file(f"{engine.model_path}/model.safetensors")
         weights = {0: base}
         landed, piloted, pilot_turns = [asyncio.Event() for _ in range(TURNS)], [asyncio.Event() for _ in range(TURNS)], [0] * TURNS
@@ -124,9 +134,9 @@ async def test_served_turns_match_the_oracle_across_updates_and_a_killed_engine(
     assert report.ok and report.tokens == sum(len(t.token_ids) for t in served), msgspec.json.encode(report).decode()[:2000]
 
 
-async def test_512_concurrent_requests_are_each_answered_once_in_bounded_memory():
-    cfg = integration_config("engines.count=2", "engines.max_inflight_per_engine=128")
-    async with serving(cfg) as (_, server, client):
+async def test_512_concurrent_requests_are_each_answered_once_in_bounded_memory(served):
+    _, server = served
+    async with connected(server) as client:
         rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         results = await asyncio.gather(*(
             client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": f"request {i}"}],
@@ -144,11 +154,12 @@ async def test_512_concurrent_requests_are_each_answered_once_in_bounded_memory(
 STOPS = [*"eao", *"bcdfghijklmnpqrstuvwxyz0123456789"]  # single characters: a 64-token turn of the random model hits one
 
 
-async def test_seed_repeats_the_tokens_and_stop_strings_leave_the_text_as_vllms_server():
+async def test_seed_repeats_the_tokens_and_stop_strings_leave_the_text_as_vllms_server(served):
     """Same seed, same request, same weights: the same tokens (each HTTP request had a random prompt
     id, and the per-request vLLM seed is derived from it). A turn ended by a stop string returns
     the text before it, as vLLM's server does; the token ids keep the token that completed it."""
-    async with serving(integration_config("engines.count=1", "model.max_model_len=256")) as (_, server, client):
+    _, server = served
+    async with connected(server) as client:
         chat = {"model": server.model, "messages": [{"role": "user", "content": "seeded"}], "max_tokens": 24, "temperature": 1.0}
         a, b = [(await client.chat.completions.create(**chat, seed=7)).choices[0].message.model_extra for _ in range(2)]
         assert a["generation_token_ids"] == b["generation_token_ids"]
