@@ -70,28 +70,28 @@ def gloo_loopback(nbytes: int, bucket_bytes: int = 64 << 20) -> dict[str, float]
 
     import torch
 
-    from policies.gloo_transfer import _broadcast, _pair, _store
+    from policies.gloo_transfer import broadcast, pair_group, tcp_store
 
     n = max(1, nbytes // bucket_bytes)
     src = torch.ones(n * bucket_bytes, dtype=torch.uint8)
 
     def run(pairs: int, touched: bool) -> float:
-        store, session, go = _store("127.0.0.1", 0, 300.0, master=True), f"floor-{pairs}-{touched}", threading.Event()
+        store, session, go = tcp_store("127.0.0.1", 0, 300.0, master=True), f"floor-{pairs}-{touched}", threading.Event()
 
         def worker(r: int) -> None:
-            pg = _pair(_store("127.0.0.1", store.port, 300.0), session, r, 300.0, trainer=False)
+            pg = pair_group(tcp_store("127.0.0.1", store.port, 300.0), session, r, 300.0, trainer=False)
             bufs = [torch.zeros(bucket_bytes, dtype=torch.uint8) if touched else torch.empty(bucket_bytes, dtype=torch.uint8) for _ in range(n)]
             go.wait()
-            for w in [_broadcast(pg, b) for b in bufs]:
+            for w in [broadcast(pg, b) for b in bufs]:
                 w.wait()
 
         threads = [threading.Thread(target=worker, args=(r,)) for r in range(1, pairs + 1)]
         for t in threads:
             t.start()
-        pgs = [_pair(store, session, r, 300.0, trainer=True) for r in range(1, pairs + 1)]
+        pgs = [pair_group(store, session, r, 300.0, trainer=True) for r in range(1, pairs + 1)]
         go.set()
         start = time.perf_counter()
-        sending = [[_broadcast(pg, src[k * bucket_bytes : (k + 1) * bucket_bytes]) for pg in pgs] for k in range(n)]
+        sending = [[broadcast(pg, src[k * bucket_bytes : (k + 1) * bucket_bytes]) for pg in pgs] for k in range(n)]
         for works in sending:
             for w in works:
                 w.wait()

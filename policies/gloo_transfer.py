@@ -129,13 +129,13 @@ def _slices(buf: torch.Tensor, bucket: list[tuple[str, torch.dtype, list[int], i
     return [buf[at : at + b[3]] for at, b in zip(_offsets(bucket)[0], bucket)]
 
 
-def _store(address: str, port: int, timeout_s: float, master: bool = False) -> Any:
+def tcp_store(address: str, port: int, timeout_s: float, master: bool = False) -> Any:
     import torch.distributed as dist
 
     return dist.TCPStore(address, port, None, master, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
-def _pair(store: Any, session: str, worker: int, timeout_s: float, *, trainer: bool) -> Any:
+def pair_group(store: Any, session: str, worker: int, timeout_s: float, *, trainer: bool) -> Any:
     """The ProcessGroupGloo of the trainer (rank 0) and worker rank `worker` (rank 1), standalone
     (never vLLM's). A pair per worker: broadcasts to all workers run side by side, each on its
     own connection, and a worker that fails breaks only its own pair."""
@@ -155,7 +155,7 @@ def _close(groups: list[Any]) -> None:
             pass
 
 
-def _broadcast(pg: Any, buf: torch.Tensor) -> Any:
+def broadcast(pg: Any, buf: torch.Tensor) -> Any:
     """Start a broadcast of `buf` from rank 0; returns its work (`.wait()`)."""
     import torch.distributed as dist
 
@@ -190,8 +190,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.shutdown()
         p = self.parallel_config
         self.rank = p.data_parallel_index * p.world_size + p.rank + init_info.rank_offset
-        self.store = _store(init_info.master_address, init_info.master_port, init_info.timeout_s)
-        self.pg = _pair(self.store, init_info.session, self.rank, init_info.timeout_s, trainer=False)
+        self.store = tcp_store(init_info.master_address, init_info.master_port, init_info.timeout_s)
+        self.pg = pair_group(self.store, init_info.session, self.rank, init_info.timeout_s, trainer=False)
         self.info = init_info
 
     def start_weight_update(self) -> None:
@@ -205,7 +205,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             buf = torch.empty(_offsets(bucket)[1], dtype=torch.uint8)
             names = bucket[0][0] if len(bucket) == 1 else f"{bucket[0][0]} .. {bucket[-1][0]}"
             parts = _slices(buf, bucket)
-            self.staged.append((f"bucket {k + 1}/{len(cut)} ({names})", bucket, parts, [_broadcast(self.pg, part) for part in parts]))
+            self.staged.append((f"bucket {k + 1}/{len(cut)} ({names})", bucket, parts, [broadcast(self.pg, part) for part in parts]))
         self.store.set(f"{self.info.session}/ready/{update_info.round}/{self.rank}", b"")
 
     def finish_weight_update(self) -> None:
@@ -287,12 +287,12 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         if not engine.is_sender:
             return engine
         i = init_info
-        store = _store(i.master_address, i.master_port, i.timeout_s, master=True)
+        store = tcp_store(i.master_address, i.master_port, i.timeout_s, master=True)
         worker = GlooInitInfo(master_address=i.master_address, master_port=store.port, rank_offset=1, world_size=i.world_size,
                               session=engine.session, bucket_bytes=i.bucket_bytes, timeout_s=i.timeout_s)  # fmt: skip
         exe = ThreadPoolExecutor(max_workers=1)
         try:  # the workers wait inside init for the group's rendezvous, and so does rank 0
-            joined = exe.submit(lambda: [_pair(store, engine.session, r, i.timeout_s, trainer=True) for r in range(1, i.world_size)])
+            joined = exe.submit(lambda: [pair_group(store, engine.session, r, i.timeout_s, trainer=True) for r in range(1, i.world_size)])
             client.init_weight_transfer_engine(asdict(worker))
             engine.pgs = joined.result()
         finally:
@@ -380,7 +380,7 @@ def send(pgs: list[Any], pairs: Iterator[tuple[str, torch.Tensor]], info: GlooUp
             if got != name or t.dtype != dtype or list(t.shape) != shape:
                 raise ValueError(f"WeightSource yielded {got!r} {t.dtype} {list(t.shape)}, metadata() declared {name!r} {dtype} {shape}")
             flat = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)  # a view of a contiguous CPU tensor: no copy
-            works += [(pg, _broadcast(pg, flat)) for pg in live]
+            works += [(pg, broadcast(pg, flat)) for pg in live]
         sending.append(works)
     while sending:
         finish(sending.popleft())
@@ -396,8 +396,8 @@ class GlooCollective:
                  timeout_s: float = 300.0, session: str = "rollout"):  # fmt: skip
         self.rank, self.workers_from, self.world_size, self.session = rank, train_world_size, world_size, session
         self.bucket_bytes, self.timeout_s, self.round = bucket_bytes, timeout_s, 0
-        self.store = _store(ip, port, timeout_s, master=rank == 0)
-        self.pgs = [_pair(self.store, session, r, timeout_s, trainer=True) for r in range(train_world_size, world_size)] if rank == 0 else []
+        self.store = tcp_store(ip, port, timeout_s, master=rank == 0)
+        self.pgs = [pair_group(self.store, session, r, timeout_s, trainer=True) for r in range(train_world_size, world_size)] if rank == 0 else []
 
     def broadcast(self, weights: Mapping[str, torch.Tensor]) -> None:
         """This round's tensors (HF name -> tensor) to every engine; ranks other than 0 return."""

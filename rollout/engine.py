@@ -345,6 +345,20 @@ class RolloutEngine:
             self._transfer = WeightTransfer(self._updates)
         return self._transfer
 
+    async def pause_generation(self, mode: str = "keep") -> None:
+        """vLLM's `pause_generation(mode)` on every engine (restarted ones too) until `resume_generation`:
+        a learner's /pause. Raises EngineDeadError naming an engine that failed to pause."""
+        self._live_scheduler()
+        await self._updates.hold(True, mode)
+
+    async def resume_generation(self) -> None:
+        self._live_scheduler()
+        await self._updates.hold(False)
+
+    async def is_paused(self) -> bool:
+        self._live_scheduler()
+        return any(await self._updates.on_live("is_paused"))
+
     @property
     def epoch(self) -> int:
         """The weights every healthy engine serves: the run's start epoch, +1 per update."""

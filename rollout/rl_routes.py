@@ -22,7 +22,6 @@ covers these routes like the rest), pausing vLLM (`policies.vllm_policy`).
 """
 
 # No `from __future__ import annotations`: FastAPI reads the endpoints' annotations.
-import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
@@ -122,17 +121,15 @@ class RLRoutes:
         mode = request.query_params.get("mode", "abort")
         if mode not in PAUSE_MODES:
             raise api.ApiError(400, f"mode: expected one of {', '.join(PAUSE_MODES)}, got {mode[:40]!r}", "mode", "BadRequestError")
-        self.engine._updates.held = True  # before the engines are listed: a restart ending meanwhile matches it
-        await self._on_engines("pause_generation", mode)
+        await self.engine.pause_generation(mode)
         return {"status": "paused"}
 
     async def resume(self, request: Any) -> dict[str, Any]:
-        self.engine._updates.held = False
-        await self._on_engines("resume_generation")
+        await self.engine.resume_generation()
         return {"status": "resumed"}
 
     async def is_paused(self, request: Any) -> dict[str, Any]:
-        return {"is_paused": any(await self._on_engines("is_paused"))}
+        return {"is_paused": await self.engine.is_paused()}
 
     async def abort_requests(self, request: Any) -> dict[str, Any]:
         """HTTP requests in flight with these ids (`X-Request-Id`, a generate request's
@@ -142,17 +139,6 @@ class RLRoutes:
         for abort in chosen:
             abort()
         return {"status": "aborted", "aborted": len(chosen)}
-
-    async def _on_engines(self, method: str, *args: Any) -> list[Any]:
-        """`method` on every live engine at once (in rotation, or restarted and parked for the next
-        update); raises the first failure (naming the engine)."""
-        self.engine._live_scheduler()
-        live = [(i, self.engine.pool.engines[i]) for i in self.engine._updates._members()]
-        got = await asyncio.gather(*(e.call(method, *args) for _, e in live), return_exceptions=True)
-        for (i, _), r in zip(live, got):
-            if isinstance(r, BaseException):
-                raise EngineDeadError(f"{method}: engine {i}: {type(r).__name__}: {r}") from r
-        return got
 
     # -- weights (vLLM's four calls, `rollout.weight_sync`) -------------------------------------------
 

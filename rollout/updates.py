@@ -25,14 +25,21 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from rollout.config import Config
-from rollout.errors import EngineClosedError, EngineDeadError, InvalidWeightsError, WeightSyncError
+from rollout.errors import EngineClosedError, EngineDeadError, WeightSyncError
 from rollout.log import get_logger
 from rollout.types import UpdateStats
+
+if TYPE_CHECKING:
+    from anyio.abc import TaskGroup
+
+    from rollout.backend import Engine, EnginePool
+    from rollout.durable import DurableLog
+    from rollout.scheduler import Scheduler
 
 log = get_logger(__name__)
 LEARNER = object()  # `_weights` of an epoch a learner sent (`rollout.weight_sync`): its bytes live only in the learner
@@ -46,30 +53,32 @@ class WeightUpdates:
         self.epoch = 0  # the weights every healthy engine serves; +1 per update
         self.history: list[UpdateStats] = []
         self.lock = anyio.Lock()  # updates and readmissions after a restart, one at a time
-        self._manifest: Any = None
-        self._weights: Any = None  # the latest weights as shared with the engines (restarts load them)
-        self._weights_stamp: Any = None  # ... and, for a directory, what it held then (`fingerprint`)
-        self._allocated = 0  # the highest epoch any engine may have loaded: the next one is above it
+        self.manifest: Any = None
+        self.weights: Any = None  # the latest weights as shared with the engines (restarts load them)
+        self.weights_stamp: Any = None  # ... and, for a directory, what it held then (`fingerprint`)
+        self.allocated = 0  # the highest epoch any engine may have loaded: the next one is above it
         self._restarts: dict[int, int] = {}
-        self._parked: dict[int, Any] = {}  # restarted engines waiting for the next update (after a learner's transfer)
+        self._parked: dict[int, Engine] = {}  # restarted engines waiting for the next update (after a learner's transfer)
         self.incarnations: dict[int, int] = {}  # engine -> +1 per restart or failed transfer (the learner's group is broken)
         self.held = False  # a learner's /pause (`rollout.rl_routes`) holds every engine, restarted ones too
-        self._scheduler: Any = None
-        self._pool: Any = None
-        self._model_path = ""
-        self._tg: Any = None
-        self._durable: Any = None
+        self._scheduler: Scheduler | None = None  # admission's epoch, the runner's engines in rotation
+        self.pool: EnginePool | None = None
+        self.model_path = ""
+        self.tg: TaskGroup | None = None
+        self._durable: DurableLog | None = None
         self._start_epoch = 0
         self._closed = False  # the engine is shutting down: updates end with EngineClosedError, nothing restarts
         self.handed = 0  # the newest epoch an update call returned before its engines loaded it (`learner_epoch`)
         self._settling: anyio.Event | None = None  # set when an update that did not wait (`wait=False`) ends
         self._failure: Exception | None = None  # ... its failure, raised once by the next call that waits on it
 
-    def bind(self, scheduler: Any, pool: Any, model_path: str, tg: Any, durable: Any = None, start_epoch: int = 0) -> None:
+    def bind(
+        self, scheduler: Scheduler, pool: EnginePool, model_path: str, tg: TaskGroup, durable: DurableLog | None = None, start_epoch: int = 0
+    ) -> None:
         """The running scheduler, engine pool, model directory, the task group restarts run in, the
         durable log (which records each allocated epoch: a later run resumes above it) and the
         epoch this run started at."""
-        self._scheduler, self._pool, self._model_path, self._tg = scheduler, pool, model_path, tg
+        self._scheduler, self.pool, self.model_path, self.tg = scheduler, pool, model_path, tg
         self._durable, self._start_epoch = durable, start_epoch
 
     def close(self) -> None:
@@ -83,7 +92,7 @@ class WeightUpdates:
             await self.settled()
             if wait:
                 return await self._update(weights)
-            return await self._tg.start(self._update_later, weights)
+            return await self.tg.start(self._update_later, weights)
         except Exception as e:
             if self._closed:
                 raise EngineClosedError(f"the engine was shut down during this weight update ({type(e).__name__}: {e})") from e
@@ -106,7 +115,7 @@ class WeightUpdates:
         """Run `work()` (an update's last phases, after its caller returned) in the background: the
         next update, and `settled`, wait for it (from now on); its failure is raised once by `settled`."""
         self._settling = anyio.Event()
-        self._tg.start_soon(self._detached, work, lambda: True, self._settling)
+        self.tg.start_soon(self._detached, work, lambda: True, self._settling)
 
     async def _detached(self, work: Callable[[], Awaitable[Any]], handed: Callable[[], bool], done: anyio.Event) -> None:
         try:
@@ -145,33 +154,33 @@ class WeightUpdates:
     async def _update(self, weights: Any, handed: Any = None) -> int:
         from policies.weights import fingerprint, pack, read_manifest
 
-        pool = self._pool
+        pool = self.pool
         async with self.lock:
             if self._closed:
                 raise EngineClosedError("the engine was shut down before this weight update began")
             t0 = time.perf_counter()
-            if self._manifest is None:
-                self._manifest = await anyio.to_thread.run_sync(read_manifest, self._model_path)
-            payload = await anyio.to_thread.run_sync(pack, weights, self._manifest)
+            if self.manifest is None:
+                self.manifest = await anyio.to_thread.run_sync(read_manifest, self.model_path)
+            payload = await anyio.to_thread.run_sync(pack, weights, self.manifest)
             stamp = await anyio.to_thread.run_sync(fingerprint, payload) if isinstance(payload, str) else None
-            live = self._members()
+            live = self.members()
             engines = [pool.engines[i] for i in live]
-            epoch = max(self.epoch, self._allocated) + 1
+            epoch = max(self.epoch, self.allocated) + 1
             shared = await anyio.to_thread.run_sync(pool.share, payload)  # a copy into the object store: off the loop
             if handed is not None:  # the caller goes on from here: the epoch is its, failed or not
-                self._allocated = epoch
-                await self._record(epoch)
+                self.allocated = epoch
+                await self.record(epoch)
                 self.hand_over(epoch)
                 handed(epoch)
             live, engines, received = await self._stage(epoch, live, engines, shared)
-            self._allocated = epoch  # an engine may hold it from here on: never allocated again
+            self.allocated = epoch  # an engine may hold it from here on: never allocated again
             with anyio.CancelScope(shield=True):  # every engine serves `epoch`, or left rotation, before anyone else looks
                 if handed is None:
-                    await self._record(epoch)
+                    await self.record(epoch)
                 stats, bad = await self._commit(epoch, live, engines, received, payload, prepared=t0)
                 if len(bad) < len(live):
-                    self._weights, self._weights_stamp = shared, stamp
-                    self._serve(epoch, live, bad)
+                    self.weights, self.weights_stamp = shared, stamp
+                    self.serve(epoch, live, bad)
             if len(bad) == len(live):
                 raise WeightSyncError(f"epoch {epoch}: every engine failed to load it: {describe(bad)}", list(bad))
             log.info("weights updated", epoch=epoch, seconds=round(stats.seconds, 3), mode=stats.mode, failed=stats.failed)
@@ -190,7 +199,7 @@ class WeightUpdates:
         bad = failures(live, received)
         dead = {i: bad[i] for i, r in zip(live, received) if isinstance(r, EngineDeadError)}
         for i, reason in dead.items():
-            self._lost(i, reason)
+            self.lost(i, reason)
         if len(bad) > len(dead) or len(dead) == len(live):
             await asyncio.gather(*(e.drop_weights(epoch) for i, e in zip(live, engines) if i not in dead), return_exceptions=True)
             raise WeightSyncError(f"epoch {epoch}: weights did not reach {describe(bad)}; no engine changed", list(bad))
@@ -200,7 +209,7 @@ class WeightUpdates:
         kept = [k for k, i in enumerate(live) if i not in dead]
         return [live[k] for k in kept], [engines[k] for k in kept], [received[k] for k in kept]
 
-    def _lost(self, i: int, reason: str) -> None:
+    def lost(self, i: int, reason: str) -> None:
         """Engine `i` is dead or failed to load: out of rotation, and restarted (a parked one again)."""
         if i in self._parked:  # restarted, never back in rotation: restart it again
             del self._parked[i]
@@ -209,22 +218,22 @@ class WeightUpdates:
         else:
             self._scheduler.runner.mark_dead(i, reason)
 
-    async def _record(self, epoch: int) -> None:
+    async def record(self, epoch: int) -> None:
         """With a durable log: `epoch` is allocated, so a later run resuming from the log starts above it."""
         if self._durable is not None:
             await anyio.to_thread.run_sync(self._durable.set_epoch, epoch)
 
-    def _failed_transfer(self, i: int) -> None:
+    def failed_transfer(self, i: int) -> None:
         self.incarnations[i] = self.incarnations.get(i, 0) + 1  # its transfer group is broken: the learner inits again
 
-    def _members(self) -> list[int]:
+    def members(self) -> list[int]:
         """The engines an update goes to: every healthy one, and restarted ones waiting for weights."""
         live = sorted({i for i, load in enumerate(self._scheduler.runner.loads) if load.healthy} | set(self._parked))
         if not live:
             raise EngineDeadError("every engine is dead")
         return live
 
-    def _serve(self, epoch: int, live: list[int], bad: dict[int, str]) -> None:
+    def serve(self, epoch: int, live: list[int], bad: dict[int, str]) -> None:
         """`epoch` is served: by every engine of `live` not in `bad`; parked ones rejoin rotation."""
         self.epoch = epoch
         # admission counts the groups started in this run, so it counts epochs from the run's start
@@ -247,7 +256,7 @@ class WeightUpdates:
         results = await asyncio.gather(*(asyncio.wait_for(e.commit_weights(epoch), wait) for e in engines), return_exceptions=True)
         bad = failures(live, results, f"no answer within weight_sync.timeout_s={timeout}")
         for i in bad:
-            self._lost(i, bad[i])
+            self.lost(i, bad[i])
         stats = UpdateStats(
             epoch=epoch,
             mode=mode,
@@ -266,10 +275,10 @@ class WeightUpdates:
     def restart_later(self, i: int) -> bool:
         """The scheduler lost engine `i`: restart it in the background, unless it used up its restarts."""
         n = self._restarts.get(i, 0)
-        if self._closed or n >= self.cfg.engines.max_restarts or not hasattr(self._pool, "restart"):
+        if self._closed or n >= self.cfg.engines.max_restarts or not hasattr(self.pool, "restart"):
             return False
         self._restarts[i] = n + 1
-        self._tg.start_soon(self._restart, i, n + 1)
+        self.tg.start_soon(self._restart, i, n + 1)
         return True
 
     async def _restart(self, i: int, n: int) -> None:
@@ -278,10 +287,10 @@ class WeightUpdates:
         await anyio.sleep(self.cfg.engines.restart_backoff_s * 2 ** (n - 1))
         try:
             log.warning("restarting engine", engine=i, restart=n, of=self.cfg.engines.max_restarts)
-            engine = await self._pool.restart(i)
+            engine = await self.pool.restart(i)
             self.incarnations[i] = self.incarnations.get(i, 0) + 1  # new worker processes: not in the learner's group
             async with self.lock:  # no update may slip between loading and readmission
-                if self._weights is LEARNER:
+                if self.weights is LEARNER:
                     await self._hold(engine)
                     self._parked[i] = engine
                     log.warning(
@@ -289,7 +298,7 @@ class WeightUpdates:
                         "from a learner's transfer, and its bytes live only in the learner)", engine=i, epoch=self.epoch,
                     )  # fmt: skip
                     return
-                if self._weights is not None:  # none yet (a resumed run): it serves the model's, like the others
+                if self.weights is not None:  # none yet (a resumed run): it serves the model's, like the others
                     await self._restore(engine)
                 await self._hold(engine)
                 scheduler.runner.revive(i, engine)
@@ -300,7 +309,24 @@ class WeightUpdates:
             else:
                 log.error("engine restart failed; trying again", engine=i, reason=reason)
 
-    async def _hold(self, engine: Any) -> None:
+    async def hold(self, paused: bool, mode: str = "keep") -> list[Any]:
+        """A learner's /pause (`paused`, vLLM's pause `mode`) or /resume: every live engine (in
+        rotation, or restarted and parked for the next update) pauses or resumes, and stays so
+        until the next call, restarted ones included (`_hold`). Returns each engine's answer;
+        raises EngineDeadError naming the first engine that failed."""
+        self.held = paused  # before the engines are listed: a restart ending meanwhile matches it
+        return await self.on_live("pause_generation", mode) if paused else await self.on_live("resume_generation")
+
+    async def on_live(self, method: str, *args: Any) -> list[Any]:
+        """vLLM's `method` on every live engine at once; raises the first failure (naming the engine)."""
+        live = [(i, self.pool.engines[i]) for i in self.members()]
+        got = await asyncio.gather(*(e.call(method, *args) for _, e in live), return_exceptions=True)
+        for (i, _), r in zip(live, got):
+            if isinstance(r, BaseException):
+                raise EngineDeadError(f"{method}: engine {i}: {type(r).__name__}: {r}") from r
+        return got
+
+    async def _hold(self, engine: Engine) -> None:
         """Pause a restarted engine while a learner's /pause holds (`held`), or resume it after a
         /resume that came meanwhile. The last check runs with no await before the engine rejoins
         (or parks), so a /pause or /resume (which sets `held`, then calls the engines it sees) finds
@@ -310,23 +336,23 @@ class WeightUpdates:
             paused = self.held
             await (engine.call("pause_generation", "keep") if paused else engine.call("resume_generation"))
 
-    async def _restore(self, engine: Any) -> None:
+    async def _restore(self, engine: Engine) -> None:
         """Load the current epoch's weights, exactly those bytes, into a restarted engine, within
         `weight_sync.timeout_s` (the receive and the load). Raises WeightSyncError when a weights
         directory changed since it was loaded as this epoch."""
         from policies.weights import fingerprint
 
-        if self._weights_stamp is not None and await anyio.to_thread.run_sync(fingerprint, self._weights) != self._weights_stamp:
+        if self.weights_stamp is not None and await anyio.to_thread.run_sync(fingerprint, self.weights) != self.weights_stamp:
             raise WeightSyncError(
-                f"weights directory {self._weights} changed since it was loaded as epoch {self.epoch}: "
+                f"weights directory {self.weights} changed since it was loaded as epoch {self.epoch}: "
                 "a restarted engine would serve other weights under that epoch; update_weights again to readmit it", []
             )  # fmt: skip
         with anyio.fail_after(self.cfg.weight_sync.timeout_s):
-            await engine.stage_weights(self.epoch, self._weights)
+            await engine.stage_weights(self.epoch, self.weights)
             await engine.commit_weights(self.epoch)
 
 
-def _workers(cfg: Config) -> int:
+def model_workers(cfg: Config) -> int:
     """Model workers per engine: each one receives every tensor (vLLM shards them itself)."""
     v = cfg.engines.vllm
     return int(v.get("tensor_parallel_size", 1)) * int(v.get("pipeline_parallel_size", 1))

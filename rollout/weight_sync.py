@@ -43,7 +43,7 @@ import inspect
 import math
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -51,7 +51,7 @@ import anyio
 from rollout.errors import EngineDeadError, InvalidWeightsError, WeightSyncError
 from rollout.log import get_logger
 from rollout.types import UpdateStats
-from rollout.updates import LEARNER, WeightUpdates, _workers, describe, failures
+from rollout.updates import LEARNER, WeightUpdates, describe, failures, model_workers
 
 log = get_logger(__name__)
 
@@ -83,7 +83,7 @@ class WeightTransfer:
 
     def world_size(self) -> int:
         """Model workers over every engine an update goes to (the learner's group adds itself)."""
-        return len(self.u._members()) * _workers(self.u.cfg)
+        return len(self.u.members()) * model_workers(self.u.cfg)
 
     async def init(self, init_info: dict[str, Any]) -> None:
         """vLLM's `init_weight_transfer_engine` on every engine, each at its own ranks."""
@@ -91,7 +91,7 @@ class WeightTransfer:
         if self.round is not None:
             raise WeightSyncError("init_weight_transfer_engine called during a weight update", [])
         async with self.u.lock:
-            live, workers = self.u._members(), _workers(self.u.cfg)
+            live, workers = self.u.members(), model_workers(self.u.cfg)
             offset = int(init_info.get("rank_offset", 0))
             if "world_size" in init_info and int(init_info["world_size"]) != offset + len(live) * workers:
                 raise WeightSyncError(
@@ -99,7 +99,7 @@ class WeightTransfer:
                     f"{offset} rank(s) and {len(live)} engines x {workers} model workers make {offset + len(live) * workers}", [],
                 )  # fmt: skip
             infos = [{**init_info, "rank_offset": offset + k * workers} if "rank_offset" in init_info else init_info for k in range(len(live))]
-            engines = [self.u._pool.engines[i] for i in live]
+            engines = [self.u.pool.engines[i] for i in live]
             got = await asyncio.gather(*(asyncio.wait_for(e.call("init_transfer", info), self.u.cfg.weight_sync.timeout_s)
                                          for e, info in zip(engines, infos)), return_exceptions=True)  # fmt: skip
             if bad := failures(live, got):
@@ -116,10 +116,10 @@ class WeightTransfer:
         if self.members is None:
             raise WeightSyncError("start_weight_update called before init_weight_transfer_engine", [])
         rnd = self.round = _Round(0, [], [])
-        self.u._tg.start_soon(self._hold, rnd)
+        self.u.tg.start_soon(self._hold, rnd)
         await rnd.locked.wait()
         try:
-            live = self.u._members()
+            live = self.u.members()
             gone = [i for i in self.members if i not in live or self.u.incarnations.get(i, 0) != self.incarnations[i]]
             if gone or set(live) != set(self.members):
                 raise WeightSyncError(
@@ -130,8 +130,8 @@ class WeightTransfer:
         except BaseException:
             self._close(rnd)
             raise
-        rnd.live, rnd.engines = live, [self.u._pool.engines[i] for i in live]
-        rnd.epoch = max(self.u.epoch, self.u._allocated) + 1
+        rnd.live, rnd.engines = live, [self.u.pool.engines[i] for i in live]
+        rnd.epoch = max(self.u.epoch, self.u.allocated) + 1
 
     async def update(self, update_info: Any) -> None:
         """vLLM's `update_weights` on every engine of the round, after the checks (module docstring)."""
@@ -162,12 +162,12 @@ class WeightTransfer:
             await asyncio.gather(*(e.call("finish_transfer", rnd.epoch, False) for e in ok), return_exceptions=True)
             for i, r in zip(rnd.live, got):
                 if isinstance(r, EngineDeadError):
-                    self.u._lost(i, bad[i])
+                    self.u.lost(i, bad[i])
             self._close(rnd)
             raise WeightSyncError(f"epoch {rnd.epoch}: {describe(bad)} could not start the update; no engine changed", sorted(bad))
         rnd.started = True
-        self.u._allocated = rnd.epoch  # an engine may hold it from here on: never allocated again
-        await self.u._record(rnd.epoch)
+        self.u.allocated = rnd.epoch  # an engine may hold it from here on: never allocated again
+        await self.u.record(rnd.epoch)
 
     async def _transfer(self, rnd: _Round, update_info: Any) -> None:
         live = [i for i in rnd.live if i not in rnd.bad]
@@ -175,8 +175,8 @@ class WeightTransfer:
         got = await asyncio.gather(*(e.call("transfer", update_info) for e in engines), return_exceptions=True)
         for i, reason in failures(live, got).items():
             rnd.bad[i] = reason
-            self.u._failed_transfer(i)
-            self.u._lost(i, reason)
+            self.u.failed_transfer(i)
+            self.u.lost(i, reason)
         if len(rnd.bad) == len(rnd.live):
             self._close(rnd)
             raise WeightSyncError(
@@ -189,8 +189,8 @@ class WeightTransfer:
         before any engine loads the round ends with no engine changed, after that they leave rotation."""
         from policies.weights import TensorSpec, read_manifest
 
-        if self.u._manifest is None:
-            self.u._manifest = read_manifest(self.u._model_path)
+        if self.u.manifest is None:
+            self.u.manifest = read_manifest(self.u.model_path)
         info = update_info[0] if isinstance(update_info, list) and update_info else update_info
         problems: list[str] = []
         try:
@@ -201,7 +201,7 @@ class WeightTransfer:
         if not problems and not (len(names) == len(dtypes) == len(shapes)):
             problems.append(f"update_info: {len(names)} names, {len(dtypes)} dtype_names, {len(shapes)} shapes")
         for name, dtype, shape in zip(names, dtypes, shapes):
-            want = self.u._manifest.get(name)
+            want = self.u.manifest.get(name)
             if want is None:
                 problems.append(f"unknown {name}")
             elif want != TensorSpec(dtype, shape):
@@ -245,7 +245,7 @@ class WeightTransfer:
 
     def _complete(self, rnd: _Round) -> None:
         """Every checkpoint tensor was sent, or no engine serves the round: InvalidWeightsError."""
-        if missing := sorted(set(self.u._manifest) - rnd.names):
+        if missing := sorted(set(self.u.manifest) - rnd.names):
             self._fail_all(rnd, f"the update left out {missing[:4]}")
             raise InvalidWeightsError(f"epoch {rnd.epoch}: the learner sent no {', '.join(missing[:4])}"
                                       f"{' ...' if len(missing) > 4 else ''}; engines {rnd.live} out of rotation")  # fmt: skip
@@ -260,7 +260,7 @@ class WeightTransfer:
         got = await asyncio.gather(*(e.call("finish_transfer", rnd.epoch) for e in engines), return_exceptions=True)
         for i, reason in failures(live, got).items():
             rnd.bad[i] = reason
-            self.u._lost(i, reason)
+            self.u.lost(i, reason)
         done = {i: r for i, r in zip(live, got) if isinstance(r, dict)}
         self.u.history.append(UpdateStats(
             epoch=rnd.epoch, mode=self.u.cfg.weight_sync.mode, bytes=rnd.nbytes, bytes_received=rnd.nbytes * len(done),
@@ -270,8 +270,8 @@ class WeightTransfer:
         ))  # fmt: skip
         if not done:
             raise WeightSyncError(f"epoch {rnd.epoch}: every engine failed to load it: {describe(rnd.bad)}; the epoch stays {self.u.epoch}", sorted(rnd.bad))
-        self.u._weights, self.u._weights_stamp = LEARNER, None  # its bytes live only in the learner: restarts wait for the next
-        self.u._serve(rnd.epoch, rnd.live, rnd.bad)
+        self.u.weights, self.u.weights_stamp = LEARNER, None  # its bytes live only in the learner: restarts wait for the next
+        self.u.serve(rnd.epoch, rnd.live, rnd.bad)
         if weight_version is not None:
             self.versions[weight_version] = rnd.epoch
         log.info("weights updated", epoch=rnd.epoch, failed=sorted(rnd.bad), source="weight transfer")
@@ -293,8 +293,8 @@ class WeightTransfer:
         for i in rnd.live:
             if i not in rnd.bad:
                 rnd.bad[i] = reason
-                self.u._failed_transfer(i)
-                self.u._lost(i, f"epoch {rnd.epoch}: {reason}")
+                self.u.failed_transfer(i)
+                self.u.lost(i, f"epoch {rnd.epoch}: {reason}")
         self._close(rnd)
 
     def _close(self, rnd: _Round) -> None:

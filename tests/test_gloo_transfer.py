@@ -156,9 +156,9 @@ def test_a_handed_off_round_returns_with_the_weights_copied_and_raises_its_error
 
 TRAINER = """
 import os, sys, torch
-from policies.gloo_transfer import _broadcast, _pair, _store
-pg = _pair(_store("127.0.0.1", int(sys.argv[1]), 30.0), "t", 1, 30.0, trainer=True)
-_broadcast(pg, torch.zeros(int(sys.argv[2]), dtype=torch.uint8)).wait()  # the first bucket, then the process dies
+from policies.gloo_transfer import broadcast, pair_group, tcp_store
+pg = pair_group(tcp_store("127.0.0.1", int(sys.argv[1]), 30.0), "t", 1, 30.0, trainer=True)
+broadcast(pg, torch.zeros(int(sys.argv[2]), dtype=torch.uint8)).wait()  # the first bucket, then the process dies
 os._exit(1)
 """
 
@@ -199,12 +199,12 @@ def test_a_transfer_that_hangs_fails_the_worker_at_its_timeout():
     """A learner that joined but never sends: the worker gives up after the group's timeout."""
     import time
 
-    from policies.gloo_transfer import GlooInitInfo, _pair, _store
+    from policies.gloo_transfer import GlooInitInfo, pair_group, tcp_store
 
     w = weights(0)
     wk = worker(0, w)
     host: list = []
-    t = threading.Thread(target=lambda: host.append(_pair(_store("127.0.0.1", port, 3.0, master=True), "h", 1, 3.0, trainer=True)))
+    t = threading.Thread(target=lambda: host.append(pair_group(tcp_store("127.0.0.1", port, 3.0, master=True), "h", 1, 3.0, trainer=True)))
     import socket
 
     with socket.socket() as sock:

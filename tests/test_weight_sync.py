@@ -207,7 +207,7 @@ async def test_a_learner_gone_mid_transfer_leaves_no_engine_serving_torn_weights
             while engine.weight_transfer().round is not None or len(pool.restarts) < 2:
                 await anyio.sleep(0.05)  # the engines' transfers fail on their own; they restart
             assert engine.epoch == 0 and not any(e.commits for e in pool.engines) and sorted(pool.restarts) == [0, 1]
-            assert engine._updates._allocated == 1  # epoch 1 may be torn somewhere: never used again
+            assert engine._updates.allocated == 1  # epoch 1 may be torn somewhere: never used again
 
 
 def gated_pool() -> FakePool:

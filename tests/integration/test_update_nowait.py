@@ -48,7 +48,7 @@ async def test_updates_that_do_not_wait_keep_every_epoch_exact():
             else:
                 source.update(w)
                 await anyio.to_thread.run_sync(trainer.send_weights)
-                epoch = engine._updates._allocated  # the round's epoch: its finish runs on the trainer's thread
+                epoch = engine._updates.allocated  # the round's epoch: its finish runs on the trainer's thread
             returned.append(epoch)
             return epoch
 

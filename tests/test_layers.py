@@ -1,0 +1,176 @@
+"""The house rules of the import graph, read from the source with `ast` (nothing is imported).
+
+Every import counts, at module level, inside a function (lazy) or under `TYPE_CHECKING`: a lazy or
+type-only arrow is still an arrow. The rules:
+- `rollout/**` never imports ray or vllm at module level (inside functions and `TYPE_CHECKING`: fine);
+- scheduling and hand-out never import serving, weights, benchmarks or the learner helpers;
+- only `rollout/engine.py` imports `actors` (among `rollout/` and `policies/`);
+- `policies/**` imports only the foundation of `rollout` (its leaf modules: types, config, ...);
+- no module imports another module's private (`_name`) name;
+- no circles between the parts of `rollout/` (a subpackage, or a module at its top, is one part).
+Each failure names the file, line and import that breaks the rule.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PROJECT = ("rollout", "actors", "policies", "benchmarks")
+FOUNDATION = {f"rollout.{m}" for m in ("aio", "batch", "config", "epochs", "errors", "log", "packed", "process", "types")}
+LOWER = ("rollout.scheduling", "rollout.handoff")
+ABOVE_THEM = ("rollout.serve", "rollout.weights", "rollout.bench", "rollout.learner", "benchmarks")
+
+
+class Import(NamedTuple):
+    path: str  # the importing file, relative to the repository
+    line: int
+    module: str  # the imported module, absolute
+    names: tuple[str, ...]  # `from module import names`; () for `import module`
+    top_level: bool  # run at import time (not in a function, not under TYPE_CHECKING)
+
+    def __str__(self) -> str:
+        what = f"from {self.module} import {', '.join(self.names)}" if self.names else f"import {self.module}"
+        return f"{self.path}:{self.line}: {what}"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path, source: str | None = None) -> Iterator[Import]:
+    """Every import in the file at `path` (or in `source`, as if it were that file)."""
+    rel, me = str(path.relative_to(ROOT)), module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+
+    def walk(node: ast.AST, top: bool) -> Iterator[Import]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                yield from walk(child, False)
+            elif isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                yield from walk(child, False)
+            elif isinstance(child, ast.Import):
+                yield from (Import(rel, child.lineno, a.name, (), top) for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - child.level + 1] if child.level else []
+                module = ".".join([*base, child.module] if child.module else base)
+                for a in child.names:  # `from rollout import scheduling` imports the module rollout.scheduling
+                    sub = f"{module}.{a.name}"
+                    if module.startswith(PROJECT) and (ROOT / sub.replace(".", "/")).with_suffix(".py").exists() or (ROOT / sub.replace(".", "/")).is_dir():
+                        yield Import(rel, child.lineno, sub, (), top)
+                    else:
+                        yield Import(rel, child.lineno, module, (a.name,), top)
+            else:
+                yield from walk(child, top)
+
+    yield from walk(ast.parse(path.read_text() if source is None else source, rel), True)
+
+
+def under(module: str, *packages: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def files(folder: str) -> list[Path]:
+    return sorted((ROOT / folder).rglob("*.py"))
+
+
+ALL = {folder: [i for f in files(folder) for i in imports(f)] for folder in PROJECT}
+
+
+def broken(found: list[Import]) -> str:
+    return "\n".join(map(str, found))
+
+
+def test_rollout_never_imports_ray_or_vllm_at_module_level():
+    found = [i for i in ALL["rollout"] if i.top_level and under(i.module, "ray", "vllm")]
+    assert not found, broken(found)
+
+
+def test_scheduling_and_hand_out_never_import_serving_weights_benchmarks_or_the_learner():
+    found = [i for i in ALL["rollout"] if under(module_name(ROOT / i.path), *LOWER) and under(i.module, *ABOVE_THEM)]
+    assert not found, broken(found)
+
+
+def test_only_the_engine_imports_actors():
+    found = [i for folder in ("rollout", "policies") for i in ALL[folder] if under(i.module, "actors") and i.path != "rollout/engine.py"]
+    assert not found, broken(found)
+
+
+def test_policies_import_only_the_foundation_of_rollout():
+    found = [i for i in ALL["policies"] if under(i.module, "rollout") and i.module not in FOUNDATION]
+    assert not found, broken(found)
+
+
+def test_no_module_imports_another_modules_private_name():
+    found = [i for f in PROJECT for i in ALL[f] if under(i.module, *PROJECT) and any(n.startswith("_") and not n.startswith("__") for n in i.names)]
+    assert not found, broken(found)
+
+
+def part(module: str) -> str:
+    """The part of rollout/ a module belongs to: its subpackage, or itself at the top."""
+    return ".".join(module.split(".")[:2])
+
+
+def cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the graph (its nodes, the first repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt] if nxt in path else [node, nxt]
+            if nxt not in state and (found := visit(nxt, [*path, nxt])):
+                return found
+        state[node] = 2
+        return None
+
+    for start in sorted(edges):
+        if start not in state and (found := visit(start, [start])):
+            return found
+    return None
+
+
+def test_the_parts_of_rollout_import_each_other_without_circles():
+    edges: dict[str, set[str]] = {}
+    why: dict[tuple[str, str], Import] = {}
+    for i in ALL["rollout"]:
+        a, b = part(module_name(ROOT / i.path)), part(i.module)
+        if under(i.module, "rollout") and a != b and a != "rollout" and b != "rollout":  # `rollout` is the face: imports all
+            edges.setdefault(a, set()).add(b)
+            why.setdefault((a, b), i)
+    found = cycle(edges)
+    assert found is None, "a circle: " + " -> ".join(found) + "\n" + broken([why[a, b] for a, b in zip(found, found[1:])])
+
+
+@pytest.mark.parametrize(
+    "source, rule",
+    [
+        ("import ray\n", test_rollout_never_imports_ray_or_vllm_at_module_level),
+        ("from rollout.serve.server import Server\n", test_scheduling_and_hand_out_never_import_serving_weights_benchmarks_or_the_learner),
+        ("def f():\n    from actors.pool import RayEnginePool\n", test_only_the_engine_imports_actors),
+        ("from rollout.engine import _private\n", test_no_module_imports_another_modules_private_name),
+    ],
+)
+def test_each_rule_fails_on_a_planted_violation(source, rule, monkeypatch):
+    """The rules can fail: one import planted in a scheduling module breaks each."""
+    planted = ROOT / "rollout" / "scheduling" / "planted_for_test.py"
+    monkeypatch.setitem(ALL, "rollout", [*ALL["rollout"], *imports(planted, source)])
+    with pytest.raises(AssertionError, match="planted_for_test.py:"):
+        rule()
+
+
+def test_a_planted_circle_is_found(monkeypatch):
+    assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert cycle({"a": {"b"}, "b": {"c"}}) is None
+    planted = ROOT / "rollout" / "handoff" / "planted_for_test.py"  # hand-out -> scheduling -> hand-out
+    monkeypatch.setitem(ALL, "rollout", [*ALL["rollout"], *imports(planted, "from rollout.scheduling.scheduler import Scheduler\n")])
+    with pytest.raises(AssertionError, match="a circle: .*rollout.handoff"):
+        test_the_parts_of_rollout_import_each_other_without_circles()
+
