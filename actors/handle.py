@@ -1,4 +1,4 @@
-"""The driver's handle on one engine actor: `RayEngine`, the `rollout.backend.Engine` the scheduler
+"""The driver's handle on one engine actor: `RayEngine`, the `rollout.scheduling.protocols.Engine` the scheduler
 runs groups on. Groups and their samples cross the zmq data path (`actors.channel`); everything
 else (the `serve` call that lasts as long as the engine, progress reports, weight updates, stats,
 kill) is a Ray call, its errors translated into `rollout.errors`.
@@ -27,7 +27,7 @@ log = get_logger(__name__)
 
 
 class RayEngine:
-    """One engine actor, seen through the `rollout.backend.Engine` interface.
+    """One engine actor, seen through the `rollout.scheduling.protocols.Engine` interface.
 
     Groups cross the driver's zmq data path (`actors.channel`), not one Ray call each: the groups
     started in one turn of the event loop go out in one submit frame, and each results frame brings
@@ -213,7 +213,7 @@ class RayEngine:
         return await self._call(self.actor.commit_weights.remote(epoch))
 
     async def call(self, method: str, *args: Any) -> Any:
-        """The policy's `method` (vLLM's weight-transfer calls, `rollout.weight_sync`)."""
+        """The policy's `method` (vLLM's weight-transfer calls, `rollout.weights.transfer`)."""
         return await self._call(getattr(self.actor, method).remote(*args))
 
     async def run_raw(self, requests: list[Request], outputs: bool = False) -> dict:

@@ -6,7 +6,7 @@ The random-weight model starts near 10/260 and can only rise by learning.
 
 Loop, per step: take `--groups` finished groups (`engine.batches(groups=k)`), compute the learner's
 logprobs of the sampled tokens (plain torch, CPU, off the event loop), the decoupled PPO loss
-against the engine's behaviour logprobs (`rollout.offpolicy.decoupled_ppo_loss`), one Adam step,
+against the engine's behaviour logprobs (`rollout.learner.offpolicy.decoupled_ppo_loss`), one Adam step,
 then `await engine.update_weights(model.state_dict())` while the engines keep generating. Per step
 it records the mean reward, the loss, each token's lag (engine epoch at hand-out minus the token's
 policy epoch) and the time.
@@ -106,7 +106,7 @@ class Learner:
         """PPO epochs over one batch; `epoch` is the engine epoch of the learner's current weights."""
         import torch
 
-        from rollout.offpolicy import decoupled_ppo_loss
+        from rollout.learner.offpolicy import decoupled_ppo_loss
 
         mask, behaviour = tensors["loss_mask"], tensors["logprobs"]
         out: dict[str, float] = {}
@@ -143,7 +143,7 @@ def fresh_gap(learner_logprobs: Any, tensors: dict[str, Any], epoch: int) -> flo
     Those rows' every logit and KV entry came from the weights the learner holds as `epoch`, so
     the gap is float noise (~1e-6) unless the engine serves different weights than it was sent.
     """
-    from rollout.offpolicy import masked_mean
+    from rollout.learner.offpolicy import masked_mean
 
     mask = tensors["loss_mask"]
     fresh = mask * ((tensors["token_epochs"] == epoch) | (mask == 0)).all(dim=1, keepdim=True)
@@ -163,9 +163,8 @@ async def run(
     each step's row as it is done. `record` adds `trajectories` (every one trained on) and
     `weights` (epoch -> the state dict the engines got) to the result, for an oracle replay.
     """
-    from rollout.offpolicy import lag
-
     from benchmarks.envs import Digits
+    from rollout.learner.offpolicy import lag
 
     t_start = time.perf_counter()
     scoring: dict[str, Any] = {"env": lambda: Digits(turns)} if turns > 1 else {"reward": DigitReward(cfg.sampling.max_tokens)}

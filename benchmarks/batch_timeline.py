@@ -20,11 +20,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from policies.shm import descendants
-from rollout import bench
+from rollout.bench import run as bench
+from rollout.bench.progress import Progress
 from rollout.config import load_config
 from rollout.engine import RolloutEngine
 from rollout.process import freeze_heap
-from rollout.progress import Progress
 
 TICK = os.sysconf("SC_CLK_TCK")
 NAMES = ("EngineCore", "VLLMPolicy", "raylet", "gcs_server", "IDLE", "pytest", "dashboard", "Dashboard", "monitor")

@@ -26,7 +26,7 @@ import math
 import operator
 from typing import Any
 
-from rollout.env import Action, Step
+from rollout.episodes.env import Action, Step
 from rollout.types import Prompt
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rollout.config import Config, load_config  # noqa: E402
 from rollout.engine import RolloutEngine  # noqa: E402
-from rollout.prompts import configured_prompts  # noqa: E402
+from rollout.inputs.prompts import configured_prompts  # noqa: E402
 
 LONG_CONTEXT = [
     "model.max_model_len=8192",

@@ -41,12 +41,11 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.weight_sync import TRANSFERS  # noqa: E402
 from rollout.config import Config, load_config  # noqa: E402
 from rollout.engine import RolloutEngine  # noqa: E402
+from rollout.inputs.prompts import configured_prompts  # noqa: E402
 from rollout.process import freeze_heap  # noqa: E402
-from rollout.prompts import configured_prompts  # noqa: E402
-
-from benchmarks.weight_sync import TRANSFERS  # noqa: E402
 
 
 def configured(cfg: Config, max_lag: int, mode: str, groups: int) -> Config:

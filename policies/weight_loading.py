@@ -5,13 +5,13 @@ class of it: it reads the policy's frontend `_vllm`, its pieces and samples, its
 epoch). A state dict or directory: phase 1 (`stage_weights`): a state dict from Ray's object
 store is written as safetensors to a staging directory; a directory is taken as is. Phase 2
 (`commit_weights`): pause as `weight_sync.mode` says, load (vLLM's layerwise `reload_weights`),
-tag the epoch, resume. vLLM's weight-transfer calls (`rollout.weight_sync` drives them):
+tag the epoch, resume. vLLM's weight-transfer calls (`rollout.weights.transfer` drives them):
 `start_transfer` runs vLLM's `start_weight_update`, `transfer` its `update_weights`,
 `finish_transfer` its `finish_weight_update`, then the epoch tag and resume; the pause (as
 `weight_sync.mode` says) comes before `finish_weight_update` when the backend stages the bytes
 (ours, `gloo`: the engine generates while they come), else before `start_weight_update`.
 An engine that fails to load stays paused and refuses work, so it never serves torn weights.
-Does not own: checking weights (`policies.weights`, `rollout.weight_sync`), moving bytes
+Does not own: checking weights (`policies.weights`, `rollout.weights.transfer`), moving bytes
 (vLLM's weight-transfer engines, `policies.gloo_transfer`), vLLM's internals (`policies.vllm_adapter`).
 """
 
@@ -90,7 +90,7 @@ class WeightLoading:
         t3 = time.perf_counter()
         return {"pause_s": t1 - t0, "load_s": t2 - t1, "stall_s": t3 - t0, "recomputed_tokens": recomputed}
 
-    # -- vLLM's weight-transfer calls (`rollout.weight_sync` drives them on every engine) ---------
+    # -- vLLM's weight-transfer calls (`rollout.weights.transfer` drives them on every engine) ---------
 
     async def init_transfer(self, init_info: dict[str, Any]) -> None:
         """vLLM's `init_weight_transfer_engine`: the workers join the learner's transfer group."""

@@ -5,7 +5,7 @@ from rollout.config import Config, load_config
 from rollout.engine import RolloutEngine
 from rollout.epochs import expand_runs
 from rollout.errors import EngineDeadError, InvalidConfigError, InvalidPromptError, RetryableError, RolloutError
-from rollout.generation import GenerationError, RolloutGeneration, verify_right_padding
+from rollout.nemo_rl import GenerationError, RolloutGeneration, verify_right_padding
 from rollout.sync_engine import SyncRolloutEngine
 from rollout.types import Group, Prompt, Sampling, Trajectory
 

@@ -1,6 +1,6 @@
 """`Batch`: the complete groups of one learner step, and its training tensors (`to_tensors`: the
 right-padded NeMo RL layout, GRPO group advantages). The off-policy corrections over this layout:
-`rollout.offpolicy`.
+`rollout.learner.offpolicy`.
 """
 
 from __future__ import annotations

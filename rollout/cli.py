@@ -77,7 +77,7 @@ def _serve(cfg: Config, args: argparse.Namespace) -> int:
     """Start the engines and the server; print the URL once they serve; run until Ctrl-C or SIGTERM."""
     from rollout.engine import RolloutEngine
     from rollout.process import freeze_heap
-    from rollout.server_io import check_api_key
+    from rollout.serve.io import check_api_key
 
     check_api_key(args.api_key if args.api_key is not None else cfg.serve.api_key)  # before any engine starts
 
@@ -93,17 +93,17 @@ def _serve(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def _bench(cfg: Config, args: argparse.Namespace) -> int:
-    from rollout.bench import format_table, run_bench
+    from rollout.bench.run import format_table, run_bench
 
     if args.plot:
-        from rollout.plots import require_matplotlib
+        from rollout.bench.plots import require_matplotlib
 
         require_matplotlib()  # now, not after the run
     report = anyio.run(lambda: run_bench(cfg, args.config, progress=not args.no_progress, freeze_gc=True))
     path = Path(args.report or cfg.bench.report)
     path.write_text(json.dumps(report, indent=2))
     if "multiturn" in report:
-        from rollout.bench_multiturn import format_table as multiturn_table
+        from rollout.bench.multiturn import format_table as multiturn_table
 
         print(multiturn_table(report["multiturn"]))
         print(f"report: {path}")
@@ -111,7 +111,7 @@ def _bench(cfg: Config, args: argparse.Namespace) -> int:
     print(format_table(report))
     print(f"report: {path}")
     if args.plot:
-        from rollout.plots import bench_figure
+        from rollout.bench.plots import bench_figure
 
         bench_figure(report, args.plot)
         print(f"plot: {args.plot}")
@@ -119,10 +119,10 @@ def _bench(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def _run(cfg: Config, args: argparse.Namespace) -> int:
+    from rollout.bench.progress import Progress
     from rollout.engine import RolloutEngine
+    from rollout.inputs.prompts import configured_prompts
     from rollout.process import freeze_heap
-    from rollout.progress import Progress
-    from rollout.prompts import configured_prompts
 
     out = _open_output(args.out)  # before any engine starts: a path that cannot be written fails now
     writer = _Writer(out, args.out)
@@ -185,9 +185,9 @@ def _validate(cfg: Config, args: argparse.Namespace) -> int:
     model and vLLM's view of the engine args, the reward function and the environment (imported)."""
     from policies.tiny import resolve_model_path
     from policies.vllm_args import checked_engine_args
-    from rollout.env import load_env
-    from rollout.prompts import ModelLimits, sampling_problem
-    from rollout.rewards import load_reward
+    from rollout.episodes.env import load_env
+    from rollout.inputs.prompts import ModelLimits, sampling_problem
+    from rollout.inputs.rewards import load_reward
 
     if cfg.prompts.source == "jsonl" and not Path(cfg.prompts.path or "").is_file():
         raise InvalidConfigError(f"prompts.path: no such file {cfg.prompts.path!r}")

@@ -164,7 +164,7 @@ class LoggingConfig(Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class MetricsConfig(Struct, frozen=True, forbid_unknown_fields=True):
-    # `engine.metrics()` needs nothing here; this is the Prometheus exporter (rollout.metrics).
+    # `engine.metrics()` needs nothing here; this is the Prometheus exporter (rollout.metrics.figures).
     port: Annotated[int, Meta(ge=0, le=65535)] | None = None  # serve /metrics on it; None: off; 0: any free port
     host: str = "127.0.0.1"  # loopback only; "0.0.0.0" lets other machines scrape it
     refresh_s: PositiveFloat = 5.0  # how often the exporter reads each engine's own counters (preemptions, spec decoding)

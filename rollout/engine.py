@@ -20,28 +20,28 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from rollout.backend import EnginePool
 from rollout.batch import Batch
-from rollout.chat import chat_renderer
 from rollout.config import Config, load_config
-from rollout.durable import Commits, DurableLog, DurableLogError
-from rollout.env import EnvFactory, load_env
+from rollout.episodes.chat import chat_renderer
+from rollout.episodes.env import EnvFactory, load_env
 from rollout.errors import EngineClosedError, InvalidConfigError, InvalidPromptError
-from rollout.handout import Batches, HandOut
+from rollout.handoff.durable import Commits, DurableLog, DurableLogError
+from rollout.handoff.handout import Batches, HandOut
+from rollout.handoff.queue import Submission, TrajectoryQueue
+from rollout.handoff.staleness import StalenessFilter, StalenessStats, hand_out
+from rollout.inputs.prompts import ModelLimits, as_async, check_all, sampling_problem
+from rollout.inputs.rewards import RewardFn, load_reward
 from rollout.log import configure, get_logger
-from rollout.metrics import Collector, EngineMetrics, MetricsWindow, PrometheusExporter
+from rollout.metrics.figures import Collector, EngineMetrics, MetricsWindow, PrometheusExporter
 from rollout.process import catch_sigterm, restore_sigterm
-from rollout.prompts import ModelLimits, as_async, check_all, sampling_problem
-from rollout.queue import Submission, TrajectoryQueue
-from rollout.rewards import RewardFn, load_reward
-from rollout.scheduler import Scheduler
-from rollout.staleness import StalenessFilter, StalenessStats, hand_out
+from rollout.scheduling.protocols import EnginePool
+from rollout.scheduling.scheduler import Scheduler
 from rollout.types import EngineStats, Group, Prompt, Trajectory, UpdateStats
-from rollout.updates import WeightUpdates
+from rollout.weights.updates import WeightUpdates
 
 if TYPE_CHECKING:
-    from rollout.server import Server
-    from rollout.weight_sync import WeightTransfer
+    from rollout.serve.server import Server
+    from rollout.weights.transfer import WeightTransfer
 
 log = get_logger(__name__)
 
@@ -239,10 +239,10 @@ class RolloutEngine:
         return submission
 
     async def serve(self, host: str | None = None, port: int | None = None, api_key: str | None = None) -> Server:
-        """Start the OpenAI-compatible HTTP server (`rollout.server.Server`, `serve:` config) on this
+        """Start the OpenAI-compatible HTTP server (`rollout.serve.server.Server`, `serve:` config) on this
         engine's loop, next to a learner using the engine; stopped when the engine exits. Its URL
         is `server.url`. Raises OSError when it cannot listen."""
-        from rollout.server import Server
+        from rollout.serve.server import Server
 
         server = Server(self, self.cfg.serve, api_key)
         await server.start(self._tg, host, port)
@@ -313,7 +313,7 @@ class RolloutEngine:
         engine receives, then loads) runs in the background. Its tokens carry the epoch from each
         engine's load on, `epoch` changes once every engine serves it, and the next update waits
         for it first. A failure there is raised once by the next `update_weights` or
-        `weights_loaded`; its epoch is never used again. (`rollout.updates` runs it.)
+        `weights_loaded`; its epoch is never used again. (`rollout.weights.updates` runs it.)
         """
         self._live_scheduler()
         return await self._updates.update(weights, wait)
@@ -330,8 +330,8 @@ class RolloutEngine:
         (`TrainerWeightTransferEngine`: shm, or gloo across nodes, on CPU; nccl / ipc on GPUs); its calls block, so the
         learner makes them from a thread. `finish_weight_update` starts the new epoch and returns it;
         with `wait=False` it returns once every tensor was sent, the engines load in the background
-        (as `update_weights(wait=False)`). Call on the engine's event loop. (`rollout.weight_sync` runs it.)"""
-        from rollout.weight_sync import WeightSyncClient, loop_caller
+        (as `update_weights(wait=False)`). Call on the engine's event loop. (`rollout.weights.transfer` runs it.)"""
+        from rollout.weights.transfer import WeightSyncClient, loop_caller
 
         self._live_scheduler()
         return WeightSyncClient(self.weight_transfer(), loop_caller(asyncio.get_running_loop()), wait)
@@ -339,7 +339,7 @@ class RolloutEngine:
     def weight_transfer(self) -> WeightTransfer:
         """The engine's one `WeightTransfer` (vLLM's four calls over every engine, our two-phase
         guarantee and epochs), shared by every `weight_sync_client` and NeMo RL's collective calls."""
-        from rollout.weight_sync import WeightTransfer
+        from rollout.weights.transfer import WeightTransfer
 
         if self._transfer is None:
             self._transfer = WeightTransfer(self._updates)
@@ -389,7 +389,7 @@ class RolloutEngine:
 
     async def metrics(self) -> dict[str, float]:
         """Every figure since the previous call (the first: since start), flat and numeric, for a
-        tracker: `wandb.log(await engine.metrics(), step=step)`. Names and meanings: `rollout.metrics`."""
+        tracker: `wandb.log(await engine.metrics(), step=step)`. Names and meanings: `rollout.metrics.figures`."""
         self._live_scheduler()
         assert self._metrics is not None
         return await self._metrics.window()

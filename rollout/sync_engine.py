@@ -12,8 +12,8 @@ import anyio.from_thread
 from rollout.batch import Batch
 from rollout.config import Config
 from rollout.engine import RolloutEngine
+from rollout.handoff.staleness import StalenessStats
 from rollout.process import catch_sigterm, exit_on_sigterm, restore_sigterm
-from rollout.staleness import StalenessStats
 from rollout.types import EngineStats, Group
 
 
@@ -70,7 +70,7 @@ class SyncRolloutEngine:
 
     def weight_sync_client(self, *, wait: bool = True) -> Any:
         """`RolloutEngine.weight_sync_client`: vLLM's `VLLMWeightSyncClient`, callable from any thread."""
-        from rollout.weight_sync import WeightSyncClient
+        from rollout.weights.transfer import WeightSyncClient
 
         return WeightSyncClient(self._portal.call(self._engine._weight_transfer), self._portal.call, wait)
 

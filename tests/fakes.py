@@ -1,4 +1,4 @@
-"""Fakes at the one external edge of `rollout/`: the generation engines (`rollout.backend`).
+"""Fakes at the one external edge of `rollout/`: the generation engines (`rollout.scheduling.protocols`).
 
 `FakeEngine` implements the `Engine` protocol without vLLM or Ray. It generates deterministic
 tokens (a function of the prompt, the sample index and the position) with one logprob each,
@@ -189,7 +189,7 @@ class FakeEngine:
         self._notify()
         return {"pause_s": 0.001, "load_s": 0.002, "stall_s": 0.003}
 
-    # -- vLLM's weight-transfer calls (`rollout.weight_sync`): the real gloo worker engine ----------
+    # -- vLLM's weight-transfer calls (`rollout.weights.transfer`): the real gloo worker engine ----------
 
     async def call(self, method: str, *args: object) -> object:
         if self.dead:

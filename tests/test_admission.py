@@ -19,8 +19,8 @@ from structlog.testing import capture_logs
 
 from rollout.config import load_config
 from rollout.engine import RolloutEngine
-from rollout.env import Step
-from rollout.generation import GenerationError, RolloutGeneration
+from rollout.episodes.env import Step
+from rollout.nemo_rl import GenerationError, RolloutGeneration
 from rollout.types import Prompt, Trajectory
 from tests.fakes import FakeEngine, FakePool
 
@@ -209,7 +209,7 @@ async def test_admission_counts_episodes_not_turns(make_cfg):
     """An episode is one group's sample however many turns it plays: admission lets in
     `(epoch + max_lag + 1) * batch_groups` episodes, every turn of those runs, and no more start
     until the learner takes a batch and the epoch moves."""
-    # An engine with an environment loads the model's chat template (`rollout.chat`): the process's
+    # An engine with an environment loads the model's chat template (`rollout.episodes.chat`): the process's
     # first transformers import (10-14 s on a loaded 2-core machine) is paid here, not on the guard.
     from transformers import AutoTokenizer  # noqa: F401
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from rollout.bench import format_table, median_interval, run_bench
+from rollout.bench.run import format_table, median_interval, run_bench
 from rollout.config import load_config
 from rollout.errors import InvalidConfigError
 
@@ -124,7 +124,7 @@ async def test_multiturn_bench_plays_the_same_episodes_against_a_careful_raw_vll
     """Issue 29: the raw vLLM side keeps each conversation on one engine (prefix caching keeps its
     history) and sends each engine's turns in one call, as a careful user would: a call per turn
     into a busy engine actor would measure its own round trips."""
-    from rollout.bench_multiturn import format_table as multiturn_table
+    from rollout.bench.multiturn import format_table as multiturn_table
 
     pool = FakePool(2)
     calls: list[tuple[int, list[str]]] = []

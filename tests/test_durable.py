@@ -16,8 +16,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from rollout.durable import LOCK_NAME, LOG_NAME, DurableLog, DurableLogError
-from rollout.grouplog import HEADER, MAGIC, AckRecord, GroupRecord, LogReader, frame
+from rollout.handoff.durable import LOCK_NAME, LOG_NAME, DurableLog, DurableLogError
+from rollout.handoff.grouplog import HEADER, MAGIC, AckRecord, GroupRecord, LogReader, frame
 from rollout.types import Group, Prompt, Trajectory
 
 

@@ -13,10 +13,10 @@ from anyio import wait_all_tasks_blocked
 from safetensors.torch import save_file
 
 from rollout.config import load_config
-from rollout.durable import DurableLog, DurableLogError
 from rollout.engine import RolloutEngine
-from rollout.sync_engine import SyncRolloutEngine
 from rollout.errors import InvalidPromptError
+from rollout.handoff.durable import DurableLog, DurableLogError
+from rollout.sync_engine import SyncRolloutEngine
 from rollout.types import Prompt
 from tests.fakes import FakeEngine, FakePool
 from tests.test_durable import fill_the_disk, read_only
@@ -339,7 +339,7 @@ async def test_the_pool_is_shut_down_even_when_closing_the_log_raises(make_cfg, 
 async def test_a_torn_last_record_is_counted_in_the_metrics_and_the_run_goes_on(make_cfg, log_dir):
     """A crash's torn (here zero-filled) last record is cut off at open, with a warning, and counted
     where dashboards look: `rollout/durable_torn_records` and `rollout_durable_torn_records_total`."""
-    from rollout.durable import LOG_NAME
+    from rollout.handoff.durable import LOG_NAME
     from tests.test_durable import offsets, write_log
     from tests.test_metrics import scrape
 

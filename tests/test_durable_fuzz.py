@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rollout.durable import LOG_NAME, DurableLog, DurableLogError
-from rollout.grouplog import MAGIC, LogReader
+from rollout.handoff.durable import LOG_NAME, DurableLog, DurableLogError
+from rollout.handoff.grouplog import MAGIC, LogReader
 from tests.test_durable import group
 
 pytestmark = pytest.mark.fuzz

@@ -10,7 +10,7 @@ from benchmarks.envs import Calculator, evaluate
 from rollout.batch import Batch
 from rollout.config import load_config
 from rollout.engine import RolloutEngine
-from rollout.env import Step
+from rollout.episodes.env import Step
 from rollout.errors import InvalidConfigError, InvalidPromptError
 from rollout.types import Prompt
 from tests.fakes import EOS_ID, FakePool
@@ -50,7 +50,7 @@ async def test_turns_are_token_exact_and_the_episode_is_one_masked_sample():
     groups, engine, _ = await episodes(cfg(), Echo, [Prompt(text="hi", id="q")])
     (group,) = groups
     assert group.ok and len(group.trajectories) == 2
-    from rollout.chat import ChatRenderer
+    from rollout.episodes.chat import ChatRenderer
 
     chat = ChatRenderer(engine.model_path)
     for ep in group.trajectories:
@@ -176,7 +176,7 @@ async def test_an_episode_continues_on_another_engine_when_its_engine_dies():
 async def test_calculator_tool_calls_and_malformed_ones():
     env = Calculator()
     await env.reset(Prompt(text="2+3?", metadata={"answer": 5}))
-    from rollout.env import Action
+    from rollout.episodes.env import Action
 
     step = await env.step(Action('{"tool": "calculator", "expression": "2 + 3"}', [], "stop", 0))
     assert step.observation == {"role": "tool", "content": "5"} and not step.done
@@ -227,7 +227,7 @@ async def test_a_cancelled_submission_aborts_its_requests():
 async def test_reasoning_gym_scores_answers_with_its_verifier():
     pytest.importorskip("reasoning_gym")
     from benchmarks.envs import ReasoningGym
-    from rollout.env import Action
+    from rollout.episodes.env import Action
 
     env = ReasoningGym("basic_arithmetic", seed=1, size=10, attempts=2)
     question = env.reset(Prompt(text="solve", metadata={"index": 3}))

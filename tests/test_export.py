@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from rollout.epochs import kv_runs
-from rollout.export import expand_megatron_runs, policy_epochs_from_megatron, to_megatron, to_nemo_gym
+from rollout.learner.export import expand_megatron_runs, policy_epochs_from_megatron, to_megatron, to_nemo_gym
 from rollout.types import Trajectory
 
 P = 4

@@ -28,8 +28,8 @@ from safetensors.torch import save_file
 
 from rollout.config import config_from_dict, load_config
 from rollout.engine import RolloutEngine
-from rollout.prompts import effective_sampling
 from rollout.errors import InvalidConfigError, InvalidPromptError, InvalidWeightsError, RolloutError
+from rollout.inputs.prompts import effective_sampling
 from rollout.types import Prompt, Request, Sampling
 from tests.fakes import FakePool
 from tests.wire import WirePool

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from rollout.engine import RolloutEngine
-from rollout.env import Step
+from rollout.episodes.env import Step
 from rollout.types import Prompt
 from tests.fakes import FakePool
 from tests.test_episodes import Echo, cfg
@@ -137,7 +137,7 @@ def finite(value) -> bool:
 def test_a_generated_step_fails_its_episode_only_naming_the_field(portal_engine, answer, sync):
     portal, engine = portal_engine
     if isinstance(answer, KeyboardInterrupt) and not sync:
-        sync = True  # on the loop's thread it may be the process's own Ctrl-C: it passes (rollout.usercode)
+        sync = True  # on the loop's thread it may be the process's own Ctrl-C: it passes (rollout.inputs.usercode)
     SCRIPT.answer, SCRIPT.sync, SCRIPT.built = answer, sync, 0
     group = portal.call(play, engine)
     assert not group.error and len(group.trajectories) == 3

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from rollout.engine import RolloutEngine
-from rollout.openai_api import ROLES
+from rollout.serve.openai_api import ROLES
 from tests.fakes import FakePool
 from tests.test_server import cfg
 

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from rollout.config import load_config
 from rollout.engine import RolloutEngine
 from rollout.errors import InvalidPromptError
-from rollout.generation import (
+from rollout.nemo_rl import (
     GenerationError,
     RolloutGeneration,
     output_tensors,

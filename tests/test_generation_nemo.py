@@ -99,7 +99,7 @@ class RolloutGenerationOwned:
     """A RolloutGeneration that starts (and stops) its engine over a fake pool, as NeMo RL's do."""
 
     def __init__(self, cfg, pool):  # noqa: F811
-        from rollout.generation import RolloutGeneration
+        from rollout.nemo_rl import RolloutGeneration
 
         self.gen = RolloutGeneration(cfg, pool=pool)
 

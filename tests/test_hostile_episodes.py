@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 from rollout.engine import RolloutEngine
-from rollout.env import Step
+from rollout.episodes.env import Step
 from rollout.types import Prompt
 from tests.fakes import FakePool
 from tests.test_episodes import TIMEOUT, Echo, cfg, episodes

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROJECT = ("rollout", "actors", "policies", "benchmarks")
 FOUNDATION = {f"rollout.{m}" for m in ("aio", "batch", "config", "epochs", "errors", "log", "packed", "process", "types")}
 LOWER = ("rollout.scheduling", "rollout.handoff")
-ABOVE_THEM = ("rollout.serve", "rollout.weights", "rollout.bench", "rollout.learner", "benchmarks")
+ABOVE_THEM = ("rollout.serve", "rollout.weights", "rollout.bench.run", "rollout.learner", "benchmarks")
 
 
 class Import(NamedTuple):

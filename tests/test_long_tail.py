@@ -6,7 +6,7 @@ import pytest
 
 from benchmarks.long_tail_prompts import long_tail, main
 from rollout.config import load_config
-from rollout.prompts import ModelLimits, check_prompt, effective_sampling, jsonl_prompts
+from rollout.inputs.prompts import ModelLimits, check_prompt, effective_sampling, jsonl_prompts
 
 
 def test_a_tenth_of_the_prompts_generate_512_tokens_the_rest_32():

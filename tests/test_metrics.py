@@ -16,8 +16,8 @@ from safetensors.torch import save_file
 from rollout.config import load_config
 from rollout.engine import RolloutEngine
 from rollout.errors import InvalidConfigError
-from rollout.metrics import BusyTime, Totals, figures
-from rollout.staleness import StalenessStats
+from rollout.handoff.staleness import StalenessStats
+from rollout.metrics.figures import BusyTime, Totals, figures
 from rollout.sync_engine import SyncRolloutEngine
 from rollout.types import Prompt, SpecCounters, UpdateStats
 from tests.fakes import FakePool

@@ -9,7 +9,7 @@ import torch
 from torch.testing import assert_close
 
 from rollout.batch import grpo_advantages
-from rollout.offpolicy import (
+from rollout.learner.offpolicy import (
     decoupled_ppo_loss,
     importance_weights,
     lag,

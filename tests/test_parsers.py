@@ -12,14 +12,14 @@ import subprocess
 import sys
 
 import pytest
-
 import transformers  # noqa: F401  (before vLLM's parser modules: policies.parsers' docstring)
+
 from policies.parsers import ChatParsers, check_names
 from policies.tiny import EOS_ID, TinySpec, build_tiny
-from rollout import openai_api as api
-from rollout.chat import ChatRenderer
 from rollout.config import load_config
+from rollout.episodes.chat import ChatRenderer
 from rollout.errors import InvalidConfigError
+from rollout.serve import openai_api as api
 from rollout.types import Trajectory
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b",
@@ -141,8 +141,8 @@ def test_a_chat_reply_carries_tool_calls_and_reasoning_as_vllms_server_does_stre
 
 async def test_an_episodes_action_carries_the_tool_calls_vllms_parser_reads_and_the_calculator_answers_them():
     from benchmarks.envs import Calculator
-    from rollout.chat import chat_renderer
-    from rollout.episodes import _action
+    from rollout.episodes.chat import chat_renderer
+    from rollout.episodes.loop import _action
 
     chat = chat_renderer(build_tiny(), "hermes", "qwen3")
     text = '<think>use the tool</think>Let me see. <tool_call>{"name": "calculator", "arguments": {"expression": "1 + 2"}}</tool_call>'
@@ -156,7 +156,7 @@ async def test_an_episodes_action_carries_the_tool_calls_vllms_parser_reads_and_
 
 
 def test_a_parser_the_tokenizer_cannot_serve_is_refused_naming_the_key():
-    from rollout.chat import chat_parsers
+    from rollout.episodes.chat import chat_parsers
 
     with pytest.raises(InvalidConfigError, match=r"serve\.tool_parser: .*llama3_json.*python_tag"):
         chat_parsers(ChatRenderer(build_tiny()), "llama3_json", None)

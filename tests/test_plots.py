@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from rollout.bench import run_bench
+from rollout.bench.plots import bench_figure, require_matplotlib, weight_sync_figure
+from rollout.bench.run import run_bench
 from rollout.errors import InvalidConfigError
-from rollout.plots import bench_figure, require_matplotlib, weight_sync_figure
 
 from .fakes import FakePool
 from .test_bench import bench_config

@@ -5,8 +5,8 @@ from __future__ import annotations
 import io
 import re
 
-from rollout.bench import run_bench
-from rollout.progress import Progress
+from rollout.bench.progress import Progress
+from rollout.bench.run import run_bench
 
 from .fakes import FakePool
 from .test_bench import bench_config

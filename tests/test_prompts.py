@@ -8,7 +8,7 @@ import pytest
 
 from rollout.config import PromptsConfig
 from rollout.errors import InvalidPromptError
-from rollout.prompts import (
+from rollout.inputs.prompts import (
     BadPrompt,
     ModelLimits,
     as_async,

@@ -14,7 +14,7 @@ import torch
 from rollout.config import load_config
 from rollout.engine import RolloutEngine
 from rollout.errors import InvalidConfigError
-from rollout.rewards import load_reward
+from rollout.inputs.rewards import load_reward
 from rollout.types import Prompt, Trajectory
 from tests.fakes import FakePool
 

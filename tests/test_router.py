@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollout.router import EngineLoad, route
+from rollout.scheduling.router import EngineLoad, route
 
 
 def loads(*specs: tuple) -> list[EngineLoad]:

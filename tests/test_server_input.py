@@ -12,8 +12,8 @@ import threading
 import anyio
 import pytest
 
-from rollout import openai_api as api
 from rollout.errors import InvalidConfigError
+from rollout.serve import openai_api as api
 from rollout.types import Trajectory
 from tests.test_server import served
 
@@ -114,8 +114,8 @@ async def test_serving_on_a_port_in_use_raises_oserror_and_the_engine_serves_on(
 def test_the_stop_string_is_cut_from_the_text_and_kept_in_the_token_ids():
     """vLLM's rule: the text ends before the stop string its last token completed (and anything
     after it in that token); the ids keep every token. A stop id's text is left out too."""
-    from rollout.chat import ChatRenderer
     from policies.tiny import resolve_model_path
+    from rollout.episodes.chat import ChatRenderer
 
     chat = ChatRenderer(resolve_model_path("tiny"))
     ids = chat.encode("xyzabcde")

@@ -6,7 +6,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from rollout.log import configure
-from rollout.specdecode import SpecDecodeMeter, aggregate, delta, derive, window
+from rollout.metrics.specdecode import SpecDecodeMeter, aggregate, delta, derive, window
 from rollout.types import SpecCounters
 
 from .fakes import FakePool
@@ -139,7 +139,7 @@ async def test_meter_leaves_dead_engines_out():
 def test_bench_rows_show_summed_and_per_engine_figures():
     import msgspec
 
-    from rollout.bench_table import spec_decode_rows
+    from rollout.bench.table import spec_decode_rows
 
     ours = msgspec.to_builtins(window(BEFORE, AFTER))
     empty = msgspec.to_builtins(window(AFTER, AFTER))  # zero drafts: dashes, not a crash

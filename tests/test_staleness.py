@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from rollout.batch import Batch
 from rollout.config import StalenessConfig, load_config
 from rollout.engine import RolloutEngine
-from rollout.staleness import StalenessFilter, StalenessStats
+from rollout.handoff.staleness import StalenessFilter, StalenessStats
 from rollout.types import Group, Prompt, Trajectory
 from tests.fakes import FakePool
 

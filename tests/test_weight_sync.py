@@ -1,7 +1,7 @@
 """vLLM's trainer API on the engine, without vLLM engines or Ray: vLLM's trainer factory builds our
 gloo trainer engine, which drives `RolloutEngine.weight_sync_client()` over fake engines whose
 model workers run the real gloo worker engine (real process groups over a real TCPStore, in this
-process). What each guarantee of `rollout.weight_sync` means when things go wrong, and what an
+process). What each guarantee of `rollout.weights.transfer` means when things go wrong, and what an
 update that does not wait (`wait=False`, object store and trainer API) promises."""
 
 from __future__ import annotations

@@ -9,9 +9,9 @@ import anyio
 import pytest
 
 from rollout import InvalidPromptError, Prompt, RolloutEngine
-from rollout.types import Request, Sampling
-from rollout.prompts import synthetic_prompts
 from rollout.config import PromptsConfig
+from rollout.inputs.prompts import synthetic_prompts
+from rollout.types import Request, Sampling
 
 GREEDY = {"n": 1, "temperature": 0.0, "stop_token_ids": [], "max_tokens": 40}
 

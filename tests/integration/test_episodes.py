@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from policies.oracle import Oracle, Processing, compare
 from rollout import Prompt, RolloutEngine
-from rollout.env import Step
+from rollout.episodes.env import Step
 from rollout.types import Trajectory
 
 from .conftest import integration_config

@@ -16,7 +16,7 @@ import torch
 from tokenizers import Tokenizer
 
 from rollout import InvalidPromptError, Prompt, RolloutEngine
-from rollout.generation import RolloutGeneration, verify_right_padding
+from rollout.nemo_rl import RolloutGeneration, verify_right_padding
 
 LONG = 24  # max_tokens of the greedy tests (rows may still stop early on EOS)
 GREEDY = {"n": 1, "temperature": 0.0, "top_k": 1, "max_tokens": LONG}

@@ -6,7 +6,7 @@ import anyio
 
 from rollout import RolloutEngine
 from rollout.config import PromptsConfig
-from rollout.prompts import synthetic_prompts
+from rollout.inputs.prompts import synthetic_prompts
 
 
 async def test_a_window_counts_what_the_engines_did_in_it(engine: RolloutEngine):

@@ -21,11 +21,10 @@ import pytest
 from policies.tiny import TinySpec, build_tiny
 from rollout import RolloutEngine
 from rollout.config import ServeConfig
-from rollout.server import Server
+from rollout.serve.server import Server
 
 from ..test_parsers import ARGS, CASES, TOOLS
 from .conftest import held_engine, integration_config
-
 
 
 @pytest.fixture(scope="module")

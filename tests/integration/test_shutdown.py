@@ -17,8 +17,8 @@ import pytest
 
 from policies.shm import mapped
 from rollout import RolloutEngine
-from rollout.durable import LOG_NAME
-from rollout.grouplog import AckRecord, GroupRecord, LogReader
+from rollout.handoff.durable import LOG_NAME
+from rollout.handoff.grouplog import AckRecord, GroupRecord, LogReader
 from tests.drivers import start_python
 
 from .conftest import engine_processes, integration_config, leaked_shm, shm_segments

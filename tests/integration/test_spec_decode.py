@@ -21,7 +21,7 @@ from policies.oracle import Oracle, Processing, compare
 from rollout import Prompt, RolloutEngine
 from rollout.config import SPECULATIVE_METHODS
 from rollout.errors import InvalidConfigError
-from rollout.specdecode import SpecDecodeMeter
+from rollout.metrics.specdecode import SpecDecodeMeter
 from rollout.types import Trajectory
 
 from .conftest import integration_config

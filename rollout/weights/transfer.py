@@ -1,0 +1,385 @@
+"""vLLM's trainer API on this engine: its four weight-transfer calls, wrapped in our guarantees.
+
+    client = engine.weight_sync_client()          # vLLM's VLLMWeightSyncClient methods
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        GlooTrainerInitInfo(world_size=1 + client.world_size(), rank=0), client=client, source=source)
+    trainer.send_weights()                        # every step (from a thread of the learner's)
+    engine.epoch                                  # the epoch finish_weight_update started
+
+Owns: `WeightTransfer`, the driver's side of vLLM's calls on every engine (each engine runs vLLM's
+own call on its workers: `policies.weight_loading`), and `WeightSyncClient`, the blocking
+`VLLMWeightSyncClient` a learner hands to vLLM's `TrainerWeightTransferEngine` (ours, `gloo`, on
+CPU; vLLM's `nccl` / `ipc` on GPUs). What we add to vLLM's calls:
+1) `init_weight_transfer_engine`: every healthy engine joins, each at its own rank (`rank_offset`
+   + k x its model workers); `world_size` is checked against them.
+2) `start_weight_update`: takes the update lock (no other update runs until the round ends) and
+   fixes the engines and the epoch the round would load (`max(epoch, allocated) + 1`). No engine
+   changes yet.
+3) `update_weights`: the update's names, dtypes and shapes are checked against the model first
+   (InvalidWeightsError naming the tensor; no engine changed). Then every engine runs vLLM's
+   `start_weight_update` (vLLM's `nccl` / `ipc`: after pausing as `weight_sync.mode` says; our
+   `gloo` stages the bytes, so its engines keep generating); if one cannot, the started ones go
+   back to their old weights and nothing changes. Only then is the epoch allocated (never used
+   again) and the bytes received (`gloo`: into a staging copy in each worker, the model
+   untouched); an engine that fails or exceeds `weight_sync.timeout_s` leaves rotation (it may
+   hold torn weights; it refuses work and restarts).
+4) `finish_weight_update`: every engine (`gloo`: pausing now, as `weight_sync.mode` says, for the
+   load alone) finishes the load, tags the epoch and resumes: the new epoch starts here, and is
+   returned and recorded (`engine.weight_updates`). Without every checkpoint tensor received, no
+   engine serves the round. Tokens produced before an engine's pause carry the old epoch.
+A round with no call for `weight_sync.timeout_s` (a learner gone between calls) is ended: engines
+that loaded bytes leave rotation, the others resume on their weights. Restarts: the epoch's bytes
+live only in the learner, so a restarted engine waits out of rotation for the next update
+(`rollout.weights.updates`); it joins the learner's group at the next
+`init_weight_transfer_engine`.
+Does not own: moving bytes (vLLM's engines, `policies.gloo_transfer`), epochs and restarts
+(`rollout.weights.updates`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+
+from rollout.errors import EngineDeadError, InvalidWeightsError, WeightSyncError
+from rollout.log import get_logger
+from rollout.types import UpdateStats
+from rollout.weights.updates import LEARNER, WeightUpdates, describe, failures, model_workers
+
+log = get_logger(__name__)
+
+
+class _Round:
+    def __init__(self, epoch: int, live: list[int], engines: list[Any]):
+        self.epoch, self.live, self.engines = epoch, live, engines
+        self.started = False  # engines paused and in vLLM's start_weight_update
+        self.finishing = False  # finish_weight_update(wait=False) returned: the engines finish in the background
+        self.names: set[str] = set()
+        self.nbytes = 0
+        self.bad: dict[int, str] = {}
+        self.t0 = time.perf_counter()
+        self.locked = asyncio.Event()
+        self.closed = asyncio.Event()
+        self.poke = asyncio.Event()
+        self.busy = 0
+
+
+class WeightTransfer:
+    """The driver's side of vLLM's weight-transfer calls (see the module docstring)."""
+
+    def __init__(self, updates: WeightUpdates):
+        self.u = updates
+        self.members: list[int] | None = None  # engines that joined the learner's group
+        self.incarnations: dict[int, int] = {}
+        self.round: _Round | None = None
+        self.versions: dict[str, int] = {}  # weight_version label -> epoch
+
+    def world_size(self) -> int:
+        """Model workers over every engine an update goes to (the learner's group adds itself)."""
+        return len(self.u.members()) * model_workers(self.u.cfg)
+
+    async def init(self, init_info: dict[str, Any]) -> None:
+        """vLLM's `init_weight_transfer_engine` on every engine, each at its own ranks."""
+        await self.u.settled()
+        if self.round is not None:
+            raise WeightSyncError("init_weight_transfer_engine called during a weight update", [])
+        async with self.u.lock:
+            live, workers = self.u.members(), model_workers(self.u.cfg)
+            offset = int(init_info.get("rank_offset", 0))
+            if "world_size" in init_info and int(init_info["world_size"]) != offset + len(live) * workers:
+                raise WeightSyncError(
+                    f"init_weight_transfer_engine: world_size {init_info['world_size']}, but the learner's "
+                    f"{offset} rank(s) and {len(live)} engines x {workers} model workers make {offset + len(live) * workers}", [],
+                )  # fmt: skip
+            infos = [{**init_info, "rank_offset": offset + k * workers} if "rank_offset" in init_info else init_info for k in range(len(live))]
+            engines = [self.u.pool.engines[i] for i in live]
+            got = await asyncio.gather(*(asyncio.wait_for(e.call("init_transfer", info), self.u.cfg.weight_sync.timeout_s)
+                                         for e, info in zip(engines, infos)), return_exceptions=True)  # fmt: skip
+            if bad := failures(live, got):
+                self.members = None
+                raise WeightSyncError(f"init_weight_transfer_engine failed on {describe(bad)}", sorted(bad))
+            self.members, self.incarnations = live, {i: self.u.incarnations.get(i, 0) for i in live}
+
+    async def start(self) -> None:
+        """vLLM's `start_weight_update`: the round's lock, engines and epoch; no engine changes.
+        A round whose finish did not wait (`wait=False`) ends first; its failure raises here, once."""
+        await self.u.settled()
+        if self.round is not None:
+            raise WeightSyncError("start_weight_update called while a weight update is active: finish_weight_update first", [])
+        if self.members is None:
+            raise WeightSyncError("start_weight_update called before init_weight_transfer_engine", [])
+        rnd = self.round = _Round(0, [], [])
+        self.u.tg.start_soon(self._hold, rnd)
+        await rnd.locked.wait()
+        try:
+            live = self.u.members()
+            gone = [i for i in self.members if i not in live or self.u.incarnations.get(i, 0) != self.incarnations[i]]
+            if gone or set(live) != set(self.members):
+                raise WeightSyncError(
+                    f"start_weight_update: engines {sorted(set(gone) | (set(live) - set(self.members)))} restarted or "
+                    "left since init_weight_transfer_engine: call it again (the learner's trainer_init); no engine changed",
+                    sorted(gone),
+                )  # fmt: skip
+        except BaseException:
+            self._close(rnd)
+            raise
+        rnd.live, rnd.engines = live, [self.u.pool.engines[i] for i in live]
+        rnd.epoch = max(self.u.epoch, self.u.allocated) + 1
+
+    async def update(self, update_info: Any) -> None:
+        """vLLM's `update_weights` on every engine of the round, after the checks (module docstring)."""
+        rnd = self._active("update_weights")
+        rnd.busy += 1
+        rnd.poke.set()
+        try:
+            with anyio.CancelScope(shield=rnd.started):
+                await self._update(rnd, update_info)
+        finally:
+            rnd.busy -= 1
+            rnd.poke.set()
+
+    async def _update(self, rnd: _Round, update_info: Any) -> None:
+        names = self._check(rnd, update_info)
+        if not rnd.started:
+            await self._start_engines(rnd)
+        rnd.names |= set(names)
+        with anyio.CancelScope(shield=True):  # engines load from here on: they end loaded or out of rotation
+            await self._transfer(rnd, update_info)
+
+    async def _start_engines(self, rnd: _Round) -> None:
+        """Every engine starts vLLM's update (pausing first unless its backend stages the bytes:
+        `policies.weight_loading`), or none stays changed."""
+        got = await asyncio.gather(*(e.call("start_transfer", rnd.epoch) for e in rnd.engines), return_exceptions=True)
+        if bad := failures(rnd.live, got):
+            ok = [e for e, r in zip(rnd.engines, got) if not isinstance(r, BaseException)]
+            await asyncio.gather(*(e.call("finish_transfer", rnd.epoch, False) for e in ok), return_exceptions=True)
+            for i, r in zip(rnd.live, got):
+                if isinstance(r, EngineDeadError):
+                    self.u.lost(i, bad[i])
+            self._close(rnd)
+            raise WeightSyncError(f"epoch {rnd.epoch}: {describe(bad)} could not start the update; no engine changed", sorted(bad))
+        rnd.started = True
+        self.u.allocated = rnd.epoch  # an engine may hold it from here on: never allocated again
+        await self.u.record(rnd.epoch)
+
+    async def _transfer(self, rnd: _Round, update_info: Any) -> None:
+        live = [i for i in rnd.live if i not in rnd.bad]
+        engines = [e for i, e in zip(rnd.live, rnd.engines) if i not in rnd.bad]
+        got = await asyncio.gather(*(e.call("transfer", update_info) for e in engines), return_exceptions=True)
+        for i, reason in failures(live, got).items():
+            rnd.bad[i] = reason
+            self.u.failed_transfer(i)
+            self.u.lost(i, reason)
+        if len(rnd.bad) == len(rnd.live):
+            self._close(rnd)
+            raise WeightSyncError(
+                f"epoch {rnd.epoch}: every engine failed to receive it: {describe(rnd.bad)}; out of rotation, "
+                f"the epoch stays {self.u.epoch}", sorted(rnd.bad),
+            )  # fmt: skip
+
+    def _check(self, rnd: _Round, update_info: Any) -> list[str]:
+        """The update's names, dtypes and shapes against the model. Raises InvalidWeightsError;
+        before any engine loads the round ends with no engine changed, after that they leave rotation."""
+        from policies.weights import TensorSpec, read_manifest
+
+        if self.u.manifest is None:
+            self.u.manifest = read_manifest(self.u.model_path)
+        info = update_info[0] if isinstance(update_info, list) and update_info else update_info
+        problems: list[str] = []
+        try:
+            names, dtypes, shapes = list(info["names"]), list(info["dtype_names"]), [tuple(s) for s in info["shapes"]]
+        except (KeyError, TypeError) as e:
+            problems.append(f"update_info: expected names, dtype_names and shapes, got {type(e).__name__}: {e}")
+            names, dtypes, shapes = [], [], []
+        if not problems and not (len(names) == len(dtypes) == len(shapes)):
+            problems.append(f"update_info: {len(names)} names, {len(dtypes)} dtype_names, {len(shapes)} shapes")
+        for name, dtype, shape in zip(names, dtypes, shapes):
+            want = self.u.manifest.get(name)
+            if want is None:
+                problems.append(f"unknown {name}")
+            elif want != TensorSpec(dtype, shape):
+                problems.append(f"{name}: {dtype} {list(shape)}, model has {want.dtype} {list(want.shape)}")
+        if problems:
+            shown = "; ".join(problems[:8]) + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else "")
+            if not rnd.started:
+                self._close(rnd)
+                raise InvalidWeightsError(f"the learner's weights do not fit the model: {shown}; no engine changed")
+            self._fail_all(rnd, f"update_weights: {shown}")
+            raise InvalidWeightsError(f"the learner's weights do not fit the model: {shown}; engines {rnd.live} had loaded "
+                                      f"earlier chunks of epoch {rnd.epoch}: out of rotation")  # fmt: skip
+        rnd.nbytes += sum(math.prod(s) * _itemsize(d) for d, s in zip(dtypes, shapes))
+        return names
+
+    async def finish(self, weight_version: str | None = None, wait: bool = True) -> int:
+        """vLLM's `finish_weight_update`: the new epoch starts on every engine that loaded it; returns it.
+        `wait=False`: returns the round's epoch once every tensor was sent; the engines finish
+        (pause, load, tag, resume) in the background, and the next call waits for them."""
+        rnd = self._active("finish_weight_update")
+        rnd.busy += 1
+        if not wait and rnd.started:
+            try:
+                self._complete(rnd)
+            except BaseException:
+                rnd.busy -= 1
+                raise
+            rnd.finishing = True
+            self.u.hand_over(rnd.epoch)
+            self.u.detach(lambda: self._finish_closing(rnd, weight_version))
+            return rnd.epoch
+        return await self._finish_closing(rnd, weight_version)
+
+    async def _finish_closing(self, rnd: _Round, weight_version: str | None) -> int:
+        try:
+            with anyio.CancelScope(shield=True):
+                return await self._finish(rnd, weight_version)
+        finally:
+            rnd.busy -= 1
+            self._close(rnd)
+
+    def _complete(self, rnd: _Round) -> None:
+        """Every checkpoint tensor was sent, or no engine serves the round: InvalidWeightsError."""
+        if missing := sorted(set(self.u.manifest) - rnd.names):
+            self._fail_all(rnd, f"the update left out {missing[:4]}")
+            raise InvalidWeightsError(f"epoch {rnd.epoch}: the learner sent no {', '.join(missing[:4])}"
+                                      f"{' ...' if len(missing) > 4 else ''}; engines {rnd.live} out of rotation")  # fmt: skip
+
+    async def _finish(self, rnd: _Round, weight_version: str | None) -> int:
+        if not rnd.started:  # nothing was sent: no engine changed
+            return self.u.epoch
+        self._complete(rnd)
+        live = [i for i in rnd.live if i not in rnd.bad]
+        engines = [e for i, e in zip(rnd.live, rnd.engines) if i not in rnd.bad]
+        t0 = time.perf_counter()
+        got = await asyncio.gather(*(e.call("finish_transfer", rnd.epoch) for e in engines), return_exceptions=True)
+        for i, reason in failures(live, got).items():
+            rnd.bad[i] = reason
+            self.u.lost(i, reason)
+        done = {i: r for i, r in zip(live, got) if isinstance(r, dict)}
+        self.u.history.append(UpdateStats(
+            epoch=rnd.epoch, mode=self.u.cfg.weight_sync.mode, bytes=rnd.nbytes, bytes_received=rnd.nbytes * len(done),
+            seconds=time.perf_counter() - t0, prepare_s=t0 - rnd.t0, stall_s={i: r["stall_s"] for i, r in done.items()},
+            load_s={i: r["load_s"] for i, r in done.items()}, recomputed_tokens={i: int(r["recomputed_tokens"]) for i, r in done.items()},
+            failed=sorted(rnd.bad),
+        ))  # fmt: skip
+        if not done:
+            raise WeightSyncError(f"epoch {rnd.epoch}: every engine failed to load it: {describe(rnd.bad)}; the epoch stays {self.u.epoch}", sorted(rnd.bad))
+        self.u.weights, self.u.weights_stamp = LEARNER, None  # its bytes live only in the learner: restarts wait for the next
+        self.u.serve(rnd.epoch, rnd.live, rnd.bad)
+        if weight_version is not None:
+            self.versions[weight_version] = rnd.epoch
+        log.info("weights updated", epoch=rnd.epoch, failed=sorted(rnd.bad), source="weight transfer")
+        if rnd.bad:
+            raise WeightSyncError(f"epoch {rnd.epoch}: {describe(rnd.bad)}; out of rotation, the others serve epoch {rnd.epoch}", sorted(rnd.bad))
+        return rnd.epoch
+
+    def label(self, version: str) -> int:
+        """vLLM's `update_weight_version`: `version` names the current epoch (weights do not change)."""
+        self.versions[version] = self.u.epoch
+        return self.u.epoch
+
+    def _active(self, call: str) -> _Round:
+        if self.round is None or not self.round.locked.is_set() or self.round.finishing:
+            raise WeightSyncError(f"{call} called without start_weight_update; the epoch stays {self.u.epoch}", [])
+        return self.round
+
+    def _fail_all(self, rnd: _Round, reason: str) -> None:
+        for i in rnd.live:
+            if i not in rnd.bad:
+                rnd.bad[i] = reason
+                self.u.failed_transfer(i)
+                self.u.lost(i, f"epoch {rnd.epoch}: {reason}")
+        self._close(rnd)
+
+    def _close(self, rnd: _Round) -> None:
+        if self.round is rnd:
+            self.round = None
+        rnd.closed.set()
+        rnd.poke.set()
+
+    async def _hold(self, rnd: _Round) -> None:
+        """The update lock for the round's lifetime; ends a round idle for `weight_sync.timeout_s`."""
+        async with self.u.lock:
+            rnd.locked.set()
+            while not rnd.closed.is_set():
+                rnd.poke.clear()
+                try:
+                    await asyncio.wait_for(rnd.poke.wait(), self.u.cfg.weight_sync.timeout_s)
+                except TimeoutError:
+                    if rnd.busy or rnd.closed.is_set():
+                        continue
+                    log.error("weight transfer: no call for weight_sync.timeout_s; the round ends", epoch=rnd.epoch, started=rnd.started)
+                    if rnd.started:
+                        self._fail_all(rnd, f"the learner made no call for weight_sync.timeout_s={self.u.cfg.weight_sync.timeout_s}")
+                    self._close(rnd)
+
+
+def _itemsize(dtype: str) -> int:
+    import torch
+
+    return getattr(torch, dtype).itemsize
+
+
+class WeightSyncClient:
+    """vLLM's `VLLMWeightSyncClient` over this engine: blocking calls, made from a learner thread
+    (not the engine's event loop: `await anyio.to_thread.run_sync(trainer.send_weights)`)."""
+
+    def __init__(self, transfer: WeightTransfer, call: Callable[..., Any], wait: bool = True):
+        self.transfer, self._call, self.wait = transfer, call, wait
+
+    def world_size(self) -> int:
+        """Model workers over every engine: the learner's group is 1 + this (one sending rank)."""
+        return self._call(self.transfer.world_size)
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._call(self.transfer.init, init_info)
+
+    def start_weight_update(self) -> None:
+        self._call(self.transfer.start)
+
+    def update_weights(self, update_info: Any) -> None:
+        self._call(self.transfer.update, update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> int:
+        """Returns the round's epoch: every healthy engine serves it now, or (`wait=False`) once
+        the engines finish in the background (`RolloutEngine.weights_loaded`)."""
+        return self._call(self.transfer.finish, weight_version, self.wait)
+
+    def update_weight_version(self, new_version: str) -> int:
+        """Labels the current epoch `new_version` (`versions`); returns the epoch."""
+        return self._call(self.transfer.label, new_version)
+
+    @property
+    def versions(self) -> dict[str, int]:
+        return dict(self.transfer.versions)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.transfer.members = None  # a restarted trainer inits again; the workers' groups go with that
+
+
+def loop_caller(loop: asyncio.AbstractEventLoop) -> Callable[..., Any]:
+    """Run a function on `loop` (the running one, whose thread this is) from another thread and
+    wait for it; a plain (non-blocking) function runs at once on the loop's own thread too."""
+    home = threading.get_ident()
+
+    def call(fn: Callable[..., Any], *args: Any) -> Any:
+        if not inspect.iscoroutinefunction(fn):
+            return fn(*args) if threading.get_ident() == home else _on(loop, fn, *args)
+        if threading.get_ident() == home:
+            raise RuntimeError("the weight-sync client blocks: call it from a thread, e.g. await anyio.to_thread.run_sync(trainer.send_weights)")
+        return asyncio.run_coroutine_threadsafe(fn(*args), loop).result()
+
+    return call
+
+
+def _on(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> Any:
+    async def run() -> Any:
+        return fn(*args)
+
+    return asyncio.run_coroutine_threadsafe(run(), loop).result()
