@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from policies.oracle import Oracle, Processing, compare, main
+from policies.oracle import Oracle, compare, main
+from policies.processing import Processing
 from policies.tiny import TinySpec, build_tiny
 from rollout.epochs import expand_runs
 from rollout.types import Trajectory

@@ -23,7 +23,8 @@ import ray
 from safetensors.torch import load_file
 
 from actors.cluster import connect
-from policies.oracle import Oracle, Processing, compare
+from policies.oracle import Oracle, compare
+from policies.processing import Processing
 from policies.shm import descendants
 from policies.vllm_args import engine_env
 from rollout import Prompt, RolloutEngine

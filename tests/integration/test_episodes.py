@@ -20,7 +20,8 @@ import msgspec
 import pytest
 from safetensors.torch import load_file
 
-from policies.oracle import Oracle, Processing, compare
+from policies.oracle import Oracle, compare
+from policies.processing import Processing
 from rollout import Prompt, RolloutEngine
 from rollout.episodes.env import Step
 from rollout.types import Trajectory

@@ -23,7 +23,8 @@ import pytest
 import pytest_asyncio
 from safetensors.torch import load_file
 
-from policies.oracle import Oracle, Processing, compare
+from policies.oracle import Oracle, compare
+from policies.processing import Processing
 from rollout import RolloutEngine
 from rollout.types import Trajectory
 

@@ -15,7 +15,8 @@ import anyio
 import msgspec
 from safetensors.torch import load_file
 
-from policies.oracle import Oracle, Processing, compare
+from policies.oracle import Oracle, compare
+from policies.processing import Processing
 from rollout import RolloutEngine
 
 from .conftest import integration_config

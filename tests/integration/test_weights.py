@@ -25,7 +25,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from policies.oracle import Oracle, Processing, compare
+from policies.oracle import Oracle, compare
+from policies.processing import Processing
 from policies.weights import save_dir
 from rollout import Prompt, RolloutEngine
 from rollout.epochs import kv_runs
