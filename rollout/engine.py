@@ -41,7 +41,7 @@ from rollout.weights.updates import WeightUpdates
 
 if TYPE_CHECKING:
     from rollout.serve.server import Server
-    from rollout.weights.transfer import WeightTransfer
+    from rollout.weights.transfer import WeightSyncClient, WeightTransfer
 
 log = get_logger(__name__)
 
@@ -325,7 +325,7 @@ class RolloutEngine:
         self._live_scheduler()
         return await self._updates.settled()
 
-    def weight_sync_client(self, *, wait: bool = True) -> Any:
+    def weight_sync_client(self, *, wait: bool = True) -> WeightSyncClient:
         """vLLM's `VLLMWeightSyncClient` over every engine, for a learner on vLLM's trainer API
         (`TrainerWeightTransferEngine`: shm, or gloo across nodes, on CPU; nccl / ipc on GPUs); its calls block, so the
         learner makes them from a thread. `finish_weight_update` starts the new epoch and returns it;
