@@ -25,7 +25,7 @@ covers these routes like the rest), pausing vLLM (`policies.vllm_policy`).
 import time
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -33,6 +33,9 @@ from rollout.errors import EngineClosedError, EngineDeadError, InvalidWeightsErr
 from rollout.log import get_logger
 from rollout.serve import io
 from rollout.serve import openai_api as api
+
+if TYPE_CHECKING:
+    from rollout.serve.server import Server
 
 log = get_logger(__name__)
 PAUSE_MODES = ("abort", "wait", "keep")
@@ -59,7 +62,7 @@ class AbortBody(msgspec.Struct):
     request_ids: list[str] | None = None
 
 
-def add_rl_routes(app: Any, server: Any) -> None:
+def add_rl_routes(app: Any, server: "Server") -> None:
     """vLLM's RL routes on `app`, over `server.engine` (a running `RolloutEngine`)."""
     from fastapi import Request
 
@@ -88,7 +91,7 @@ def add_rl_routes(app: Any, server: Any) -> None:
 class RLRoutes:
     """The routes' work; each returns vLLM's response body (our additions: `epoch`)."""
 
-    def __init__(self, server: Any):
+    def __init__(self, server: "Server"):
         self.server, self.engine = server, server.engine
         self._client: Any = None
 

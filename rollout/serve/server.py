@@ -43,6 +43,8 @@ from rollout.types import Group, Prompt, Trajectory, printable
 from rollout.types import Request as EngineRequest  # `Request` is FastAPI's here
 
 if TYPE_CHECKING:
+    from anyio.abc import TaskGroup
+
     from rollout.handoff.queue import Submission
     from rollout.metrics.figures import Collector
     from rollout.weights.transfer import WeightSyncClient
@@ -95,7 +97,7 @@ class Server:
         self._prepare = io.Preparer()
         self.app = self._app()
 
-    async def start(self, tg: Any, host: str | None = None, port: int | None = None) -> str:
+    async def start(self, tg: "TaskGroup", host: str | None = None, port: int | None = None) -> str:
         """Listen (on `serve.host`/`serve.port` unless given; port 0: a free one); returns the URL.
         Raises OSError naming the address when it cannot listen; the engine is untouched."""
         import uvicorn

@@ -188,7 +188,7 @@ class WeightUpdates:
                 raise WeightSyncError(f"epoch {epoch}: {describe(bad)}; out of rotation, the others serve epoch {epoch}", list(bad))
             return epoch
 
-    async def _stage(self, epoch: int, live: list[int], engines: list[Any], shared: Any) -> tuple[list[int], list[Any], list[Any]]:
+    async def _stage(self, epoch: int, live: list[int], engines: list[Engine], shared: Any) -> tuple[list[int], list[Any], list[Any]]:
         """Phase 1 of `update`: every engine of `live` receives `shared`. Returns the engines that
         did, with what each received. An engine found dead leaves rotation and the update goes on
         without it: its crash is not the update's failure (the health watch could as well have
