@@ -1,0 +1,94 @@
+"""`RolloutEngine` on fake engines (no vLLM, no Ray) for the scheduler and feed tests: a config
+fixture, a bounded engine, prompts, and a consumer that says when it would wait forever."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+import anyio
+import msgspec
+import pytest
+from anyio import wait_all_tasks_blocked
+
+from rollout.config import Config, load_config
+from rollout.engine import RolloutEngine
+from rollout.types import Group, Prompt
+from tests.fakes import FakePool
+
+TIMEOUT = 5  # seconds; only reached when a test is about to fail
+
+
+class Deadlock(AssertionError):
+    """The consumer waits for a group while every task is blocked: nothing can ever wake it."""
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    (tmp_path / "config.json").write_text('{"vocab_size": 260}')
+    return tmp_path
+
+
+@pytest.fixture
+def make_cfg(model_dir):
+    def make(*overrides: str) -> Config:
+        cfg = load_config(
+            None,
+            [
+                "sampling.n=2",
+                "sampling.max_tokens=6",
+                "engines.count=2",
+                "engines.max_inflight_per_engine=3",
+                "engines.queued_per_engine=1",  # 4 requests per engine
+                "model.max_model_len=64",
+                "logging.level=error",
+                *overrides,
+            ],
+        )
+        return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=str(model_dir)))
+
+    return make
+
+
+@asynccontextmanager
+async def rollout(cfg: Config, pool: FakePool, **kwargs):
+    """`RolloutEngine` on fakes, bounded: a test that would hang fails with TimeoutError instead."""
+    with anyio.fail_after(TIMEOUT):
+        async with RolloutEngine(cfg, pool=pool, **kwargs) as engine:
+            yield engine
+
+
+def prompts(count: int, length: int = 3) -> list[Prompt]:
+    return [Prompt(token_ids=[10 + i] * length, id=f"q{i}") for i in range(count)]
+
+
+async def all_groups(engine: RolloutEngine) -> list[Group]:
+    """Every group `engine.groups()` hands out; raises Deadlock instead of hanging forever."""
+    out: list[Group] = []
+    errors: list[BaseException] = []
+    done = anyio.Event()
+
+    async def consume() -> None:
+        try:
+            async for group in engine.groups():
+                out.append(group)
+        except Exception as e:
+            errors.append(e)
+        finally:
+            done.set()
+
+    with anyio.fail_after(TIMEOUT):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            await wait_all_tasks_blocked()
+            stuck = not done.is_set()
+            if stuck:
+                tg.cancel_scope.cancel()
+    if stuck:
+        raise Deadlock(f"groups() waits forever after {len(out)} groups: {[(g.prompt_id, g.error) for g in out]}")
+    if errors:
+        raise errors[0]
+    return out
+
+
+def total_requests(pool: FakePool) -> int:
+    return sum(len(e.requests) for e in pool.engines)
