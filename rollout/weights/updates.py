@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from rollout.scheduling.scheduler import Scheduler
 
 log = get_logger(__name__)
-LEARNER = object()  # `_weights` of an epoch a learner sent (`rollout.weights.transfer`): its bytes live only in the learner
+LEARNER = object()  # `weights` of an epoch a learner sent (`rollout.weights.transfer`): its bytes live only in the learner
 
 
 class WeightUpdates:
