@@ -223,12 +223,12 @@ class ApiKey:
 class Stats:
     """Prometheus figures of the server, and the engine's (`rollout.metrics.figures`), for `GET /metrics`."""
 
-    def __init__(self, engine: Collector):
+    def __init__(self, collector: Collector):
         from prometheus_client import CollectorRegistry, Counter, Histogram
 
-        self.engine = engine  # the engine's own figures (`RolloutEngine.prometheus_collector`)
+        self.collector = collector  # the engine's own figures (`RolloutEngine.prometheus_collector`)
         self.registry = CollectorRegistry()
-        self.registry.register(engine)
+        self.registry.register(collector)
         self.requests = Counter("rollout_http_requests", "HTTP requests by path and status", ["path", "status"], registry=self.registry)
         self.latency = Histogram("rollout_http_latency_seconds", "HTTP request latency", ["path"], registry=self.registry,
                                  buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))  # fmt: skip
@@ -248,7 +248,7 @@ class Stats:
     async def exposition(self) -> str:
         from prometheus_client import generate_latest
 
-        await self.engine.refresh()
+        await self.collector.refresh()
         return generate_latest(self.registry).decode()
 
 
