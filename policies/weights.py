@@ -89,18 +89,29 @@ def pack(weights: Mapping[str, Any] | str | Path, manifest: Manifest) -> Packed 
             raise InvalidWeightsError(f"weights: {str(weights)!r} is not a directory")
         check_directory(path, manifest)
         return os.path.abspath(path)
-    import torch
+    specs = check_state_dict(weights, manifest)
+    return Packed(specs=specs, data={name: tensor_bytes(name, t) for name, t in weights.items()})
 
+
+def check_state_dict(weights: Any, manifest: Manifest) -> Manifest:
+    """The specs of a state dict, checked against the model (not its values: `tensor_bytes`).
+    Raises InvalidWeightsError naming every tensor that does not fit."""
     if not isinstance(weights, Mapping):
         raise InvalidWeightsError(f"weights: expected a state dict or a directory, got {type(weights).__name__}")
     if not weights:
         raise InvalidWeightsError("weights: the state dict is empty")
     specs = {name: tensor_spec(name, t) for name, t in weights.items()}
     check_specs(specs, manifest, "state dict")
-    for name, t in weights.items():
-        check_finite(name, t)
-    data = {n: t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy() for n, t in weights.items()}
-    return Packed(specs=specs, data=data)
+    return specs
+
+
+def tensor_bytes(name: str, t: Any) -> Any:
+    """One tensor of a state dict on the wire: its values checked (`check_finite`), then its bytes
+    as a flat uint8 numpy array (a view of a contiguous CPU tensor, no copy)."""
+    import torch
+
+    check_finite(name, t)
+    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
 def check_directory(path: Path, manifest: Manifest) -> None:
@@ -134,21 +145,56 @@ def tensor_spec(name: str, t: Any) -> TensorSpec:
 
 
 def check_finite(name: str, t: Any) -> None:
-    """Raise InvalidWeightsError naming `name` when a floating-point tensor holds NaN or inf.
-
-    One pass, no allocation: the min and max of a tensor are NaN if any element is, and +-inf is
-    its own extreme (`isfinite(t).all()` materialises a bool per element: 40x slower on bf16)."""
+    """Raise InvalidWeightsError naming `name` when a floating-point tensor holds NaN or inf."""
     import math
 
     import torch
 
-    if t.is_floating_point() and t.numel():
-        t = t.detach()
-        if t.element_size() == 1:  # float8: no aminmax kernel; float16 holds every float8 value, NaN and inf included
-            t = t.to(torch.float16)
-        low, high = torch.aminmax(t)
-        if not (math.isfinite(float(low)) and math.isfinite(float(high))):
-            raise InvalidWeightsError(f"weights[{name!r}]: contains NaN or inf")
+    if not t.is_floating_point() or not t.numel():
+        return
+    t = t.detach()
+    ok = finite_bits(str(t.dtype).removeprefix("torch."), t.contiguous().reshape(-1).view(torch.uint8).numpy()) if t.device.type == "cpu" else None
+    if ok is None:  # on an accelerator, or a float8 without IEEE's patterns: the min and max are NaN if any element is
+        low, high = torch.aminmax(t.to(torch.float16) if t.element_size() == 1 else t)  # float16 holds every float8 value
+        ok = math.isfinite(float(low)) and math.isfinite(float(high))
+    if not ok:
+        raise InvalidWeightsError(f"weights[{name!r}]: contains NaN or inf")
+
+
+# An IEEE float is NaN or inf exactly when its bits without the sign, read as an unsigned
+# integer, reach +inf's (all exponent bits set); float8_e4m3fn has no inf and one NaN, 0x7F.
+_NONFINITE = {  # dtype -> (unsigned integer of its width, lowest non-finite pattern)
+    "float64": ("uint64", 0x7FF0_0000_0000_0000),
+    "float32": ("uint32", 0x7F80_0000),
+    "float16": ("uint16", 0x7C00),
+    "bfloat16": ("uint16", 0x7F80),
+    "float8_e5m2": ("uint8", 0x7C),
+    "float8_e4m3fn": ("uint8", 0x7F),
+}
+_CHUNK = 1 << 18  # elements per pass: the masked copy stays in cache
+
+
+def finite_bits(dtype: str, data: Any) -> bool | None:
+    """Whether a tensor of `dtype` whose bytes are `data` (a flat uint8 numpy array) holds no NaN or
+    inf: True for a dtype that is not floating point, None for a float format this does not read
+    (`check_finite` does). Read from the bits, in numpy on the calling thread: one pass at about
+    20 GB/s, nothing allocated past one chunk. Not torch: its reductions fan out to its intra-op
+    threads, and in a driver whose cores the engines keep busy, one such call on a 49k-element
+    tensor took 2 s (14 ms of CPU) waiting for a thread to be scheduled."""
+    import numpy as np
+
+    if dtype not in _NONFINITE:
+        return None if dtype.startswith(("float", "bfloat")) else True
+    unsigned, lowest = _NONFINITE[dtype]
+    bits = data.view(unsigned)
+    mask = np.iinfo(unsigned).max >> 1  # every bit but the sign
+    buf = np.empty(min(bits.size, _CHUNK), unsigned)
+    for i in range(0, bits.size, _CHUNK):
+        part = bits[i : i + _CHUNK]
+        out = np.bitwise_and(part, mask, out=buf[: part.size])
+        if out.max() >= lowest:
+            return False
+    return True
 
 
 def fingerprint(directory: str | Path) -> list[tuple[str, int, int, int]]:

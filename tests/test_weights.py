@@ -15,6 +15,7 @@ from rollout.engine import RolloutEngine
 from rollout.epochs import kv_runs
 from rollout.errors import EngineDeadError, InvalidWeightsError, WeightSyncError
 from rollout.types import Prompt, Trajectory
+from rollout.weights.updates import pack_on_loop
 from tests.fakes import FakePool
 
 STATE = {
@@ -68,11 +69,39 @@ def test_pack_roundtrip_keeps_values_and_dtypes(model_dir):
         ({"embed.weight": None, "norm.weight": None}, "the state dict is empty"),
     ],
 )
-def test_pack_rejects_weights_that_do_not_fit(model_dir, change, message):
+@pytest.mark.parametrize("on_loop", [False, True], ids=["pack", "pack_on_loop"])
+async def test_pack_rejects_weights_that_do_not_fit(model_dir, change, message, on_loop):
     sd = {k: v for k, v in {**STATE, **change}.items() if v is not None}
     with pytest.raises(InvalidWeightsError) as e:
-        pack(sd, read_manifest(model_dir))
+        await pack_on_loop(sd, read_manifest(model_dir)) if on_loop else pack(sd, read_manifest(model_dir))
     assert message in str(e.value)
+
+
+async def test_pack_on_loop_gives_the_loop_a_turn_per_tensor(tmp_path):
+    """The driver's packing (`pack_on_loop`) holds the event loop one tensor at a time: another
+    task runs between every two tensors, and the result is `pack`'s, byte for byte. (In a worker
+    thread, each of its torch calls would wait for the GIL behind the busy loop.)"""
+    sd = {f"layers.{i}.weight": torch.full((8, 8), float(i), dtype=torch.bfloat16) for i in range(50)}
+    d = save_dir(sd, tmp_path / "many")
+    turns = 0
+
+    async def other_task():
+        nonlocal turns
+        while True:
+            turns += 1
+            await anyio.sleep(0)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(other_task)
+        await anyio.sleep(0)
+        start = turns
+        packed = await pack_on_loop(sd, read_manifest(d))
+        during = turns - start
+        tg.cancel_scope.cancel()
+    assert during >= len(sd) - 1, during
+    want = pack(sd, read_manifest(d))
+    assert packed.specs == want.specs and all(packed.data[n].tobytes() == want.data[n].tobytes() for n in sd)
+    assert await pack_on_loop(d, read_manifest(d)) == str(d)
 
 
 def test_pack_checks_directories(model_dir, tmp_path):
@@ -240,3 +269,41 @@ def test_pack_checks_the_values_of_a_directory(model_dir, tmp_path, bad, shard):
         pack(d, read_manifest(model_dir))
     assert f"model-{shard + 1:05d}-of-00002.safetensors" in str(e.value) and f"{name!r}" in str(e.value)
     assert "contains NaN or inf" in str(e.value)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float8_e5m2", "float8_e4m3fn", "float32", "float64"])
+def test_finite_bits_agrees_with_torch_on_every_pattern(dtype):
+    """The driver reads NaN/inf from the bits (numpy, no torch intra-op threads): every 8- and
+    16-bit pattern, and for wider floats the edges of every class, agree with `torch.isfinite`."""
+    from policies.weights import finite_bits
+
+    torch_dtype = getattr(torch, dtype)
+    width = torch.empty(0, dtype=torch_dtype).element_size()
+    if width <= 2:
+        patterns = torch.arange(1 << (8 * width), dtype=torch.int32).to(torch.uint8 if width == 1 else torch.int16)  # wraps: every pattern once
+        assert len(set(patterns.tolist())) == 1 << (8 * width)
+        values = patterns.view(torch_dtype)
+    else:
+        specials = [0.0, -0.0, 1.0, -1.0, float("inf"), -float("inf"), float("nan"), torch.finfo(torch_dtype).max, torch.finfo(torch_dtype).min, torch.finfo(torch_dtype).tiny]
+        values = torch.tensor(specials, dtype=torch_dtype)
+        values = torch.cat([values, -torch.tensor([float("nan")], dtype=torch_dtype), torch.randn(1000, dtype=torch_dtype)])
+    finite = torch.isfinite(values.to(torch.float32) if width == 1 else values)
+    for v, want in zip(values, finite.tolist()):
+        got = finite_bits(dtype, v.reshape(1).view(torch.uint8).numpy())
+        assert got is want, (dtype, v.reshape(1).view(torch.uint8).tolist(), got, want)
+    whole = values.reshape(-1).view(torch.uint8).numpy()
+    assert finite_bits(dtype, whole) is bool(finite.all())
+    assert finite_bits(dtype, values[finite].reshape(-1).view(torch.uint8).numpy()) is True
+
+
+def test_finite_bits_reads_past_one_chunk_and_leaves_other_dtypes_to_torch():
+    from policies.weights import finite_bits
+
+    t = torch.zeros(3 * (1 << 18) + 5, dtype=torch.bfloat16)
+    assert finite_bits("bfloat16", t.view(torch.uint8).numpy()) is True
+    t[-1] = float("inf")  # in the last, partial chunk
+    assert finite_bits("bfloat16", t.view(torch.uint8).numpy()) is False
+    assert finite_bits("int64", torch.tensor([-1]).view(torch.uint8).numpy()) is True
+    assert finite_bits("float8_e4m3fnuz", torch.zeros(1, dtype=torch.uint8).numpy()) is None
+    with pytest.raises(InvalidWeightsError, match=r"\['w'\]: contains NaN or inf"):
+        pack({"w": torch.tensor([0.0, float("nan")]).to(torch.float8_e4m3fnuz)}, {"w": TensorSpec("float8_e4m3fnuz", (2,))})

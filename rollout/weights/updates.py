@@ -152,7 +152,7 @@ class WeightUpdates:
         return self.epoch
 
     async def _update(self, weights: Any, handed: Any = None) -> int:
-        from policies.weights import fingerprint, pack, read_manifest
+        from policies.weights import fingerprint, read_manifest
 
         pool = self.pool
         async with self.lock:
@@ -161,7 +161,7 @@ class WeightUpdates:
             t0 = time.perf_counter()
             if self.manifest is None:
                 self.manifest = await anyio.to_thread.run_sync(read_manifest, self.model_path)
-            payload = await anyio.to_thread.run_sync(pack, weights, self.manifest)
+            payload = await pack_on_loop(weights, self.manifest)
             stamp = await anyio.to_thread.run_sync(fingerprint, payload) if isinstance(payload, str) else None
             live = self.members()
             engines = [pool.engines[i] for i in live]
@@ -369,3 +369,30 @@ def failures(ids: list[int], results: list[Any], timeout_reason: str = "timed ou
 
 def describe(failures: dict[int, str]) -> str:
     return "; ".join(f"engine {i}: {reason}" for i, reason in sorted(failures.items()))
+
+
+async def pack_on_loop(weights: Any, manifest: Any) -> Any:
+    """`policies.weights.pack` for the driver's event loop: a state dict of CPU tensors is checked
+    and packed on the loop's own thread, one tensor per loop turn, so the loop blocks for one
+    tensor at a time (the check reads about 20 GB/s: 14 ms for a 272 MB embedding). Not in a
+    worker thread: each torch call there releases the GIL and must win it back from the loop, and
+    on cores the engines keep busy each hand-off waits to be scheduled. Measured on the tiny model
+    while 2 engines generate (`benchmarks/weight_sync.py`): the update call took 750 ms with the
+    pack in a thread, 121 ms with it here. A directory (file reads) and tensors off the CPU (a copy
+    each) go to a worker thread, where those costs outweigh the hand-offs."""
+    from pathlib import Path
+
+    from policies.weights import Packed, check_state_dict, pack, tensor_bytes
+
+    if isinstance(weights, (str, Path)):
+        return await anyio.to_thread.run_sync(pack, weights, manifest)
+    specs = check_state_dict(weights, manifest)
+    data = {}
+    for name, t in list(weights.items()):
+        if t.device.type == "cpu":
+            data[name] = tensor_bytes(name, t)
+            await anyio.sleep(0)
+        else:
+            data[name] = await anyio.to_thread.run_sync(tensor_bytes, name, t)
+    return Packed(specs=specs, data=data)
+
