@@ -59,3 +59,27 @@ def test_a_worker_idle_since_its_last_call_sleeps_instead_of_spinning(reader):
 def test_a_vllm_without_the_reader_refuses_to_start(reader):
     out = Proc(None).call("rollout_fix_idle_spin")  # vLLM sends the worker's error back as the call's output
     assert isinstance(out, VllmChangedError) and "SpinCondition" in str(out)
+
+
+def test_a_sleeping_worker_whose_notify_was_lost_looks_again_within_the_recheck(reader, monkeypatch):
+    """vLLM's queue can lose the notify that wakes a sleeping reader (its writer's PUB socket keeps
+    one message); the reader then looks at the queue again only after `SHM_READER_RECHECK_INTERVAL_MS`,
+    5 s. A worker that sleeps 2 ms after each call sleeps often enough to hit it: a synchronous
+    learner's batches took 5.4 s instead of 0.5 s, every other step. Cut with the spin, the park
+    is bounded by `LOST_NOTIFY_RECHECK_MS`."""
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    from policies.vllm_adapter.worker import LOST_NOTIFY_RECHECK_MS
+
+    monkeypatch.setattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS", 5000)  # vLLM's value, restored after the test
+    assert Proc(reader).call("rollout_fix_idle_spin") is True
+    parked = shm_broadcast.MessageQueue.ReadTimeoutWithWarnings(timeout=None, should_warn=False).timeout_ms()
+    assert parked == LOST_NOTIFY_RECHECK_MS <= 20
+
+
+def test_a_vllm_without_the_recheck_refuses_to_start(reader, monkeypatch):
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    monkeypatch.delattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS")
+    out = Proc(reader).call("rollout_fix_idle_spin")
+    assert isinstance(out, VllmChangedError) and "SHM_READER_RECHECK_INTERVAL_MS" in str(out)

@@ -9,8 +9,9 @@ weight-transfer engine: `policies.gloo_transfer` on CPU.)
   Internals touched: the model runner's `_sample`, `_bookkeeping_sync`, `discard_request_mask` and
   `input_batch.generators`; `vllm.v1.sample.rejection_sampler.expand_batch_to_tokens`.
 - The worker's wait for its next call (`rollout_fix_idle_spin`): vLLM's reader busy-waits 1 s
-  after each call before it sleeps. Internals touched: `WorkerProc.rpc_broadcast_mq._spin_condition`
-  (`shm_broadcast.SpinCondition.busy_loop_s`).
+  after each call before it sleeps; a sleeping reader whose notify was lost looks again after 5 s.
+  Internals touched: `WorkerProc.rpc_broadcast_mq._spin_condition`
+  (`shm_broadcast.SpinCondition.busy_loop_s`), `shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 CPU_WORKER = "policies.vllm_adapter.worker.CpuWorker"
 IDLE_SPIN_S = 0.002  # how long a CPU worker busy-waits for its next call before it sleeps (vLLM: 1 s)
+LOST_NOTIFY_RECHECK_MS = 10  # how long a sleeping worker waits before it looks at its queue unwoken (vLLM: 5 s)
 
 
 class CpuSpecSamplingFix:
@@ -70,10 +72,20 @@ class CpuIdleSpinFix:
     behind it: single weight-update calls on idle engines (the tiny model, 2 engines on 2 cores)
     took 50 ms to 1.7 s, the time going to the driver's checks of the weights and to the engines'
     Ray replies after their load; 48-136 ms with the wait cut. Called once at engine start.
+
+    A reader that sleeps this often meets a race of vLLM's queue: the notify that should wake it
+    can be lost (the writer's PUB socket keeps one message, `SNDHWM=1`), and then it looks at the
+    queue again only after `SHM_READER_RECHECK_INTERVAL_MS` (5 s, vLLM's bound on exactly that).
+    Mid-generation, the engine core waits on the worker that long: a synchronous learner's batches
+    (`benchmarks/simulated_learner.py`) took 5.4 s instead of 0.5 s every other step. So the
+    recheck is cut with the spin, to `LOST_NOTIFY_RECHECK_MS`: a sleeping worker wakes 100 times
+    a second to read one flag.
     """
 
     def rollout_fix_idle_spin(self) -> bool:
-        """Cut the busy-wait of this worker's queue reader to `IDLE_SPIN_S`. True if cut."""
+        """Cut the busy-wait of this worker's queue reader to `IDLE_SPIN_S`, and its sleep when no
+        notify comes to `LOST_NOTIFY_RECHECK_MS`. True if cut."""
+        from vllm.distributed.device_communicators import shm_broadcast
         from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
         from policies.vllm_adapter import VllmChangedError
@@ -86,9 +98,12 @@ class CpuIdleSpinFix:
             raise VllmChangedError(
                 "vLLM's worker reads its calls through no SpinCondition (WorkerProc.rpc_broadcast_mq._spin_condition)"
             )
+        if not isinstance(getattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS", None), int):
+            raise VllmChangedError("vLLM's queue reader has no recheck interval (shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS)")
         if spin.busy_loop_s <= IDLE_SPIN_S:
             return False
         spin.busy_loop_s = IDLE_SPIN_S
+        shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = min(shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS, LOST_NOTIFY_RECHECK_MS)
         return True
 
 
