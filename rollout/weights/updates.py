@@ -133,13 +133,14 @@ class WeightUpdates:
     @property
     def learner_epoch(self) -> int:
         """The learner's weights: the newest epoch an update call returned, its engines loading it
-        or not (`wait=False`). Staleness counts lag from it, admission too."""
+        or not (`wait=False`). Staleness counts lag from it at hand-out. Admission counts from the
+        epoch the engines serve (`serve`): a group let in for `epoch` before they load it would
+        generate with the one before, and lag one more than admission allowed for."""
         return max(self.epoch, self.handed)
 
     def hand_over(self, epoch: int) -> None:
         """An update call returns `epoch` before its engines load it: the learner holds it from now."""
         self.handed = epoch
-        self._scheduler.admission.set_epoch(epoch - self._start_epoch)
 
     async def settled(self) -> int:
         """Wait for an update that did not wait (`wait=False`) to end; raise its failure once (then
