@@ -9,7 +9,8 @@ weights, so every step generates the same distribution of tokens). Two runs of t
   batches while the learner trains.
 `--step-time auto` (default) sets the step time to the batch generation time, measured as the
 median wait for a batch in the sync run's warm-up steps but the first (the learner sleeps 0
-there; the default 4 warm-up steps give a median of 3, which one slow step does not move: with
+there; with a known step time, warm-up steps train as timed ones do, so an async run's timed
+steps start with the lead over the learner it keeps, not from an empty pipeline; the default 4 warm-up steps give a median of 3, which one slow step does not move: with
 3, a 10 s wait after the first update once made the "median" of 2 the step time: 5.4 s). Then the
 ideal speed-up is 2x: the sync loop pays generation + training per step, the async one the larger
 of the two. Each run starts its own engines; engine start and `--warmup` steps are not timed. The
@@ -65,6 +66,7 @@ async def learner_loop(cfg: Config, groups: int, warmup: int, steps: int, step_t
 
     from benchmarks.weight_sync import learner_update, loaded
 
+    measuring = step_time is None  # the warm-up measures the step time: no training there
     async with RolloutEngine(cfg) as engine:
         weights: dict[str, Any] = {}
         for f in sorted(Path(engine.model_path).glob("*.safetensors")):
@@ -86,7 +88,7 @@ async def learner_loop(cfg: Config, groups: int, warmup: int, steps: int, step_t
             batch = await engine.batches(groups=groups)
             assert batch is not None and len(batch.groups) == groups, "ran out of prompts"
             t1 = time.perf_counter()
-            await asyncio.sleep(step_time if step >= warmup else 0.0)  # the trainer's step
+            await asyncio.sleep(0.0 if measuring and step < warmup else step_time)  # the trainer's step
             t2 = time.perf_counter()
             await push(weights)
             t3 = time.perf_counter()
