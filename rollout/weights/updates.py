@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from rollout.scheduling.scheduler import Scheduler
 
 log = get_logger(__name__)
+SHARE_ON_LOOP_BYTES = 64 << 20  # state dicts up to this size go into the object store on the loop's thread (~10 ms)
 LEARNER = object()  # `weights` of an epoch a learner sent (`rollout.weights.transfer`): its bytes live only in the learner
 
 
@@ -167,7 +168,9 @@ class WeightUpdates:
             live = self.members()
             engines = [pool.engines[i] for i in live]
             epoch = max(self.epoch, self.allocated) + 1
-            shared = await anyio.to_thread.run_sync(pool.share, payload)  # a copy into the object store: off the loop
+            # a copy into the object store: on the loop when small (a worker thread's GIL hand-offs cost more than the copy)
+            small = isinstance(payload, str) or payload.nbytes <= SHARE_ON_LOOP_BYTES
+            shared = pool.share(payload) if small else await anyio.to_thread.run_sync(pool.share, payload)
             if handed is not None:  # the caller goes on from here: the epoch is its, failed or not
                 self.allocated = epoch
                 await self.record(epoch)
