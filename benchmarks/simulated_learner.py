@@ -10,8 +10,9 @@ weights, so every step generates the same distribution of tokens). Two runs of t
 `--step-time auto` (default) sets the step time to the batch generation time, measured as the
 median wait for a batch in the sync run's warm-up steps but the first (the learner sleeps 0
 there; with a known step time, warm-up steps train as timed ones do, so an async run's timed
-steps start with the lead over the learner it keeps, not from an empty pipeline; the default 4 warm-up steps give a median of 3, which one slow step does not move: with
-3, a 10 s wait after the first update once made the "median" of 2 the step time: 5.4 s). Then the
+steps start with the lead over the learner it keeps, not from an empty pipeline; the default 4
+warm-up steps give a median of 3, which one slow step does not move: with 3, a 10 s wait after
+the first update once made the "median" of 2 the step time: 5.4 s). Then the
 ideal speed-up is 2x: the sync loop pays generation + training per step, the async one the larger
 of the two. Each run starts its own engines; engine start and `--warmup` steps are not timed. The
 learner's heap is frozen once the engines start (`rollout.process.freeze_heap`, as `rollout

@@ -106,12 +106,13 @@ def check_state_dict(weights: Any, manifest: Manifest) -> Manifest:
 
 
 def tensor_bytes(name: str, t: Any) -> Any:
-    """One tensor of a state dict on the wire: its values checked (`check_finite`), then its bytes
-    as a flat uint8 numpy array (a view of a contiguous CPU tensor, no copy)."""
+    """One tensor of a state dict on the wire: its bytes as a flat uint8 numpy array (a view of a
+    contiguous CPU tensor, no copy), its values checked on them (`check_finite`)."""
     import torch
 
-    check_finite(name, t)
-    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+    data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+    check_finite(name, t, data)
+    return data
 
 
 def check_directory(path: Path, manifest: Manifest) -> None:
@@ -144,8 +145,9 @@ def tensor_spec(name: str, t: Any) -> TensorSpec:
     return TensorSpec(str(t.dtype).removeprefix("torch."), tuple(t.shape))
 
 
-def check_finite(name: str, t: Any) -> None:
-    """Raise InvalidWeightsError naming `name` when a floating-point tensor holds NaN or inf."""
+def check_finite(name: str, t: Any, data: Any = None) -> None:
+    """Raise InvalidWeightsError naming `name` when a floating-point tensor holds NaN or inf.
+    `data`: its bytes on the CPU (`tensor_bytes`), when the caller has them already."""
     import math
 
     import torch
@@ -153,7 +155,9 @@ def check_finite(name: str, t: Any) -> None:
     if not t.is_floating_point() or not t.numel():
         return
     t = t.detach()
-    ok = finite_bits(str(t.dtype).removeprefix("torch."), t.contiguous().reshape(-1).view(torch.uint8).numpy()) if t.device.type == "cpu" else None
+    if data is None and t.device.type == "cpu":
+        data = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+    ok = finite_bits(str(t.dtype).removeprefix("torch."), data) if data is not None else None
     if ok is None:  # on an accelerator, or a float8 without IEEE's patterns: the min and max are NaN if any element is
         low, high = torch.aminmax(t.to(torch.float16) if t.element_size() == 1 else t)  # float16 holds every float8 value
         ok = math.isfinite(float(low)) and math.isfinite(float(high))

@@ -34,6 +34,14 @@ class Proc:
         return self.outputs.pop()
 
 
+@pytest.fixture(autouse=True)
+def vllm_recheck(monkeypatch):
+    """The fix lowers a module constant of vLLM's in this process: put vLLM's value back after each test."""
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    monkeypatch.setattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS", shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS)
+
+
 @pytest.fixture
 def reader(tmp_path):
     ctx = zmq.Context()
