@@ -25,6 +25,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from policies.cpu_engine import behind_driver, pin
 from policies.group_calls import GroupCalls
 from policies.ledger import Piece, Verdict, settle
 from policies.ledger import snapshot as ledger_snapshot
@@ -90,11 +91,9 @@ class VLLMPolicy(GroupCalls, WeightLoading):
         from policies.vllm_adapter.frontend import VllmFrontend
 
         args = engine_args(self.cfg, self.model_path)
-        if cores := os.environ.get("ROLLOUT_ENGINE_CORES"):
-            # The whole engine on its own cores: this front-end, and the engine core and worker
-            # processes vLLM spawns next (they inherit the mask). Left to the OS, the six busy
-            # processes of two engines on two cores ran ~20% slower and far less evenly.
-            os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
+        if cores := os.environ.get("ROLLOUT_ENGINE_CORES"):  # a CPU engine (`policies.cpu_engine`)
+            pin(cores)
+            log.debug("engine processes behind the driver", engine=self.engine_id, autogroup=behind_driver())
         # A stat logger of our own, only when speculating: it turns on vLLM's per-step stats
         # (disable_log_stats keeps vLLM's own console logger off) and keeps this engine's
         # counts, which Prometheus would mix with any other engine in the process.

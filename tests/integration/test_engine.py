@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+import os
 from collections import Counter
 
 import anyio
 import pytest
 
+from policies.cpu_engine import AUTOGROUP, ENGINE_NICE
+from policies.shm import descendants
 from rollout import InvalidPromptError, Prompt, RolloutEngine
 from rollout.config import PromptsConfig
 from rollout.inputs.prompts import synthetic_prompts
@@ -186,3 +189,19 @@ async def test_batches_hand_out_complete_groups(engine):
     tensors = first.to_tensors()
     assert tensors["input_ids"].shape[0] == 16
     assert tensors["loss_mask"].sum().item() == sum(len(t.token_ids) for t in first.trajectories)
+
+
+@pytest.mark.skipif(not os.path.exists(AUTOGROUP), reason="a kernel without autogroups")
+async def test_cpu_engine_processes_run_behind_the_driver(engine):
+    # Autogroups order sessions, nice only within one: an engine whose session is level with the
+    # driver's starves the driver on cores the engines fill (`policies.cpu_engine`).
+    def nice(pid: int) -> int:
+        return int(open(f"/proc/{pid}/autogroup").read().split()[-1])
+
+    driver = nice(os.getpid())
+    for ray_engine in engine.pool.engines:
+        actor = await ray_engine.actor.__ray_call__.remote(lambda self: os.getpid())
+        processes = {actor} | descendants(actor)
+        assert len(processes) >= 3, "an engine's front-end, engine core and worker"
+        assert all(nice(pid) >= ENGINE_NICE and nice(pid) > driver for pid in processes), {pid: nice(pid) for pid in processes}
+    assert nice(os.getpid()) == driver

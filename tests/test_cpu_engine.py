@@ -1,0 +1,52 @@
+"""A CPU engine's processes come after the driver (`policies.cpu_engine`): the kernel's autogroups
+apply nice only within a session, and Ray's workers share the raylet's, so Ray's worker nice alone
+left the driver's session level with every engine together (issue 29: the driver starved)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from policies.cpu_engine import AUTOGROUP, ENGINE_NICE
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_AUTOGROUP = Path(AUTOGROUP).exists()
+
+
+def in_own_session(code: str) -> str:
+    """Run `code` in a Python process leading a session of its own (an autogroup of its own where
+    the kernel has them), so that nothing it lowers is this test's."""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, start_new_session=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+@pytest.mark.skipif(not HAS_AUTOGROUP, reason="a kernel without autogroups")
+def test_behind_driver_lowers_the_autogroup_and_leaves_the_callers_alone():
+    ours = Path(AUTOGROUP).read_text()
+    said = in_own_session(
+        "from policies.cpu_engine import behind_driver; print(behind_driver()); print(open('/proc/self/autogroup').read())"
+    )
+    reported, actual = said.splitlines()
+    assert reported == actual.strip() and actual.endswith(f" nice {ENGINE_NICE}"), said
+    assert Path(AUTOGROUP).read_text() == ours, "the test's own session was lowered"
+
+
+@pytest.mark.skipif(not HAS_AUTOGROUP, reason="a kernel without autogroups")
+def test_behind_driver_never_raises_a_priority():
+    said = in_own_session(
+        "open('/proc/self/autogroup', 'w').write('19')\nfrom policies.cpu_engine import behind_driver; print(behind_driver())"
+    )
+    assert said.endswith(" nice 19"), said
+
+
+def test_without_autogroups_the_process_nice_orders_it():
+    said = in_own_session(
+        "import policies.cpu_engine as c; c.AUTOGROUP = '/nonexistent/autogroup'; print(c.behind_driver()); "
+        "import os; print(os.getpriority(os.PRIO_PROCESS, 0))"
+    )
+    assert said.splitlines() == [f"nice {ENGINE_NICE}", str(ENGINE_NICE)]
