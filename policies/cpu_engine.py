@@ -18,9 +18,20 @@ engine core feeds the GPU, and nothing should come before it.
 from __future__ import annotations
 
 import os
+import socket
 
 ENGINE_NICE = 15  # Ray's own worker niceness (`RAY_worker_niceness`): the driver comes first
 AUTOGROUP = "/proc/self/autogroup"
+DRIVER_SESSION = "ROLLOUT_DRIVER_AUTOGROUP"  # the driver's "host:/autogroup-N", set in each engine's environment
+
+
+def session() -> str:
+    """This process's "host:/autogroup-N" ("" without autogroups): what `behind_driver` compares."""
+    try:
+        with open(AUTOGROUP) as f:
+            return f"{socket.gethostname()}:{f.read().split()[0]}"
+    except (OSError, IndexError):
+        return ""
 
 
 def pin(cores: str) -> None:
@@ -33,7 +44,9 @@ def pin(cores: str) -> None:
 def behind_driver(nice: int = ENGINE_NICE) -> str:
     """Lower this process's autogroup (Ray's session on this machine: the raylet and its workers,
     this engine among them, and the processes vLLM spawns) to autogroup nice `nice`, or where the
-    kernel has no autogroups, this process to nice `nice`. Never raises a priority. Returns the
+    kernel has no autogroups, this process to nice `nice`. Never raises a priority, and leaves an
+    autogroup the driver is in (`DRIVER_SESSION`: a raylet started from the driver's session) as
+    it is: there nice orders them, and the group holds whatever else that session runs. Returns the
     autogroup or nice now, for the log."""
     try:
         with open(AUTOGROUP) as f:
@@ -41,6 +54,8 @@ def behind_driver(nice: int = ENGINE_NICE) -> str:
     except OSError:  # no autogroups: plain nice orders the processes
         os.setpriority(os.PRIO_PROCESS, 0, max(nice, os.getpriority(os.PRIO_PROCESS, 0)))
         return f"nice {os.getpriority(os.PRIO_PROCESS, 0)}"
+    if session() == os.environ.get(DRIVER_SESSION):
+        return f"{now}, the driver's"
     if int(now.rsplit(" ", 1)[1]) < nice:
         with open(AUTOGROUP, "w") as f:
             f.write(str(nice))  # lowering an autogroup needs no privilege

@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from policies.cpu_engine import DRIVER_SESSION, session
 from policies.speculative import speculative_config
 from policies.vllm_adapter.worker import CPU_WORKER
 from rollout.config import Config
@@ -46,6 +47,7 @@ def engine_env(engine_index: int, cpus_per_engine: int, gpus_per_engine: float, 
         first = (engine_index * cpus_per_engine) % ncpu
         cores = ",".join(map(str, sorted({(first + i) % ncpu for i in range(cpus_per_engine)})))
         env["VLLM_CPU_OMP_THREADS_BIND"] = env["ROLLOUT_ENGINE_CORES"] = cores
+        env[DRIVER_SESSION] = session()  # `policies.cpu_engine.behind_driver` leaves the driver's own alone
         # vllm-cpu 0.32 saves torch.compile AOT artifacts it cannot load back (the loaded function
         # has no `finalize_loading`): every start failed the load and compiled again on the AOT
         # path. Without it, a start takes 17-18 s instead of 22 s here. The caller's setting wins.

@@ -50,3 +50,23 @@ def test_without_autogroups_the_process_nice_orders_it():
         "import os; print(os.getpriority(os.PRIO_PROCESS, 0))"
     )
     assert said.splitlines() == [f"nice {ENGINE_NICE}", str(ENGINE_NICE)]
+
+
+@pytest.mark.skipif(not HAS_AUTOGROUP, reason="a kernel without autogroups")
+def test_an_autogroup_the_driver_is_in_is_left_alone():
+    # A raylet started from the driver's own session: lowering that group would lower the driver
+    # (and the user's shell) with the engines; Ray's worker nice already orders them inside it.
+    said = in_own_session(
+        "import os; from policies import cpu_engine as c; os.environ[c.DRIVER_SESSION] = c.session(); "
+        "print(c.behind_driver()); print(open('/proc/self/autogroup').read())"
+    )
+    reported, actual = said.splitlines()
+    assert actual.endswith(" nice 0") and reported.endswith("the driver's"), said
+
+
+def test_each_cpu_engine_is_told_the_drivers_session():
+    from policies.cpu_engine import DRIVER_SESSION, session
+    from policies.vllm_args import engine_env
+
+    assert engine_env(0, 1, 0)[DRIVER_SESSION] == session()
+    assert DRIVER_SESSION not in engine_env(0, 1, 1)  # a GPU engine is left as it is
