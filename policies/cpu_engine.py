@@ -29,9 +29,14 @@ def session() -> str:
     """This process's "host:/autogroup-N" ("" without autogroups): what `behind_driver` compares."""
     try:
         with open(AUTOGROUP) as f:
-            return f"{socket.gethostname()}:{f.read().split()[0]}"
+            return _session(f.read())
     except (OSError, IndexError):
         return ""
+
+
+def _session(autogroup: str) -> str:
+    """"host:/autogroup-N" of a /proc/PID/autogroup text ("/autogroup-N nice K")."""
+    return f"{socket.gethostname()}:{autogroup.split()[0]}"
 
 
 def pin(cores: str) -> None:
@@ -54,7 +59,7 @@ def behind_driver(nice: int = ENGINE_NICE) -> str:
     except OSError:  # no autogroups: plain nice orders the processes
         os.setpriority(os.PRIO_PROCESS, 0, max(nice, os.getpriority(os.PRIO_PROCESS, 0)))
         return f"nice {os.getpriority(os.PRIO_PROCESS, 0)}"
-    if session() == os.environ.get(DRIVER_SESSION):
+    if _session(now) == os.environ.get(DRIVER_SESSION):
         return f"{now}, the driver's"
     if int(now.rsplit(" ", 1)[1]) < nice:
         with open(AUTOGROUP, "w") as f:

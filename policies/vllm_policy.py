@@ -93,7 +93,8 @@ class VLLMPolicy(GroupCalls, WeightLoading):
         args = engine_args(self.cfg, self.model_path)
         if cores := os.environ.get("ROLLOUT_ENGINE_CORES"):  # a CPU engine (`policies.cpu_engine`)
             pin(cores)
-            log.debug("engine processes behind the driver", engine=self.engine_id, autogroup=behind_driver())
+            autogroup = behind_driver()
+            log.debug("engine processes behind the driver", engine=self.engine_id, autogroup=autogroup)
         # A stat logger of our own, only when speculating: it turns on vLLM's per-step stats
         # (disable_log_stats keeps vLLM's own console logger off) and keeps this engine's
         # counts, which Prometheus would mix with any other engine in the process.
