@@ -26,17 +26,24 @@ DRIVER_SESSION = "ROLLOUT_DRIVER_AUTOGROUP"  # the driver's "host:/autogroup-N",
 
 
 def session() -> str:
-    """This process's "host:/autogroup-N" ("" without autogroups): what `behind_driver` compares."""
+    """This process's "host:/autogroup-N" ("" outside an autogroup): what `behind_driver` compares."""
+    return _session(_autogroup())
+
+
+def _autogroup() -> str:
+    """This process's /proc/self/autogroup: "/autogroup-N nice K", or "" where the kernel has no
+    autogroups, or for a process in the root autogroup (one that never started a session, such as
+    a container's init and everything below it: the kernel prints nothing for it)."""
     try:
         with open(AUTOGROUP) as f:
-            return _session(f.read())
-    except (OSError, IndexError):
+            return f.read().strip()
+    except OSError:
         return ""
 
 
 def _session(autogroup: str) -> str:
-    """"host:/autogroup-N" of a /proc/PID/autogroup text ("/autogroup-N nice K")."""
-    return f"{socket.gethostname()}:{autogroup.split()[0]}"
+    """"host:/autogroup-N" of a /proc/PID/autogroup text ("" for "")."""
+    return f"{socket.gethostname()}:{autogroup.split()[0]}" if autogroup else ""
 
 
 def pin(cores: str) -> None:
@@ -48,15 +55,14 @@ def pin(cores: str) -> None:
 
 def behind_driver(nice: int = ENGINE_NICE) -> str:
     """Lower this process's autogroup (Ray's session on this machine: the raylet and its workers,
-    this engine among them, and the processes vLLM spawns) to autogroup nice `nice`, or where the
-    kernel has no autogroups, this process to nice `nice`. Never raises a priority, and leaves an
-    autogroup the driver is in (`DRIVER_SESSION`: a raylet started from the driver's session) as
-    it is: there nice orders them, and the group holds whatever else that session runs. Returns the
-    autogroup or nice now, for the log."""
-    try:
-        with open(AUTOGROUP) as f:
-            now = f.read().strip()  # "/autogroup-2521 nice 0"
-    except OSError:  # no autogroups: plain nice orders the processes
+    this engine among them, and the processes vLLM spawns) to autogroup nice `nice`; where the
+    kernel has no autogroups, or this process is in the root one, this process (and what it spawns
+    next) to nice `nice`. Never raises a priority, and leaves an autogroup the driver is in
+    (`DRIVER_SESSION`: a raylet started from the driver's session) as it is: there nice orders
+    them, and the group holds whatever else that session runs. Returns the autogroup or nice now,
+    for the log."""
+    now = _autogroup()  # "/autogroup-2521 nice 0"
+    if not now:  # no autogroups, or the root one (not ours to lower): plain nice orders the processes
         os.setpriority(os.PRIO_PROCESS, 0, max(nice, os.getpriority(os.PRIO_PROCESS, 0)))
         return f"nice {os.getpriority(os.PRIO_PROCESS, 0)}"
     if _session(now) == os.environ.get(DRIVER_SESSION):
@@ -64,6 +70,5 @@ def behind_driver(nice: int = ENGINE_NICE) -> str:
     if int(now.rsplit(" ", 1)[1]) < nice:
         with open(AUTOGROUP, "w") as f:
             f.write(str(nice))  # lowering an autogroup needs no privilege
-        with open(AUTOGROUP) as f:
-            now = f.read().strip()
+        now = _autogroup()
     return now

@@ -52,6 +52,18 @@ def test_without_autogroups_the_process_nice_orders_it():
     assert said.splitlines() == [f"nice {ENGINE_NICE}", str(ENGINE_NICE)]
 
 
+def test_in_the_root_autogroup_the_process_nice_orders_it(tmp_path):
+    # A process that never started a session (a container's init and all below it) is in the root
+    # autogroup, whose /proc/PID/autogroup reads empty: nice orders it there, as without autogroups.
+    (root := tmp_path / "autogroup").write_text("")
+    said = in_own_session(
+        f"import policies.cpu_engine as c; c.AUTOGROUP = {str(root)!r}; print(c.behind_driver()); print(c.session()); "
+        "import os; print(os.getpriority(os.PRIO_PROCESS, 0))"
+    )
+    assert said.splitlines() == [f"nice {ENGINE_NICE}", "", str(ENGINE_NICE)], said
+    assert root.read_text() == ""
+
+
 @pytest.mark.skipif(not HAS_AUTOGROUP, reason="a kernel without autogroups")
 def test_an_autogroup_the_driver_is_in_is_left_alone():
     # A raylet started from the driver's own session: lowering that group would lower the driver
