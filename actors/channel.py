@@ -12,23 +12,22 @@ Ray keeps what is not per group: start, progress reports, weight updates, stats,
 An identity is 128 random bits handed to the engine through Ray: whoever else reaches the
 port (on a cluster it is the driver node's address) has every frame dropped and counted.
 
-Owns: the socket (bound on first use, in the running loop), its one reader task, and the handle
+Owns: the socket (bound on first use, in the running loop, read by a loop callback), and the handle
 each identity's frames go to. Does not own: what the frames mean (`actors.handle.RayEngine`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 from collections.abc import Callable
 
 import zmq
-import zmq.asyncio
 
-from policies.group_calls import socket
+from policies.group_calls import FrameSocket
 from rollout.log import get_logger
 
 log = get_logger(__name__)
+BACKLOG = 4096  # pending connections the socket holds (the kernel caps it at net.core.somaxconn)
 
 
 class Channel:
@@ -37,20 +36,22 @@ class Channel:
     def __init__(self, host: str = "127.0.0.1"):
         self.host = host
         self.address = ""
-        self._sock: zmq.asyncio.Socket | None = None
-        self._reader: asyncio.Task | None = None
+        self._sock: FrameSocket | None = None
         self._peers: dict[bytes, Callable[[bytes, bytes], None]] = {}  # identity -> its handle's on_frame
         self.dropped = 0  # frames from no registered identity (a closed handle's engine, or a stranger)
 
     def open(self) -> str:
-        """The address engines connect to; binds the socket on first use."""
+        """The address engines connect to; binds the socket on first use (in the running loop)."""
         if self._sock is None:
-            sock = socket(zmq.ROUTER)
-            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a frame to an engine not connected raises, not vanishes
-            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a handle's next `serve` call takes its identity over
-            port = sock.bind_to_random_port(f"tcp://{self.host}")
+            sock = FrameSocket(zmq.ROUTER)
+            sock.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a frame to an engine not connected raises, not vanishes
+            sock.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a handle's next `serve` call takes its identity over
+            # Every engine connects at once when a cluster starts: with zmq's listen backlog (100) the
+            # connections past it wait for TCP's SYN retries (1, 3, 7, 15, 31 s; 1000 at once here: 31 s).
+            sock.sock.setsockopt(zmq.BACKLOG, BACKLOG)
+            port = sock.sock.bind_to_random_port(f"tcp://{self.host}")
+            sock.start(self._frames)
             self._sock, self.address = sock, f"tcp://{self.host}:{port}"
-            self._reader = asyncio.ensure_future(self._read())
         return self.address
 
     def register(self, engine_id: int, on_frame: Callable[[bytes, bytes], None]) -> bytes:
@@ -65,26 +66,19 @@ class Channel:
     def send(self, identity: bytes, kind: bytes, payload: bytes) -> None:
         """Send a frame now. Raises zmq.ZMQError when the engine is not connected (EHOSTUNREACH)."""
         assert self._sock is not None, "the channel is not open"
-        sent = self._sock.send_multipart([identity, kind, payload], copy=False)
-        if sent.done() and (error := sent.exception()) is not None:  # no high-water mark: a send never waits
-            raise error
+        self._sock.send_multipart([identity, kind, payload])
 
-    async def _read(self) -> None:
-        assert self._sock is not None
-        while True:
-            frames = await self._sock.recv_multipart()
-            if len(frames) != 3 or (on_frame := self._peers.get(frames[0])) is None:  # a closed handle's engine: nobody waits
-                self.dropped += 1
-                continue
-            try:
-                on_frame(frames[1], frames[2])
-            except Exception as e:  # a bug in one handle must not stop every engine's frames
-                log.error("engine frame dropped", identity=frames[0].decode(errors="replace"), error=f"{type(e).__name__}: {e}")
+    def _frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 3 or (on_frame := self._peers.get(frames[0])) is None:  # a closed handle's engine: nobody waits
+            self.dropped += 1
+            return
+        try:
+            on_frame(frames[1], frames[2])
+        except Exception as e:  # a bug in one handle must not stop every engine's frames
+            log.error("engine frame dropped", identity=frames[0].decode(errors="replace"), error=f"{type(e).__name__}: {e}")
 
     def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
         if self._sock is not None:
-            self._sock.close(linger=0)
-        self._sock = self._reader = None
+            self._sock.close()
+        self._sock = None
         self._peers.clear()

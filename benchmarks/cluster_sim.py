@@ -222,9 +222,12 @@ async def _drive(o: Options, engine: RolloutEngine, pool: SimPool, prompts: list
         measuring = True
         if profiler:
             profiler.enable()
-        await asyncio.sleep(o.duration / 2)
-        inflight = sum(load.requests for load in engine._scheduler.runner.loads)
-        await asyncio.sleep(o.duration / 2)
+        rss_timeline = []  # the driver's RSS at each tenth of the window, MiB: bounded, or growing?
+        for k in range(10):
+            await asyncio.sleep(o.duration / 10)
+            rss_timeline.append(rss_bytes() / 2**20)
+            if k == 4:
+                inflight = sum(load.requests for load in engine._scheduler.runner.loads)
         measuring = False
         collections.stop()
         if profiler:
@@ -237,6 +240,8 @@ async def _drive(o: Options, engine: RolloutEngine, pool: SimPool, prompts: list
         feeding.clear()
         result.update(_figures(o, len(pool.engines), window, cpu, wall, before, after, inflight, rss - rss0))
         result.update(collections.figures(wall))
+        result["rss_timeline_mib"] = rss_timeline
+        result["rss_growth_mib"] = sum(rss_timeline[-3:]) / 3 - sum(rss_timeline[:3]) / 3  # the window's last tenths less its first
         if profiler:
             result["profile"] = _top(profiler)
     await asyncio.wait_for(tasks[0], timeout=o.max_tokens / (o.spec.tokens_per_s / o.spec.capacity) + 60)  # the drain
@@ -359,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"  N={r['engines']}: Ray calls per group: " + ", ".join(f"{k} {v:.2f}" for k, v in r.get("ray_calls_per_group", {}).items()))
         print(f"  N={r['engines']}: driver threads, cores: " + ", ".join(f"{k} {v:.2f}" for k, v in r.get("threads_cpu", {}).items()))
+        if "rss_timeline_mib" in r:
+            print(f"  N={r['engines']}: driver RSS over the window, MiB: " + " ".join(f"{v:.0f}" for v in r["rss_timeline_mib"])
+                  + f" (last tenths less first: {r['rss_growth_mib']:+.1f})")
         if "gc_collections" in r:
             print(f"  N={r['engines']}: garbage collections (gen 0/1/2): {'/'.join(map(str, r['gc_collections']))}, "
                   f"{r['gc_share']:.1%} of the wall time, longest full {r['gc_full_max_ms']:.0f} ms")

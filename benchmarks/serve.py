@@ -42,8 +42,9 @@ from rollout.process import freeze_heap  # noqa: E402
 from rollout.types import Prompt  # noqa: E402
 
 
-async def run(cfg: Any, requests: int, max_tokens: int, rounds: int, client: str = "aiohttp") -> dict[str, Any]:
-    async with RolloutEngine(cfg) as engine:
+async def run(cfg: Any, requests: int, max_tokens: int, rounds: int, client: str = "aiohttp", sim: int = 0) -> dict[str, Any]:
+    pool = _sim_pool(cfg, sim, max_tokens) if sim else None
+    async with RolloutEngine(cfg, pool=pool) as engine:
         server = await engine.serve(port=0)
         freeze_heap()
         sampling = {"max_tokens": max_tokens, "min_tokens": max_tokens}
@@ -96,11 +97,13 @@ async def run(cfg: Any, requests: int, max_tokens: int, rounds: int, client: str
                         await e.reset_prefix_cache()
                     if name == "paced":
                         row["http_arrival_spread_s"] = arrivals[-1] - arrivals[0]
-                    cpu, engines_cpu, start = time.process_time(), _engines_cpu(), time.perf_counter()
+                    cpu, engines_cpu, start = time.process_time(), await _engines_cpu(pool), time.perf_counter()
                     tokens = await sides[name]()
-                    row[name] = tokens / (time.perf_counter() - start)
+                    wall = time.perf_counter() - start
+                    row[name] = tokens / wall
+                    row[f"{name}_requests_s"] = requests / wall
                     row[f"{name}_server_cpu_s"] = time.process_time() - cpu
-                    row[f"{name}_engines_cpu_s"] = _engines_cpu() - engines_cpu
+                    row[f"{name}_engines_cpu_s"] = await _engines_cpu(pool) - engines_cpu
                 row["ratio"] = row["http"] / row["in_process"]
                 row["ratio_paced"] = row["http"] / row["paced"]
                 row["http_client_cpu_s"] = client_cpu[-1]
@@ -108,14 +111,40 @@ async def run(cfg: Any, requests: int, max_tokens: int, rounds: int, client: str
                 print(f"round {r + 1}: http {row['http']:.1f} tokens/s, in-process {row['in_process']:.1f} (ratio {row['ratio']:.3f}), "
                       f"in-process paced as HTTP arrived over {row['http_arrival_spread_s']:.2f} s {row['paced']:.1f} "
                       f"(ratio {row['ratio_paced']:.3f}); CPU s: server process {row['http_server_cpu_s']:.2f} "
-                      f"(in-process {row['in_process_server_cpu_s']:.2f}), client process {row['http_client_cpu_s']:.2f}", flush=True)  # fmt: skip
-    return {"requests": requests, "max_tokens": max_tokens, "client": client, "model": cfg.model.path, "rounds": table,
+                      f"(in-process {row['in_process_server_cpu_s']:.2f}), client process {row['http_client_cpu_s']:.2f}; "
+                      f"HTTP requests/s {row['http_requests_s']:.0f}, server CPU per request "
+                      f"{1e6 * row['http_server_cpu_s'] / requests:.0f} us (in-process {1e6 * row['in_process_server_cpu_s'] / requests:.0f})",
+                      flush=True)  # fmt: skip
+    us = {side: statistics.median(1e6 * r[f"{side}_server_cpu_s"] / requests for r in table) for side in ("http", "in_process")}
+    return {"requests": requests, "max_tokens": max_tokens, "client": client, "model": cfg.model.path, "sim_engines": sim, "rounds": table,
             "ratio": statistics.median(r["ratio"] for r in table),
-            "ratio_paced": statistics.median(r["ratio_paced"] for r in table)}  # fmt: skip
+            "ratio_paced": statistics.median(r["ratio_paced"] for r in table),
+            "http_requests_s": statistics.median(r["http_requests_s"] for r in table),
+            "server_us_per_request": us["http"], "in_process_us_per_request": us["in_process"]}  # fmt: skip
 
 
-def _engines_cpu() -> float:
-    """CPU seconds so far of the engines' processes on this machine (Ray actors, vLLM engine cores and workers)."""
+def _sim_pool(cfg: Any, engines: int, max_tokens: int) -> Any:
+    """`engines` simulated GPU engines (`benchmarks.sim_pool`: 4 Ray actors, each answering every
+    request with exactly `max_tokens` tokens at 20k tokens/s per engine, 256 at once) in place of
+    vLLM: what is then measured is the front end's own cost per request, the driver's included."""
+    import json
+
+    from actors.cluster import connect
+    from benchmarks.sim_engine import SimSpec
+    from benchmarks.sim_pool import SimPool
+    from policies.tiny import resolve_model_path
+
+    connect(cfg)
+    vocab = json.loads((resolve_model_path(cfg.model.path, cfg.model.seed) / "config.json").read_text())["vocab_size"]
+    spec = SimSpec(tokens_per_s=20_000.0, ttft_s=0.02, capacity=256, length=f"fixed:{max_tokens}", preempt=0.0, vocab=vocab)
+    return SimPool.start(spec, engines, hosts=min(4, engines))
+
+
+async def _engines_cpu(pool: Any = None) -> float:
+    """CPU seconds so far of the engines' processes on this machine (Ray actors, vLLM engine cores
+    and workers; the simulator's hosts with `pool`)."""
+    if pool is not None:
+        return (await pool.counts())["cpu_s"]
     import psutil
 
     total = 0.0
@@ -206,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the client process's HTTP client: aiohttp (as vLLM's serving benchmark) or the OpenAI SDK")  # fmt: skip
     ap.add_argument("--size", choices=list(SIZES), help="serve a random bf16 Llama of this size (built once, cached) instead of the config's model")
     ap.add_argument("--cache", default=str(cache_root()), help="where --size models are built")
+    ap.add_argument("--sim", type=int, default=0, metavar="N",
+                    help="N simulated GPU engines (benchmarks/sim_pool.py) instead of vLLM: the front end's own requests/s and CPU per request")  # fmt: skip
     ap.add_argument("--report", default="serve_report.json")
     ap.add_argument("--client-of", help=argparse.SUPPRESS)  # internal: run as the client process of this URL
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -215,9 +246,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     model = [f"model.path={build_model(args.size, Path(args.cache))}", "model.dtype=bfloat16"] if args.size else []
     cfg = load_config(args.config, ["logging.level=warning", *model, *args.override])
-    report = asyncio.run(run(cfg, args.requests, args.max_tokens, args.rounds, args.client))
+    if args.sim < 0:
+        ap.error(f"--sim: expected a number of engines >= 0, got {args.sim}")
+    report = asyncio.run(run(cfg, args.requests, args.max_tokens, args.rounds, args.client, args.sim))
     print(f"HTTP / in-process generated tokens/s, median of {args.rounds} rounds: {report['ratio']:.3f} "
           f"(against in-process paced as the HTTP requests arrived: {report['ratio_paced']:.3f})")  # fmt: skip
+    print(f"HTTP requests/s {report['http_requests_s']:.0f}; the server's CPU per request {report['server_us_per_request']:.0f} us "
+          f"(in-process {report['in_process_us_per_request']:.0f} us): one front-end core serves "
+          f"{1e6 / report['server_us_per_request']:.0f} requests/s")  # fmt: skip
     Path(args.report).write_text(msgspec.json.encode(report).decode())
     print(f"report: {args.report}")
     return 0

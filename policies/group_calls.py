@@ -15,12 +15,11 @@ runs `finish_group` and sends its samples together), what a report holds (`progr
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from rollout.errors import EngineDeadError
 from rollout.packed import encode
@@ -30,16 +29,70 @@ HELLO, SUBMIT, CANCEL, RESULTS = b"h", b"s", b"c", b"r"  # a frame's kind, its f
 PROGRESS, FAILED = b"p", b"f"  # a progress report asked for and answered; or why it cannot be
 
 
-def socket(kind: int, identity: bytes | None = None) -> zmq.asyncio.Socket:
-    """A zmq socket of the data path: no high-water mark (a frame is never dropped or held back
-    for one), no linger (a closed engine's frames matter to no one)."""
-    sock = zmq.asyncio.Context.instance().socket(kind)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
-    sock.setsockopt(zmq.LINGER, 0)
-    if identity is not None:
-        sock.setsockopt(zmq.IDENTITY, identity)
-    return sock
+class FrameSocket:
+    """A zmq socket of the data path, run from this thread's event loop without zmq.asyncio.
+
+    zmq.asyncio makes a future and a loop callback or two for every send and every receive: at 256
+    simulated engines that machinery was ~9% of the driver's event loop (README, "Past one driver"),
+    and the results frames' sends ~8-10% of an engine actor's front-end. Here a send goes out at
+    once (no high-water mark: a frame is never dropped or held back for one, so it never waits),
+    and the frames that arrive go to `on_frames`, in order, from a reader callback on zmq's
+    notification fd. That fd is edge-triggered (it says "something changed", and a send may take
+    in arrived frames without it saying so), so the reader reads until zmq has nothing (EAGAIN),
+    and every send has the reader look again on the loop's next turn. No linger: a closed
+    engine's frames matter to no one.
+    """
+
+    BURST = 256  # frames read per callback before the loop's other work gets a turn
+
+    def __init__(self, kind: int, identity: bytes | None = None):
+        sock = zmq.Context.instance().socket(kind)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        if identity is not None:
+            sock.setsockopt(zmq.IDENTITY, identity)
+        self.sock = sock  # bind, connect and options before `start`
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._on_frames: Callable[[list[bytes]], None] | None = None
+        self._looking = False  # a look at the socket is on the loop already
+
+    def start(self, on_frames: Callable[[list[bytes]], None]) -> None:
+        """Hand every frame that arrives from now on to `on_frames(frames)`, on this event loop."""
+        self._loop, self._on_frames = asyncio.get_running_loop(), on_frames
+        self._loop.add_reader(self.sock.getsockopt(zmq.FD), self._read)
+        self._look()
+
+    def send_multipart(self, frames: list[bytes]) -> None:
+        """Send now. Raises zmq.ZMQError where zmq refuses (a ROUTER's peer not connected: EHOSTUNREACH)."""
+        self.sock.send_multipart(frames, zmq.NOBLOCK)
+        if self._on_frames is not None:
+            self._look()
+
+    def _look(self) -> None:
+        if not self._looking and self._loop is not None:
+            self._looking = True
+            self._loop.call_soon(self._read)
+
+    def _read(self) -> None:
+        self._looking = False
+        if self.sock.closed or self._on_frames is None:
+            return
+        for _ in range(self.BURST):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._on_frames(frames)
+            if self.sock.closed:  # `on_frames` closed it
+                return
+        self._look()  # more may be waiting: read on after the loop's other work
+
+    def close(self) -> None:
+        if not self.sock.closed:
+            if self._on_frames is not None and self._loop is not None and not self._loop.is_closed():
+                self._loop.remove_reader(self.sock.getsockopt(zmq.FD))
+            self.sock.close(linger=0)
 
 
 class GroupCalls:
@@ -48,7 +101,7 @@ class GroupCalls:
     def __init__(self) -> None:
         self._groups: dict[str, asyncio.Task] = {}  # key -> the task running that submitted group
         self._results: list[GroupResult] = []  # finished samples not sent yet
-        self._sock: zmq.asyncio.Socket | None = None  # the driver's data path, while `serve` runs
+        self._sock: FrameSocket | None = None  # the driver's data path, while `serve` runs
 
     async def finish_group(self, requests: list[Request]) -> list[Trajectory]:
         raise NotImplementedError
@@ -61,29 +114,38 @@ class GroupCalls:
     async def serve(self, address: str, identity: bytes) -> None:
         """The driver's data path to this engine (`actors.channel`), until the driver ends this call:
         connect to `address` as `identity`, say hello, then run its submit and cancel frames."""
-        sock = socket(zmq.DEALER, identity)
-        sock.connect(address)
-        self._sock = sock
-        sock.send_multipart([HELLO, b""])
-        self._flush()  # what finished while no driver listened
-        try:
-            while True:
-                kind, payload = await sock.recv_multipart()
+        sock = FrameSocket(zmq.DEALER, identity)
+        sock.sock.connect(address)
+        failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def on_frames(frames: list[bytes]) -> None:
+            try:
+                kind, payload = frames
                 if kind == SUBMIT:
                     self.submit(payload)
                 elif kind == CANCEL:
                     self.cancel(msgspec.msgpack.decode(payload, type=list[str]))
                 elif kind == PROGRESS:
                     self.report(sock)
+            except Exception as e:  # a frame this end cannot take: the call ends, and the driver sees why
+                if not failed.done():
+                    failed.set_exception(e)
+
+        self._sock = sock
+        try:
+            sock.start(on_frames)
+            sock.send_multipart([HELLO, b""])
+            self._flush()  # what finished while no driver listened
+            await failed  # until the driver ends this call, or a frame fails it
         finally:
             if self._sock is sock:
                 self._sock = None
-            sock.close(linger=0)
+            sock.close()
 
     def progress(self) -> bytes:
         raise NotImplementedError
 
-    def report(self, sock: zmq.asyncio.Socket) -> None:
+    def report(self, sock: FrameSocket) -> None:
         """Answer the driver's health watch on the data path (a Ray call per report cost the driver
         as much as a group): this engine's progress report, or why there is none."""
         try:

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import resource
+import threading
 
 import zmq
 
 from actors.channel import Channel
-from policies.group_calls import RESULTS, socket
+from policies.group_calls import RESULTS, FrameSocket
 
 
 async def test_frames_reach_the_handle_of_the_identity_that_sent_them():
@@ -17,10 +18,10 @@ async def test_frames_reach_the_handle_of_the_identity_that_sent_them():
     got: list[tuple[bytes, bytes]] = []
     arrived = asyncio.Event()
     identity = channel.register(0, lambda kind, payload: (got.append((kind, payload)), arrived.set()))
-    engine = socket(zmq.DEALER, identity)
-    engine.connect(channel.open())
+    engine = FrameSocket(zmq.DEALER, identity)
+    engine.sock.connect(channel.open())
     try:
-        await engine.send_multipart([RESULTS, b"x"])
+        engine.send_multipart([RESULTS, b"x"])
         await asyncio.wait_for(arrived.wait(), timeout=30)
         assert got == [(RESULTS, b"x")]
     finally:
@@ -42,13 +43,13 @@ async def test_a_stranger_cannot_speak_for_an_engine_by_guessing_its_identity():
     strangers = []
     try:
         for k in range(1000):
-            s = socket(zmq.DEALER, f"0.{k}".encode())
-            s.connect(address)
+            s = FrameSocket(zmq.DEALER, f"0.{k}".encode())
+            s.sock.connect(address)
             strangers.append(s)
-            await s.send_multipart([RESULTS, b"forged"])
-        engine = socket(zmq.DEALER, identity)
-        engine.connect(address)
-        await engine.send_multipart([RESULTS, b"real"])
+            s.send_multipart([RESULTS, b"forged"])
+        engine = FrameSocket(zmq.DEALER, identity)
+        engine.sock.connect(address)
+        engine.send_multipart([RESULTS, b"real"])
         strangers.append(engine)
         await asyncio.wait_for(arrived.wait(), timeout=60)
 
@@ -62,3 +63,68 @@ async def test_a_stranger_cannot_speak_for_an_engine_by_guessing_its_identity():
         for s in strangers:
             s.close()
         channel.close()
+
+
+
+async def test_a_burst_larger_than_one_read_arrives_whole():
+    """A read callback takes at most `FrameSocket.BURST` frames, then gives the loop a turn; zmq's
+    fd (edge-triggered) will not say again that the rest is there, so the reader must look again."""
+    count = 5 * FrameSocket.BURST
+    receiver, sender = FrameSocket(zmq.PULL), FrameSocket(zmq.PUSH)
+    port = receiver.sock.bind_to_random_port("tcp://127.0.0.1")
+    sender.sock.connect(f"tcp://127.0.0.1:{port}")
+    got: list[bytes] = []
+    done = asyncio.Event()
+
+    def take(frames: list[bytes]) -> None:
+        got.append(frames[0])
+        if len(got) == count:
+            done.set()
+
+    receiver.start(take)
+    try:
+        for i in range(count):  # all at once, before the receiver reads any
+            sender.send_multipart([str(i).encode()])
+        await asyncio.wait_for(done.wait(), timeout=60)
+        assert got == [str(i).encode() for i in range(count)]
+    finally:
+        sender.close()
+        receiver.close()
+
+
+async def test_frames_that_arrive_while_this_end_sends_are_read():
+    """zmq's fd is edge-triggered, and a send takes in frames that arrived meanwhile without the fd
+    saying so: an end that reads only when the fd fires stalls with answers waiting. The echo end
+    here is a thread answering each frame at once, so answers arrive while this end sends."""
+    count = 3000
+    here = FrameSocket(zmq.DEALER, b"d")
+    echo = zmq.Context.instance().socket(zmq.ROUTER)
+    port = echo.bind_to_random_port("tcp://127.0.0.1")
+    here.sock.connect(f"tcp://127.0.0.1:{port}")
+
+    def echoing() -> None:
+        for _ in range(count):
+            echo.send_multipart(echo.recv_multipart())
+
+    thread = threading.Thread(target=echoing, daemon=True)
+    thread.start()
+    echoed: list[bytes] = []
+    done = asyncio.Event()
+
+    def got(frames: list[bytes]) -> None:
+        echoed.append(frames[0])
+        if len(echoed) == count:
+            done.set()
+
+    here.start(got)
+    try:
+        for i in range(count):
+            here.send_multipart([str(i).encode()])
+            if i % 50 == 0:
+                await asyncio.sleep(0.001)
+        await asyncio.wait_for(done.wait(), timeout=60)
+        assert echoed == [str(i).encode() for i in range(count)]
+    finally:
+        thread.join(timeout=10)
+        here.close()
+        echo.close(linger=0)

@@ -59,6 +59,9 @@ def cores(cfg, i: int) -> set[str]:
     return set(engine_env(i, e.cpus_per_engine, e.gpus_per_engine).get("ROLLOUT_ENGINE_CORES", "").split(",")) - {""}
 
 
+KILLS = 2  # one of each kind: the actor, then its engine core (a third, another actor, was ~50 s more of the suite)
+
+
 async def test_engines_die_mid_rollout_and_nothing_is_lost():
     cfg = integration_config(
         "engines.count=3", "engines.max_inflight_per_engine=32", "engines.health_interval_s=0.5",
@@ -71,7 +74,7 @@ async def test_engines_die_mid_rollout_and_nothing_is_lost():
     async with RolloutEngine(cfg) as engine:
 
         async def source():  # the engines restart in ~30 s: keep feeding until the chaos is done
-            while len(prompts) < 300 or (len(prompts) < 3000 and (len(kills) < 3 or sum(engine._updates._restarts.values()) < 3)):
+            while len(prompts) < 300 or (len(prompts) < 3000 and (len(kills) < KILLS or sum(engine._updates._restarts.values()) < KILLS)):
                 prompts.append(Prompt(
                     token_ids=[rng.randrange(4, 260) for _ in range(rng.randrange(8, 64))], id=f"q{len(prompts)}",
                     sampling=dict(SAMPLING),
@@ -97,7 +100,7 @@ async def test_engines_die_mid_rollout_and_nothing_is_lost():
                     await engine.update_weights(weights[k])
                 except Exception:  # an engine dying mid-update is fine; the epoch still moved
                     pass
-                if len(kills) == 3:  # a 4th kill is a restart more for the exit to wait for
+                if len(kills) == KILLS:  # one more is a restart more for the exit to wait for
                     continue
                 runner = engine._scheduler.runner
                 # Mid-rollout: a victim whose progress report, taken just now, holds samples with tokens
@@ -125,8 +128,8 @@ async def test_engines_die_mid_rollout_and_nothing_is_lost():
             chaos_task.cancel()
         restarts = dict(engine._updates._restarts)
 
-    assert len(kills) >= 3, kills
-    assert sum(restarts.values()) >= 3, restarts
+    assert len(kills) >= KILLS, kills
+    assert sum(restarts.values()) >= KILLS, restarts
     # vLLM's ring buffers (160 MiB each) and semaphores of killed engines are removed.
     assert not leaked_shm(before_shm), "killed engines left shared memory behind"
     ids = [g.prompt_id for g in groups]
