@@ -12,6 +12,7 @@ reserved (the order prompts were fed), holding back a finished group until the o
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -35,7 +36,7 @@ class TrajectoryQueue:
         self._reserved = 0  # slots taken by groups still running
         self._producers = 0  # sources still being read
         self._error: BaseException | None = None
-        self._changed = anyio.Event()
+        self._changed = asyncio.Event()
         self._getters = 0  # `get` calls waiting: only they need `_changed` set
 
     def __len__(self) -> int:
@@ -114,7 +115,7 @@ class TrajectoryQueue:
     def _notify(self) -> None:
         if self._getters:  # a new event per finished group with nobody waiting cost the driver ~2 us
             self._changed.set()
-            self._changed = anyio.Event()
+            self._changed = asyncio.Event()
 
 
 class Submission:

@@ -28,6 +28,7 @@ Does not own: engines (`runner`), hand-out order and capacity (`queue`).
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import time
 import traceback
@@ -72,19 +73,19 @@ class Lobby:
         self._waiting: list[list[Any]] = []  # heap of [-budget, arrival, event]
         self._arrivals = 0
         self._head: tuple[list[Any], anyio.CancelScope] | None = None  # the one in `Runner.acquire`
-        self._shrunk = anyio.Event()  # set when a group leaves the waiting ones
+        self._shrunk = asyncio.Event()  # set when a group leaves the waiting ones
 
     async def acquire(self, n: int, cost: int, budget: int) -> int:
         """`Runner.acquire(n, cost)` once no group with a larger budget (or as large, earlier) waits."""
         self._arrivals += 1
-        entry = [-budget, self._arrivals, anyio.Event()]
+        entry = [-budget, self._arrivals, asyncio.Event()]
         heapq.heappush(self._waiting, entry)
         if self._head is not None and entry < self._head[0]:
             self._head[1].cancel()  # overtaken: it waits again, this one goes first
         try:
             while True:
                 while self._head is not None or self._waiting[0] is not entry:
-                    entry[2] = anyio.Event()
+                    entry[2] = asyncio.Event()
                     await entry[2].wait()
                 heapq.heappop(self._waiting)
                 self._shrunk.set()
@@ -109,7 +110,7 @@ class Lobby:
         learner queue slots, is read no further ahead than that)."""
         while len(self._waiting) >= limit:
             if self._shrunk.is_set():
-                self._shrunk = anyio.Event()
+                self._shrunk = asyncio.Event()
             await self._shrunk.wait()
 
     def __len__(self) -> int:
@@ -148,7 +149,7 @@ class Scheduler:
         self._stopped = False  # every engine is dead: no prompt is read any more
         self.admission = Admission(cfg.staleness)
         self._sources: deque[AsyncIterator] = deque()
-        self._new_source = anyio.Event()
+        self._new_source = asyncio.Event()
         self._submissions: set[Submission] = set()
         self._tg: TaskGroup | None = None
         self._numbers = 0  # groups started, for request ids
@@ -189,7 +190,7 @@ class Scheduler:
         """Read the learner's sources forever, one after another, starting groups in `tg`."""
         while True:
             if not self._sources:
-                self._new_source = anyio.Event()
+                self._new_source = asyncio.Event()
                 await self._new_source.wait()
                 continue
             items = self._sources[0].__aiter__()
