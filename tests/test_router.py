@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import random
+
 import pytest
 
-from rollout.scheduling.router import EngineLoad, route
+from rollout.config import load_config
+from rollout.scheduling.router import EngineLoad, key, route
+from rollout.scheduling.runner import Runner
 
 
 def loads(*specs: tuple) -> list[EngineLoad]:
@@ -88,3 +93,50 @@ def test_an_engine_below_a_full_batch_takes_the_group_rather_than_drain():
     assert route(ls, n=2, capacity=8, batch=4) == 1
     assert route(loads((8, 100), (3, 5000)), n=2, capacity=8, batch=4) is None  # 3 + 2 > 4: its batch stays full
     assert route(loads((8, 100, False), (6, 5000)), n=2, capacity=8, batch=4) == 1  # the idlest is dead: not waited for
+
+
+def scan(ls: list[EngineLoad], n: int, capacity: int, batch: int | None) -> int | None:
+    """The rule spelt out as a loop over the engines (what `route` did before its keys)."""
+    healthy = [i for i, load in enumerate(ls) if load.healthy]
+    if not healthy:
+        return None
+    order = lambda i: (ls[i].tokens, ls[i].requests, i)  # noqa: E731
+    best = min(healthy, key=order)
+    room = [i for i in healthy if ls[i].requests + n <= capacity]
+    fit = min(room, key=order) if room else None
+    if batch is None or fit is None or fit == best:
+        return fit
+    return fit if ls[fit].requests + n <= batch else None
+
+
+def test_route_by_keys_is_the_rule_on_random_loads():
+    rng = random.Random(29)
+    for _ in range(5000):
+        ls = [EngineLoad(rng.randrange(0, 10), rng.choice([0, 50, 100, rng.randrange(0, 10**6)]), rng.random() > 0.2)
+              for _ in range(rng.randrange(0, 9))]  # fmt: skip
+        n, capacity = rng.randrange(1, 4), rng.randrange(1, 11)
+        batch = rng.choice([None, rng.randrange(1, capacity + 1)])
+        assert route(ls, n, capacity, batch=batch) == scan(ls, n, capacity, batch), (ls, n, capacity, batch)
+
+
+def test_the_runner_keeps_each_engines_key_with_its_load():
+    cfg = load_config(None, ["engines.count=3", "engines.max_inflight_per_engine=3", "engines.queued_per_engine=1", "sampling.n=1"])
+    runner = Runner(cfg, [object()] * 3)
+    rng = random.Random(7)
+
+    async def steps() -> None:
+        held: list[tuple[int, int]] = []
+        for _ in range(300):
+            if held and rng.random() < 0.5:
+                i, cost = held.pop(rng.randrange(len(held)))
+                runner.release(i, 1, cost)
+            elif sum(load.requests for load in runner.loads if load.healthy) < 8:
+                cost = rng.randrange(1, 500)
+                held.append((await runner.acquire(1, cost), cost))
+            if rng.random() < 0.05:
+                runner.mark_dead(k := rng.randrange(3), "test")
+                assert runner._keys == [key(load) for load in runner.loads]
+                runner.revive(k, object())
+            assert runner._keys == [key(load) for load in runner.loads]
+
+    asyncio.run(steps())

@@ -14,7 +14,18 @@ class EngineLoad(Struct):
     restarting: bool = False  # out of rotation until its restart succeeds
 
 
-def route(loads: Sequence[EngineLoad], n: int, capacity: int, prefer: int | None = None, batch: int | None = None) -> int | None:
+SPAN = 1 << 32  # an engine's key: tokens * SPAN + requests, one integer that orders as (tokens, requests)
+OUT = 1 << 200  # the key of an engine out of rotation: after every other
+
+
+def key(load: EngineLoad) -> int:
+    return load.tokens * SPAN + load.requests if load.healthy else OUT
+
+
+def route(
+    loads: Sequence[EngineLoad], n: int, capacity: int, prefer: int | None = None, batch: int | None = None,
+    keys: Sequence[int] | None = None,
+) -> int | None:  # fmt: skip
     """Index of the engine to take a group of `n` requests, or None: wait for room.
 
     The engine with the least outstanding tokens among healthy engines (the work waiting and in
@@ -27,20 +38,21 @@ def route(loads: Sequence[EngineLoad], n: int, capacity: int, prefer: int | None
     with room (no waiting for a fuller one).
     `prefer` (the engine an episode or a session is on, holding its KV): that engine while it is
     healthy, waiting for its room rather than moving.
+    `keys`: each engine's `key`, kept up to date by the caller (`Runner`): the least loaded engine
+    is then found at C speed (`min`, `index`); a loop over 256 engines per group was ~9% of the
+    driver's event loop. Without, they are computed here.
     """
     if prefer is not None and loads[prefer].healthy:
         return prefer if loads[prefer].requests + n <= capacity else None
-    best = fit = None  # the least loaded engine, and the least loaded with room for the group
-    best_tokens = best_requests = fit_tokens = fit_requests = 0
+    if keys is None:
+        keys = [key(load) for load in loads]
+    least = min(keys, default=OUT)
+    if least == OUT:  # no engine in rotation
+        return None
     limit = capacity - n
-    for i, load in enumerate(loads):  # runs per group over every engine: no tuple or lookup per engine
-        if not load.healthy:
-            continue
-        requests, tokens = load.requests, load.tokens
-        if best is None or tokens < best_tokens or (tokens == best_tokens and requests < best_requests):
-            best, best_tokens, best_requests = i, tokens, requests
-        if requests <= limit and (fit is None or tokens < fit_tokens or (tokens == fit_tokens and requests < fit_requests)):
-            fit, fit_tokens, fit_requests = i, tokens, requests
-    if batch is None or best == fit or fit is None:
-        return fit
-    return fit if fit_requests + n <= batch else None
+    if least % SPAN <= limit:  # the least loaded engine has room: it takes the group
+        return keys.index(least)
+    fit = min((k for k in keys if k != OUT and k % SPAN <= limit), default=None)  # the least loaded with room
+    if fit is None or (batch is not None and fit % SPAN + n > batch):
+        return None
+    return keys.index(fit)

@@ -26,7 +26,7 @@ from rollout.config import Config
 from rollout.errors import EngineDeadError, RolloutError
 from rollout.log import get_logger
 from rollout.scheduling.protocols import Engine
-from rollout.scheduling.router import EngineLoad, route
+from rollout.scheduling.router import EngineLoad, key, route
 from rollout.types import Request, Trajectory
 
 log = get_logger(__name__)
@@ -47,6 +47,7 @@ class Runner:
         self.on_load: Callable[[int, int], None] | None = None  # (engine, requests in flight) at every change
         self.reports: list[Mapping[str, Trajectory]] = [{} for _ in self.engines]  # each engine's latest progress report
         self.loads = [EngineLoad() for _ in self.engines]
+        self._keys = [key(load) for load in self.loads]  # `router.key` of each load, kept with it
         self._capacity_freed = asyncio.Event()
         self._waiting = 0  # acquirers waiting for room: only they need `_capacity_freed` set
 
@@ -58,7 +59,7 @@ class Runner:
         every engine is dead."""
         batch = self.cfg.engines.max_inflight_per_engine
         capacity = batch + self.cfg.engines.queue_depth
-        while (i := route(self.loads, n, capacity, prefer=on, batch=batch)) is None:
+        while (i := route(self.loads, n, capacity, prefer=on, batch=batch, keys=self._keys)) is None:
             if not any(load.healthy or load.restarting for load in self.loads):
                 raise EngineDeadError("every engine is dead")
             freed = self._capacity_freed
@@ -75,8 +76,10 @@ class Runner:
         self._wake()
 
     def _add(self, i: int, requests: int, tokens: int) -> None:
-        self.loads[i].requests += requests
-        self.loads[i].tokens += tokens
+        load = self.loads[i]
+        load.requests += requests
+        load.tokens += tokens
+        self._keys[i] = key(load)
         if self.on_load is not None:
             self.on_load(i, self.loads[i].requests)
 
@@ -187,6 +190,7 @@ class Runner:
         """Take engine `i` out of rotation (its running groups move on) and have it restarted."""
         if self.loads[i].healthy:
             self.loads[i].healthy = False
+            self._keys[i] = key(self.loads[i])
             log.error("engine out of rotation", engine=i, reason=reason)
             self.loads[i].restarting = self.on_engine_dead is not None and self.on_engine_dead(i)
         self._check_alive()
@@ -196,6 +200,7 @@ class Runner:
         self.engines[i] = engine
         self.reports[i] = {}  # the old engine's: the samples it held have moved on
         self.loads[i].healthy, self.loads[i].restarting = True, False
+        self._keys[i] = key(self.loads[i])
         log.info("engine back in rotation", engine=i)
         self._wake()
 
