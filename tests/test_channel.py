@@ -65,6 +65,21 @@ async def test_a_stranger_cannot_speak_for_an_engine_by_guessing_its_identity():
         channel.close()
 
 
+class Numbered:
+    """An end's `on_frames` for frames numbered 0..count-1: `await arrived()` until all came; `got` in order."""
+
+    def __init__(self, count: int):
+        self.count, self.got, self._all = count, [], asyncio.Event()
+
+    def __call__(self, frames: list[bytes]) -> None:
+        self.got.append(frames[0])
+        if len(self.got) == self.count:
+            self._all.set()
+
+    async def arrived(self) -> None:
+        await asyncio.wait_for(self._all.wait(), timeout=60)
+        assert self.got == [str(i).encode() for i in range(self.count)]
+
 
 async def test_a_burst_larger_than_one_read_arrives_whole():
     """A read callback takes at most `FrameSocket.BURST` frames, then gives the loop a turn; zmq's
@@ -73,20 +88,12 @@ async def test_a_burst_larger_than_one_read_arrives_whole():
     receiver, sender = FrameSocket(zmq.PULL), FrameSocket(zmq.PUSH)
     port = receiver.sock.bind_to_random_port("tcp://127.0.0.1")
     sender.sock.connect(f"tcp://127.0.0.1:{port}")
-    got: list[bytes] = []
-    done = asyncio.Event()
-
-    def take(frames: list[bytes]) -> None:
-        got.append(frames[0])
-        if len(got) == count:
-            done.set()
-
-    receiver.start(take)
+    frames = Numbered(count)
+    receiver.start(frames)
     try:
         for i in range(count):  # all at once, before the receiver reads any
             sender.send_multipart([str(i).encode()])
-        await asyncio.wait_for(done.wait(), timeout=60)
-        assert got == [str(i).encode() for i in range(count)]
+        await frames.arrived()
     finally:
         sender.close()
         receiver.close()
@@ -108,22 +115,14 @@ async def test_frames_that_arrive_while_this_end_sends_are_read():
 
     thread = threading.Thread(target=echoing, daemon=True)
     thread.start()
-    echoed: list[bytes] = []
-    done = asyncio.Event()
-
-    def got(frames: list[bytes]) -> None:
-        echoed.append(frames[0])
-        if len(echoed) == count:
-            done.set()
-
-    here.start(got)
+    echoed = Numbered(count)
+    here.start(echoed)
     try:
         for i in range(count):
             here.send_multipart([str(i).encode()])
             if i % 50 == 0:
                 await asyncio.sleep(0.001)
-        await asyncio.wait_for(done.wait(), timeout=60)
-        assert echoed == [str(i).encode() for i in range(count)]
+        await echoed.arrived()
     finally:
         thread.join(timeout=10)
         here.close()

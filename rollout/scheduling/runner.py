@@ -81,7 +81,7 @@ class Runner:
         load.tokens += tokens
         self._keys[i] = key(load)
         if self.on_load is not None:
-            self.on_load(i, self.loads[i].requests)
+            self.on_load(i, load.requests)
 
     def _wake(self) -> None:
         if self._waiting:  # a new event per finished sample with nobody waiting was ~2 us of the driver's
