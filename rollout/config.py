@@ -139,7 +139,10 @@ class ServeConfig(Struct, frozen=True, forbid_unknown_fields=True):
     port: NonNegInt = 8000  # 0: a free port
     api_key: str | None = None  # when set, every request needs `Authorization: Bearer <key>`
     model_name: str | None = None  # the model id clients send; default: model.path
-    max_concurrency: PositiveInt = 1024  # requests in flight; past it: 429
+    max_concurrency: PositiveInt = 1024  # requests in flight per front-end process; past it: 429
+    # HTTP front-end processes sharing the port (vLLM's --api-server-count); 1: the server runs in the
+    # engine's process. Each serves ~1,000 requests/s on a core of its own (README, "Past one driver").
+    api_servers: Annotated[int, Meta(ge=1, le=64)] = 1
     max_body_bytes: PositiveInt = 8 * 2**20
     # vLLM's parsers by the names it registers (`vllm serve --tool-call-parser` / `--reasoning-parser`);
     # "none" or null: none. Checked against vLLM's registries here (`policies.parsers`).

@@ -40,6 +40,7 @@ from rollout.types import EngineStats, Group, Prompt, Trajectory, UpdateStats
 from rollout.weights.updates import WeightUpdates
 
 if TYPE_CHECKING:
+    from rollout.serve.frontends import FrontEnds
     from rollout.serve.server import Server
     from rollout.weights.transfer import WeightSyncClient, WeightTransfer
 
@@ -80,7 +81,7 @@ class RolloutEngine:
         self._reward = reward
         self._env = env
         self._closed = False
-        self._servers: list[Server] = []  # `serve()`: stopped before the engines
+        self._servers: list[Server | FrontEnds] = []  # `serve()`: stopped before the engines
         self.pool = pool
         self.model_path = ""
         self._on_trajectory = on_trajectory
@@ -238,14 +239,14 @@ class RolloutEngine:
         scheduler.submit(submission)
         return submission
 
-    async def serve(self, host: str | None = None, port: int | None = None, api_key: str | None = None) -> Server:
-        """Start the OpenAI-compatible HTTP server (`rollout.serve.server.Server`, `serve:` config) on this
-        engine's loop, next to a learner using the engine; stopped when the engine exits. Its URL
-        is `server.url`. Raises OSError when it cannot listen."""
-        from rollout.serve.server import Server
+    async def serve(self, host: str | None = None, port: int | None = None, api_key: str | None = None) -> Server | FrontEnds:
+        """Start the OpenAI-compatible HTTP server (`rollout.serve`, `serve:` config) next to a learner
+        using the engine: in this process, on this engine's loop, or in `serve.api_servers`
+        front-end processes; stopped when the engine exits. Its URL is `server.url`. Raises OSError
+        when it cannot listen."""
+        from rollout.serve.frontends import serve
 
-        server = Server(self, self.cfg.serve, api_key)
-        await server.start(self._tg, host, port)
+        server = await serve(self, self._tg, host, port, api_key)
         self._servers.append(server)
         return server
 

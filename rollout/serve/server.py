@@ -7,103 +7,80 @@ session (the `X-Session-Id` header, `session_id` in the body, or found from the 
 assistant message carries): each turn runs on the engine of the turn before and reuses its KV.
 Turns sent with an `episode_id` are kept; `POST /v1/episodes/{id}/reward` closes the episode and
 hands it to the learner's queue as one training sample (`engine.batches()` trains on it).
+This is the HTTP half, which `serve.api_servers` runs in that many processes; what must be one
+(sessions, episodes, requests in flight, figures, the RL routes' work) is the desk's
+(`rollout.serve.desk`), on the engine's loop, called in process or from a front-end process
+(`rollout.serve.frontends`).
 Owns: the routes (FastAPI on uvicorn), overload (429 with `Retry-After` past
-`serve.max_concurrency` requests in flight, never unbounded memory), client disconnects (abort
-the engine request), the error shape (`openai_api.ApiError`; whatever a request holds, an error
-of its own, never a 500 or a stopped server), `stream: true` (server-sent events in OpenAI's chunk
-format, sent when the turn ends), sessions, and episodes kept until rewarded (a reward answered
-429 keeps its episode for the retry). `seed`: a seeded request runs under one fixed prompt id,
-so the same seed, request and weights give the same tokens (the per-request vLLM seed is derived
-from the seed and the prompt id).
+`serve.max_concurrency` requests in flight in this process, never unbounded memory), client
+disconnects (abort the engine request), the error shape (`openai_api.ApiError`; whatever a request
+holds, an error of its own, never a 500 or a stopped server), `stream: true` (server-sent events in
+OpenAI's chunk format, sent when the turn ends). `seed`: a seeded request runs under one fixed
+prompt id, so the same seed, request and weights give the same tokens (the per-request vLLM seed
+is derived from the seed and the prompt id).
 Does not own: the wire format (`rollout.serve.openai_api`), reading bodies off the loop, listening,
-auth, metrics (`rollout.serve.io`), scheduling (`rollout.scheduling.scheduler`), vLLM's RL routes (`rollout.serve.rl_routes`).
+auth, metrics (`rollout.serve.io`), sessions and episodes (`rollout.serve.desk`), scheduling
+(`rollout.scheduling.scheduler`), vLLM's RL routes (`rollout.serve.rl_routes`).
 """
 
 # No `from __future__ import annotations`: FastAPI reads the endpoints' annotations (the local
 # `Request` import) when they are defined.
-import hashlib
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import anyio
-import msgspec
 
-from rollout.config import Config, ServeConfig
+from rollout.config import Config
 from rollout.episodes.chat import chat_parsers
-from rollout.episodes.loop import assemble
 from rollout.errors import EngineClosedError, EngineDeadError, InvalidPromptError, RetryableError
 from rollout.log import get_logger
 from rollout.serve import io
 from rollout.serve import openai_api as api
+from rollout.serve.desk import RETRY_AFTER
 from rollout.serve.rl_routes import add_rl_routes
-from rollout.types import Group, Prompt, Trajectory, printable
-from rollout.types import Request as EngineRequest  # `Request` is FastAPI's here
+from rollout.types import Trajectory, printable
 
 if TYPE_CHECKING:
+    import socket
+
     from anyio.abc import TaskGroup
 
-    from rollout.handoff.queue import Submission
-    from rollout.metrics.figures import Collector
-    from rollout.weights.transfer import WeightSyncClient
+    from rollout.serve.io import ServedChat
 
 log = get_logger(__name__)
-MAX_KEPT = 65536  # sessions found by token ids, episodes collecting turns: the oldest forgotten first
-SEEDED = "http-seeded"  # the prompt id of every request with a `seed`: its vLLM seed depends on the seed alone
-RETRY_AFTER = {"Retry-After": "1"}  # seconds; the OpenAI SDK waits this long before its retry
-
-
-class ServedEngine(Protocol):
-    """What the server and its RL routes use of the engine (`RolloutEngine` is one)."""
-
-    cfg: Config
-    model_path: str
-
-    @property
-    def epoch(self) -> int: ...
-    @property
-    def healthy(self) -> bool: ...
-    def submit(self, prompts: list[Prompt], *, train: bool = True) -> "Submission": ...
-    async def hand_in(self, group: Group) -> None: ...
-    def prometheus_collector(self) -> "Collector": ...
-    def weight_sync_client(self, *, wait: bool = True) -> "WeightSyncClient": ...
-    async def pause_generation(self, mode: str) -> None: ...
-    async def resume_generation(self) -> None: ...
-    async def is_paused(self) -> bool: ...
 
 
 class Server:
-    """The app and its uvicorn server, on the engine's event loop (`start`, `stop`)."""
+    """The HTTP half (`start`, `stop`): the app and its uvicorn server on this process's event loop,
+    over a desk (`rollout.serve.desk.Desk` in the engine's process, or a `RemoteDesk` to it)."""
 
-    def __init__(self, engine: ServedEngine, cfg: ServeConfig, api_key: str | None = None):
+    def __init__(self, desk: Any, cfg: Config, chat: "ServedChat | None", api_key: str | None = None):
         """Raises InvalidConfigError for an API key HTTP cannot carry."""
-        self.engine = engine
-        self.cfg = cfg
-        self.api_key = io.check_api_key(api_key if api_key is not None else cfg.api_key)
-        self.max_model_len = engine.cfg.model.max_model_len
-        self.chat = io.served_chat(engine.model_path, self.max_model_len)
-        self.parsers = chat_parsers(self.chat, cfg.tool_parser, cfg.reasoning_parser)
-        self.model = cfg.model_name or engine.cfg.model.path
-        self.by_ids: OrderedDict[bytes, str] = OrderedDict()  # hash of a turn's prompt + generation -> session
-        self.episodes: OrderedDict[str, list[Trajectory]] = OrderedDict()
+        self.desk = desk
+        self.cfg = cfg.serve
+        self.sampling = cfg.sampling  # what a request leaves out
+        self.api_key = io.check_api_key(api_key if api_key is not None else self.cfg.api_key)
+        self.max_model_len = cfg.model.max_model_len
+        self.chat = chat
+        self.parsers = chat_parsers(self.chat, self.cfg.tool_parser, self.cfg.reasoning_parser)
+        self.model = self.cfg.model_name or cfg.model.path
         self.inflight = 0
-        self.running: dict[object, tuple[str, Callable[[], None]]] = {}  # requests in flight: (request id, abort it)
         self.url = ""
         self._server: Any = None
         self._done = anyio.Event()
-        self._stats = io.Stats(engine.prometheus_collector())
         self._prepare = io.Preparer()
         self.app = self._app()
 
-    async def start(self, tg: "TaskGroup", host: str | None = None, port: int | None = None) -> str:
-        """Listen (on `serve.host`/`serve.port` unless given; port 0: a free one); returns the URL.
-        Raises OSError naming the address when it cannot listen; the engine is untouched."""
+    async def start(self, tg: "TaskGroup", host: str | None = None, port: int | None = None, sock: "socket.socket | None" = None) -> str:
+        """Listen (on `serve.host`/`serve.port` unless given; port 0: a free one; or on `sock`, bound
+        already); returns the URL. Raises OSError naming the address when it cannot listen; the
+        engine is untouched."""
         import uvicorn
 
         host, port = host or self.cfg.host, self.cfg.port if port is None else port
-        sock = io.listen(host, port)  # bound here: uvicorn's own bind calls sys.exit, which would end the engine's task group
+        sock = sock or io.listen(host, port)  # bound here: uvicorn's own bind calls sys.exit, which would end the engine's task group
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False)
         self._server = io.uvicorn_server(config)
 
@@ -175,7 +152,7 @@ class Server:
                 log.exception("serve: request failed", path=request.url.path)
                 return io.error(api.ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"))
             finally:
-                self._stats.request(request.url.path, status, time.perf_counter() - started)
+                self.desk.record(request.url.path, status, time.perf_counter() - started)
 
         def session_of(request: Request) -> Callable[[dict[str, Any]], api.Call]:
             return lambda data: api.chat(data, self.chat, request.headers.get("x-session-id") or api._str(data, "session_id"), self.parsers)
@@ -204,7 +181,7 @@ class Server:
 
         @app.post("/v1/episodes/{episode_id}/reward")
         async def reward(request: Request, episode_id: str) -> Any:
-            return await handle(request, lambda data: None, lambda r, data, call: self._reward(episode_id, data))
+            return await handle(request, lambda data: None, lambda r, data, call: self.desk.reward(episode_id, data.get("reward")))
 
         @app.get("/v1/models")
         async def models() -> Any:
@@ -213,12 +190,12 @@ class Server:
 
         @app.get("/health")
         async def health() -> Any:
-            alive = self.engine.healthy
+            alive = await self.desk.healthy()
             return io.json_response({"status": "ok" if alive else "no engine"}, 200 if alive else 503)
 
         @app.get("/metrics")
         async def metrics() -> Any:
-            return PlainTextResponse(await self._stats.exposition(), media_type="text/plain; version=0.0.4")
+            return PlainTextResponse(await self.desk.metrics(), media_type="text/plain; version=0.0.4")
 
         add_rl_routes(app, self)  # vLLM's /pause, /resume, weight-transfer routes, ... (`rollout.serve.rl_routes`)
 
@@ -260,121 +237,35 @@ class Server:
         return api.generate_response(await self._run(request, call, request_id), request_id)
 
     async def _run(self, request: Any, call: api.Call, rid: str | None = None) -> list[Trajectory]:
-        """One prompt (its `n` samples) through the engine; the client going away aborts it, and so
+        """One prompt (its `n` samples) through the desk; the client going away aborts it, and so
         does `/abort_requests` naming its id (`X-Request-Id`, else `rid`, else its prompt id)."""
         room = self.max_model_len - len(call.prompt_ids)
         if room < 1 or call.sampling.get("max_tokens", 1) > room:
             asked = len(call.prompt_ids) + call.sampling.get("max_tokens", 0)
             raise api.ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                                     f"{asked} tokens ({len(call.prompt_ids)} in the messages).", call.ids_param)  # fmt: skip
-        base = self.engine.cfg.sampling
+        base = self.sampling
         call.sampling.setdefault("max_tokens", min(base.max_tokens, room))
         call.sampling.setdefault("min_tokens", 0)
         call.stop, call.stop_ids = call.sampling.get("stop", list(base.stop)), call.sampling.get("stop_token_ids", list(base.stop_token_ids))
-        single = call.sampling.get("n", 1) == 1  # a session continues one conversation: n samples start none
-        session = (call.session or self._session_of(call.prompt_ids, call.prefix)) if single else None
-        pid = SEEDED if call.sampling.get("seed") is not None else f"http-{uuid.uuid4().hex[:12]}"
-        prompt = Prompt(token_ids=call.prompt_ids, sampling=call.sampling, session=session, id=pid)
-        submission = self.engine.submit([prompt], train=False)
+        trajs: list[Trajectory] | None = None
         failure: Exception | None = None
-        groups: list[Group] | None = None
-        aborted, token = False, object()
-        try:
-            async with anyio.create_task_group() as tg:
+        async with anyio.create_task_group() as tg:
 
-                def abort() -> None:  # POST /abort_requests (`rollout.serve.rl_routes`)
-                    nonlocal aborted
-                    aborted = True
-                    submission.cancel()
-                    tg.cancel_scope.cancel()
-
-                self.running[token] = (request.headers.get("x-request-id") or rid or pid, abort)
-
-                async def watch() -> None:  # a client gone away: its engine request is aborted
-                    while (await request.receive())["type"] != "http.disconnect":
-                        pass
-                    submission.cancel()
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(watch)
-                try:
-                    groups = await submission.result()
-                except Exception as e:  # raised below, outside the task group (not in an ExceptionGroup)
-                    failure = e
+            async def watch() -> None:  # a client gone away: its engine request is aborted
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
                 tg.cancel_scope.cancel()
-        finally:
-            self.running.pop(token, None)
+
+            tg.start_soon(watch)
+            rid = request.headers.get("x-request-id") or rid
+            try:
+                trajs = await self.desk.run(call.prompt_ids, call.sampling, call.session, call.prefix, call.episode, rid)
+            except Exception as e:  # raised below, outside the task group (not in an ExceptionGroup)
+                failure = e
+            tg.cancel_scope.cancel()
         if failure is not None:
             raise failure
-        if groups is None and aborted:
-            raise api.ApiError(499, "aborted by POST /abort_requests", kind="request_aborted")
-        if groups is None:
+        if trajs is None:
             raise api.ApiError(499, "the client closed the request", kind="client_closed_request")
-        (group,) = groups
-        if group.error is not None or not group.trajectories:
-            raise api.ApiError(400, group.error or "no sample came back", call.param_of(group.error or ""))
-        for traj in group.trajectories:
-            if not traj.ok:
-                raise api.ApiError(500, f"generation failed: {traj.error}", kind="server_error")
-            self._stats.tokens(len(traj.prompt_token_ids), len(traj.token_ids))
-        if session is not None:
-            self._remember(session, group.trajectories[0], call.episode)
-        return group.trajectories
-
-    def _session_of(self, ids: list[int], prefix: int) -> str:
-        """The session of the turn whose ids (an assistant message's, `prefix` of them) start this
-        prompt, else a new one."""
-        if prefix and (session := self.by_ids.get(_key(ids[:prefix]))) is not None:
-            return session
-        return uuid.uuid4().hex
-
-    def _remember(self, session: str, traj: Trajectory, episode: str | None) -> None:
-        ids = traj.prompt_token_ids + traj.token_ids
-        for key in (_key(ids), _key(ids + [self.chat.end_of_turn] if self.chat else ids)):
-            _put(self.by_ids, key, session)
-        if episode is not None:
-            turns = self.episodes.get(episode) or []
-            turns.append(traj)
-            self._stats.episodes_forgotten.inc(_put(self.episodes, episode, turns))
-
-    async def _reward(self, episode_id: str, data: dict[str, Any]) -> dict[str, Any]:
-        """Close an episode: its turns become one trajectory, rewarded, handed to the learner. A full
-        learner's queue (429) leaves the episode as it was, for the client's retry."""
-        value = data.get("reward")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
-            raise api.ApiError(400, "reward: expected a finite number", "reward")
-        turns = self.episodes.pop(episode_id, None)
-        if not turns:
-            raise api.ApiError(404, f"episode {printable(episode_id)!r}: no turns were served with this episode_id", kind="not_found_error")
-        observations = []
-        for a, b in zip(turns, turns[1:]):
-            before = a.prompt_token_ids + a.token_ids
-            if b.prompt_token_ids[: len(before)] != before:
-                raise api.ApiError(409, f"episode {printable(episode_id)!r}: a turn does not continue the one before token for token")
-            observations.append(b.prompt_token_ids[len(before) :])
-        request = EngineRequest(episode_id, episode_id, 0, self.engine.cfg.sampling, token_ids=turns[0].prompt_token_ids)
-        episode = assemble(request, turns, observations, "stop", None)
-        episode.reward = float(value)
-        group = Group(prompt_id=episode_id, prompt=Prompt(token_ids=turns[0].prompt_token_ids, id=episode_id), trajectories=[episode])
-        try:
-            await self.engine.hand_in(group)
-        except RetryableError as e:
-            kept = turns + self.episodes.get(episode_id, [])  # kept for the retry, before any turn sent meanwhile
-            self._stats.episodes_forgotten.inc(_put(self.episodes, episode_id, kept))
-            raise api.ApiError(429, str(e), kind="rate_limit_error", headers=RETRY_AFTER) from e
-        return {"episode_id": episode_id, "turns": len(turns), "tokens": len(episode.token_ids), "reward": episode.reward}
-
-
-def _key(ids: list[int]) -> bytes:
-    return hashlib.blake2b(msgspec.msgpack.encode(ids), digest_size=16).digest()
-
-
-def _put(store: OrderedDict, key: Any, value: Any) -> int:
-    """Store `value` as the newest; returns how many of the oldest were forgotten past MAX_KEPT."""
-    store[key] = value
-    store.move_to_end(key)
-    forgotten = 0
-    while len(store) > MAX_KEPT:
-        store.popitem(last=False)
-        forgotten += 1
-    return forgotten
+        return trajs

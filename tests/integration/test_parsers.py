@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import openai
 import pytest
 
 from policies.tiny import TinySpec, build_tiny
 from rollout import RolloutEngine
 from rollout.config import ServeConfig
-from rollout.serve.server import Server
+from rollout.serve import Desk, Server
+from rollout.serve.io import served_chat
 
 from ..test_parsers import ARGS, CASES, TOOLS
 from .conftest import held_engine, integration_config
@@ -38,7 +40,9 @@ async def engine():
 
 async def serve(engine: RolloutEngine, tool: str | None, reasoning: str | None) -> Server:
     """A server with these parsers on the module's engine (as `engine.serve()` starts one)."""
-    server = Server(engine, ServeConfig(tool_parser=tool or "none", reasoning_parser=reasoning))
+    cfg = msgspec.structs.replace(engine.cfg, serve=ServeConfig(tool_parser=tool or "none", reasoning_parser=reasoning))
+    chat = served_chat(engine.model_path, cfg.model.max_model_len)
+    server = Server(Desk(engine, chat.end_of_turn), cfg, chat)
     await server.start(engine._tg, port=0)
     engine._servers.append(server)
     return server

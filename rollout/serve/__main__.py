@@ -1,0 +1,14 @@
+"""A front-end process of `rollout serve` (`serve.api_servers` > 1), started by
+`rollout.serve.frontends.FrontEnds` with its settings pickled on stdin."""
+
+import pickle
+import sys
+
+import anyio
+
+from rollout.log import configure
+from rollout.serve.frontends import front_end
+
+settings = pickle.load(sys.stdin.buffer)  # (index, socket fd, pipe fd, desk address, Config, model path, API key)
+configure(settings[4].logging.level, settings[4].logging.json)
+anyio.run(front_end, *settings)

@@ -1,0 +1,304 @@
+"""`rollout serve` in one process or several: `serve.api_servers` HTTP front-end processes over one
+engine, as vLLM's API-server scale-out (`vllm serve --api-server-count`).
+
+One front-end process serves ~1,000 requests/s on one core: most of a request's CPU is HTTP (the
+ASGI stack ~0.9 ms, rendering and tokenizing ~0.3 ms), while the engine's driver spends ~0.16 ms on
+it (README, "Past one driver"). So with `api_servers` > 1 the driver binds the listening socket and
+starts that many processes (`python -m rollout.serve`) that accept on it, the kernel handing each
+connection to one of them. Each runs the HTTP half (`rollout.serve.server.Server`) over a
+`RemoteDesk`: its calls to the desk (`rollout.serve.desk.Desk`: sessions, episodes, requests in
+flight, figures, the RL routes' work) go as msgpack frames over a zmq socket to the driver's
+`DeskService`, which runs each as a task of its own on the engine's loop and answers on the same
+socket; a call the front end gives up on (its client gone) is cancelled there too. A
+conversation's turns and an episode's reward may reach different front ends: they meet at the desk.
+
+Owns: the processes (started, awaited until they serve, started again when one dies, stopped with
+the engine; each exits when the driver's process does), the desk's calls between processes (an
+ipc:// socket in a directory only this user can enter) and the errors that cross it (`ApiError`,
+the engine's InvalidPromptError, RetryableError, EngineDeadError, EngineClosedError; anything else
+as a RuntimeError naming it). Does not own: HTTP (`rollout.serve.server`), the desk's work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import msgspec
+import zmq
+
+from policies.group_calls import FrameSocket
+from rollout.errors import EngineClosedError, EngineDeadError, InvalidPromptError, RetryableError
+from rollout.log import configure, get_logger
+from rollout.packed import encode
+from rollout.serve import io
+from rollout.serve.desk import Desk
+from rollout.serve.openai_api import ApiError
+from rollout.serve.server import Server
+from rollout.types import Trajectory
+
+if TYPE_CHECKING:
+    from anyio.abc import TaskGroup
+
+    from rollout.config import Config
+    from rollout.serve.desk import ServedEngine
+
+log = get_logger(__name__)
+CALLS = frozenset({"run", "reward", "metrics", "healthy", "pause", "resume", "is_paused", "abort", "init", "shutdown", "start", "update",
+                   "finish", "label", "weight_info", "world_size"})  # fmt: skip  # the desk's methods a front end awaits
+NOTES = frozenset({"record", "ready"})  # sent, never answered
+ERRORS = (InvalidPromptError, RetryableError, EngineDeadError, EngineClosedError)  # cross as themselves
+RETURNS: dict[str, Any] = {"run": list[Trajectory]}  # how a call's answer decodes (the rest: plain data)
+START_S = 300.0  # a front end not serving by then failed to start
+
+
+async def serve(engine: ServedEngine, tg: TaskGroup, host: str | None, port: int | None, api_key: str | None) -> Server | FrontEnds:
+    """`engine.serve()`: the HTTP half in this process over the desk, or `serve.api_servers` processes."""
+    cfg = engine.cfg
+    if cfg.serve.api_servers > 1:
+        front = FrontEnds(engine, api_key)
+        await front.start(tg, host, port)
+        return front
+    chat = io.served_chat(engine.model_path, cfg.model.max_model_len)
+    server = Server(Desk(engine, chat.end_of_turn if chat else None), cfg, chat, api_key)
+    await server.start(tg, host, port)
+    return server
+
+
+class FrontEnds:
+    """The desk, its service, and `serve.api_servers` front-end processes on one listening socket."""
+
+    def __init__(self, engine: ServedEngine, api_key: str | None = None):
+        """Raises InvalidConfigError for an API key HTTP cannot carry."""
+        self.cfg, self.model_path = engine.cfg, engine.model_path
+        self.api_key = io.check_api_key(api_key if api_key is not None else self.cfg.serve.api_key)
+        self.chat = io.served_chat(engine.model_path, self.cfg.model.max_model_len)
+        self.desk = Desk(engine, self.chat.end_of_turn if self.chat else None)
+        self.model = self.cfg.serve.model_name or self.cfg.model.path
+        self.url = ""
+        self.procs: list[subprocess.Popen] = []  # a process per front end
+        self._life = os.pipe()  # never written: its read end, in every front end, ends when this process does
+        self.pids: dict[int, int] = {}  # front end -> the pid that said it serves
+        self._service: DeskService | None = None
+        self._sock: socket.socket | None = None
+        self._all_ready = anyio.Event()
+        self._failed = ""
+        self._stopping = False
+
+    async def start(self, tg: TaskGroup, host: str | None = None, port: int | None = None) -> str:
+        """Listen, start every front end and return the URL once all serve. Raises OSError when it
+        cannot listen, RuntimeError naming a front end that exited or hung before serving."""
+        serve_cfg = self.cfg.serve
+        host, port = host or serve_cfg.host, serve_cfg.port if port is None else port
+        self._sock = io.listen(host, port)
+        self._service = DeskService(self.desk, self._ready)
+        self._service.start()
+        self.procs = [self._spawn(i) for i in range(serve_cfg.api_servers)]
+        with anyio.move_on_after(START_S):
+            await self._all_ready.wait()
+        if self._failed or len(self.pids) < len(self.procs):
+            await self.stop()
+            raise RuntimeError(f"serve: {self._failed or 'a front-end process did not start serving in time'}")
+        name = self._sock.getsockname()
+        self.url = f"http://{name[0]}:{name[1]}"
+        return self.url
+
+    def _spawn(self, index: int) -> subprocess.Popen:
+        """`python -m rollout.serve` (`rollout/serve/__main__.py`), handed the listening socket and the read end of a
+        pipe nobody writes (end of file once the driver is gone), its settings on stdin."""
+        fds = (self._sock.fileno(), self._life[0])
+        proc = subprocess.Popen([sys.executable, "-m", "rollout.serve"], stdin=subprocess.PIPE, pass_fds=fds, env=_env())
+        proc.stdin.write(pickle.dumps((index, *fds, self._service.address, self.cfg, self.model_path, self.api_key)))
+        proc.stdin.close()
+        exited = os.pidfd_open(proc.pid)  # readable once it exits
+        asyncio.get_running_loop().add_reader(exited, self._exited, index, proc, exited)
+        return proc
+
+    def _ready(self, index: int, pid: int) -> None:
+        self.pids[index] = pid
+        if len(self.pids) == len(self.procs):
+            self._all_ready.set()
+
+    def _exited(self, index: int, proc: subprocess.Popen, exited: int) -> None:
+        asyncio.get_running_loop().remove_reader(exited)
+        os.close(exited)
+        code = proc.wait()
+        if self._stopping:
+            return
+        if self.pids.pop(index, None) is None:  # it never served: starting again would fail again
+            self._failed = f"front-end process {index} exited with code {code} before serving"
+            self._all_ready.set()
+            return
+        log.error("serve: a front-end process exited; starting it again", front_end=index, code=code)
+        self.procs[index] = self._spawn(index)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            try:
+                await anyio.to_thread.run_sync(proc.wait, 10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        if self._service is not None:
+            self._service.close()
+        if self._sock is not None:
+            self._sock.close()
+        for fd in self._life:
+            os.close(fd)
+        self._life = ()
+
+
+class DeskService:
+    """The driver's end: the desk's calls from every front end, each run as a task on this loop."""
+
+    def __init__(self, desk: Desk, ready: Any):
+        self.desk, self._ready = desk, ready
+        self._dir = tempfile.mkdtemp(prefix="rollout-desk-")  # mode 0700: only this user's processes connect
+        self.address = f"ipc://{self._dir}/desk"
+        self._sock = FrameSocket(zmq.ROUTER)
+        self._sock.sock.bind(self.address)
+        self._tasks: dict[tuple[bytes, int], asyncio.Task] = {}
+
+    def start(self) -> None:
+        self._sock.start(self._frames)
+
+    def _frames(self, frames: list[bytes]) -> None:
+        peer, payload = frames
+        try:
+            call_id, op, args = msgspec.msgpack.decode(payload, type=tuple[int, str | None, list])
+        except msgspec.DecodeError as e:  # not from a front end of ours
+            log.error("serve: a frame the desk cannot read", error=str(e))
+            return
+        if op == "record":
+            self.desk.record(*args)
+        elif op == "ready":
+            self._ready(*args)
+        elif op is None:  # the front end gave up on call `call_id`
+            if (task := self._tasks.pop((peer, call_id), None)) is not None:
+                task.cancel()
+        else:
+            self._tasks[peer, call_id] = asyncio.get_running_loop().create_task(self._call(peer, call_id, op, args))
+
+    async def _call(self, peer: bytes, call_id: int, op: str, args: list[Any]) -> None:
+        try:
+            if op not in CALLS:
+                raise ApiError(500, f"serve: no desk call {op!r}", kind="server_error")
+            reply = (call_id, None, await getattr(self.desk, op)(*args))
+        except asyncio.CancelledError:
+            return  # cancelled by its front end, which waits no more
+        except Exception as e:
+            reply = (call_id, _error(e), None)
+        finally:
+            self._tasks.pop((peer, call_id), None)
+        try:
+            payload = encode(reply)
+        except (TypeError, OverflowError) as e:
+            payload = encode((call_id, _error(e), None))
+        try:
+            self._sock.send_multipart([peer, payload])
+        except zmq.ZMQError:  # that front end is gone (it is started again; its clients were cut off)
+            pass
+
+    def close(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        self._sock.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class RemoteDesk:
+    """A front end's desk: the desk's methods by name, each a call over the socket to the driver."""
+
+    def __init__(self, address: str):
+        self._sock = FrameSocket(zmq.DEALER)
+        self._sock.sock.connect(address)
+        self._calls: dict[int, tuple[asyncio.Future, str]] = {}
+        self._ids = itertools.count(1)
+
+    def start(self) -> None:
+        self._sock.start(self._frames)
+
+    def __getattr__(self, op: str) -> Any:
+        if op in NOTES:
+            return functools.partial(self._note, op)
+        if op in CALLS:
+            return functools.partial(self._call, op)
+        raise AttributeError(op)
+
+    def _note(self, op: str, *args: Any) -> None:
+        self._sock.send_multipart([encode((0, op, args))])
+
+    async def _call(self, op: str, *args: Any) -> Any:
+        call_id = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = (future, op)
+        try:
+            self._sock.send_multipart([encode((call_id, op, args))])
+            return await future
+        except asyncio.CancelledError:
+            if not future.done():
+                self._sock.send_multipart([encode((call_id, None, ()))])
+            raise
+        finally:
+            self._calls.pop(call_id, None)
+
+    def _frames(self, frames: list[bytes]) -> None:
+        call_id, error, value = msgspec.msgpack.decode(frames[-1], type=tuple[int, list | None, msgspec.Raw])
+        future, op = self._calls.get(call_id, (None, ""))
+        if future is None or future.done():
+            return
+        if error is not None:
+            future.set_exception(_rebuilt(error))
+        else:
+            future.set_result(msgspec.msgpack.decode(value, type=RETURNS.get(op, Any)))
+
+
+def _error(e: Exception) -> list[Any]:
+    if isinstance(e, ApiError):
+        return ["ApiError", e.status, e.message, e.param, e.kind, e.headers]
+    for kind in ERRORS:
+        if isinstance(e, kind):
+            return [kind.__name__, str(e)]
+    log.exception("serve: a desk call failed")
+    return ["", f"{type(e).__name__}: {e}"]
+
+
+def _rebuilt(error: list[Any]) -> Exception:
+    kind, *args = error
+    if kind == "ApiError":
+        return ApiError(*args)
+    return next((k(*args) for k in ERRORS if k.__name__ == kind), RuntimeError(*args))
+
+
+def _env() -> dict[str, str]:
+    root = str(Path(__file__).resolve().parents[2])  # rollout/, policies/ and actors/ sit here
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+
+
+async def front_end(index: int, sock_fd: int, life_fd: int, address: str, cfg: Config, model_path: str, api_key: str | None) -> None:
+    """The HTTP half on the listening socket over the desk at `address`, until the driver is gone."""
+    desk = RemoteDesk(address)
+    desk.start()
+    server = Server(desk, cfg, io.served_chat(model_path, cfg.model.max_model_len), api_key)
+    driver_gone = anyio.Event()
+    asyncio.get_running_loop().add_reader(life_fd, driver_gone.set)
+    async with anyio.create_task_group() as tg:
+        await server.start(tg, sock=socket.socket(fileno=sock_fd))
+        desk.ready(index, os.getpid())
+        await driver_gone.wait()
+        await server.stop()
+        tg.cancel_scope.cancel()
+
