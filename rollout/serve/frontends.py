@@ -249,7 +249,7 @@ class RemoteDesk:
             self._sock.send_multipart([encode((call_id, op, args))])
             return await future
         except asyncio.CancelledError:
-            if not future.done():
+            if future.cancelled():  # given up before the answer came: the desk's task is cancelled too
                 self._sock.send_multipart([encode((call_id, None, ()))])
             raise
         finally:

@@ -1,0 +1,221 @@
+"""`rollout serve` in several front-end processes (`serve.api_servers`) over one desk, with fake
+engines (the desk, its zmq calls, the servers and the processes are the real ones).
+
+Two front ends in this process, each over its own `RemoteDesk` to one `DeskService`, show that
+whichever front end takes a request, what must be one stays one: a conversation's turns continue
+one session on one engine, an episode collects turns served by both and is rewarded through either,
+`/abort_requests` on one reaches a request on the other, a client gone from one aborts its engine
+request, errors cross in their own shape, /metrics counts every front end's requests. Then real
+processes: `engine.serve()` with `serve.api_servers=2`, one killed and started again, all gone
+with the engine or with the driver's process."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import httpx
+import openai
+import pytest
+
+from rollout.config import load_config
+from rollout.engine import RolloutEngine
+from rollout.errors import InvalidConfigError
+from rollout.serve import Desk, Server
+from rollout.serve.frontends import DeskService, RemoteDesk
+from rollout.serve.io import served_chat
+from tests.fakes import FakePool
+
+TIMEOUT = 60
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cfg(*overrides: str):
+    return load_config(None, ["model.path=tiny", "sampling.max_tokens=6", "engines.count=2", "model.max_model_len=256",
+                              "logging.level=error", *overrides])  # fmt: skip
+
+
+@contextlib.asynccontextmanager
+async def two_front_ends(*overrides: str) -> AsyncIterator[tuple[RolloutEngine, FakePool, list[httpx.AsyncClient]]]:
+    pool = FakePool(2)
+    with anyio.fail_after(TIMEOUT):
+        async with RolloutEngine(cfg(*overrides), pool=pool) as engine:
+            chat = served_chat(engine.model_path, engine.cfg.model.max_model_len)
+            service = DeskService(Desk(engine, chat.end_of_turn), lambda index, pid: None)
+            service.start()
+            servers, clients = [], []
+            for _ in range(2):
+                desk = RemoteDesk(service.address)
+                desk.start()
+                server = Server(desk, engine.cfg, chat)
+                await server.start(engine._tg, port=0)
+                servers.append(server)
+                clients.append(httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT))
+            try:
+                yield engine, pool, clients
+            finally:
+                for client in clients:
+                    await client.aclose()
+                for server in servers:
+                    await server.stop()
+                service.close()
+
+
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+async def test_a_conversation_and_an_episode_served_by_two_front_ends_are_one():
+    async with two_front_ends() as (engine, pool, (a, b)):
+        messages, turns = [user("first")], []
+        for k, front in enumerate((a, b, a)):  # each turn through the other front end
+            r = await front.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 4, "episode_id": "ep"})
+            assert r.status_code == 200, r.text
+            m = r.json()["choices"][0]["message"]
+            turns.append(m)
+            messages = [*messages, m, user(f"turn {k}")]
+        for x, y in zip(turns, turns[1:]):
+            before = x["prompt_token_ids"] + x["generation_token_ids"]
+            assert y["prompt_token_ids"][: len(before)] == before
+        assert len({t["rollout"]["engine_id"] for t in turns}) == 1  # one session: one engine, one cache salt
+        assert len({r.cache_salt for e in pool.engines for r in e.requests}) == 1
+        done = await b.post("/v1/episodes/ep/reward", json={"reward": 0.5})
+        assert done.status_code == 200 and done.json()["turns"] == 3, done.text
+        (episode,) = (await engine.next_group()).trajectories
+        assert episode.reward == 0.5 and [t.token_ids for t in episode.turns] == [t["generation_token_ids"] for t in turns]
+        assert (await a.post("/v1/episodes/ep/reward", json={"reward": 1})).status_code == 404  # rewarded once, wherever
+        metrics = (await b.get("/metrics")).text
+        assert 'rollout_http_requests_total{path="/v1/chat/completions",status="200"} 3.0' in metrics
+
+
+async def test_abort_on_one_front_end_and_a_client_gone_from_the_other_reach_the_engines():
+    async with two_front_ends() as (engine, pool, (a, b)):
+        gates = [e.block() for e in pool.engines]
+        answers: dict[str, httpx.Response] = {}
+
+        async def call(rid: str) -> None:
+            body = {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 3}, "request_id": rid}
+            answers[rid] = await a.post("/inference/v1/generate", json=body)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call, "x")
+            while sum(e.inflight for e in pool.engines) < 1:
+                await anyio.sleep(0.01)
+            assert (await b.post("/abort_requests", json={"request_ids": ["x"]})).json() == {"status": "aborted", "aborted": 1}
+        assert answers["x"].status_code == 499 and answers["x"].json()["error"]["message"] == "aborted by POST /abort_requests"
+        async with anyio.create_task_group() as tg:  # a client of `b` goes away while the engine holds its request
+            tg.start_soon(lambda: b.post("/v1/chat/completions", json={"messages": [user("x")]}))
+            while sum(len(e.requests) for e in pool.engines) < 2:  # it reached an engine
+                await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+        while sum(e.cancelled for e in pool.engines) < 2:  # both engine requests aborted
+            await anyio.sleep(0.01)
+        for g in gates:
+            g.set()
+
+
+@pytest.mark.parametrize(
+    "path, body, status, param",
+    [
+        ("/v1/chat/completions", {"messages": [user("x")], "top_k": 2**40}, 400, "top_k"),  # the engine's InvalidPromptError
+        ("/v1/episodes/none/reward", {"reward": 1}, 404, None),  # the desk's ApiError
+        ("/v1/episodes/none/reward", {"reward": "high"}, 400, "reward"),
+        ("/update_weight_version", {}, 400, "new_version"),
+    ],
+)
+async def test_errors_cross_from_the_desk_in_their_own_shape(path, body, status, param):
+    async with two_front_ends() as (engine, pool, (a, b)):
+        r = await b.post(path, json=body)
+        assert r.status_code == status and r.json()["error"]["param"] == param, r.text
+
+
+async def test_pause_through_one_front_end_is_seen_through_the_other():
+    async with two_front_ends() as (engine, pool, (a, b)):
+        assert (await a.post("/pause", params={"mode": "keep"})).json() == {"status": "paused"}
+        assert (await b.get("/is_paused")).json() == {"is_paused": True}
+        assert (await b.post("/resume")).json() == {"status": "resumed"}
+        assert (await a.get("/is_paused")).json() == {"is_paused": False}
+
+
+async def test_the_engine_busy_crosses_as_429_with_retry_after():
+    async with two_front_ends("queue.max_groups=1") as (engine, pool, (a, b)):
+        for episode in ("e1", "e2"):
+            await a.post("/v1/chat/completions", json={"messages": [user(episode)], "max_tokens": 2, "episode_id": episode})
+        assert (await b.post("/v1/episodes/e1/reward", json={"reward": 1})).status_code == 200
+        full = await b.post("/v1/episodes/e2/reward", json={"reward": 1})
+        assert full.status_code == 429 and full.headers["retry-after"] == "1", full.text
+
+
+async def test_api_servers_processes_serve_one_engine_and_one_restarts_when_killed():
+    with anyio.fail_after(TIMEOUT * 3):
+        async with RolloutEngine(cfg("serve.api_servers=2"), pool=FakePool(2)) as engine:
+            front = await engine.serve(port=0)
+            pids = dict(front.pids)
+            assert sorted(pids) == [0, 1] and len(set(pids.values())) == 2 and os.getpid() not in pids.values()
+            async with openai.AsyncOpenAI(base_url=f"{front.url}/v1", api_key="none", max_retries=0) as client:
+
+                async def ask(i: int) -> str:
+                    r = await client.chat.completions.create(model="tiny", messages=[user(f"q{i}")], max_tokens=3)
+                    return r.choices[0].finish_reason
+
+                answers: list[str] = []
+
+                async def keep(i: int) -> None:
+                    answers.append(await ask(i))
+
+                async with anyio.create_task_group() as tg:  # at once: both processes take connections
+                    for i in range(32):
+                        tg.start_soon(keep, i)
+                assert len(answers) == 32 and all(r in ("stop", "length") for r in answers)
+                os.kill(pids[1], signal.SIGKILL)
+                while front.pids.get(1) in (None, pids[1]):  # started again, and serving
+                    await anyio.sleep(0.05)
+                results = [await ask(i) for i in range(8)]
+                assert all(r in ("stop", "length") for r in results)
+        assert all(proc.poll() is not None for proc in front.procs)  # stopped with the engine
+
+
+def test_front_ends_exit_when_the_driver_is_killed(tmp_path):
+    """The driver SIGKILLed (no chance to stop anything): its front ends see the pipe end and exit."""
+    script = tmp_path / "driver.py"
+    script.write_text(
+        "import anyio, os, sys\n"
+        "from tests.test_frontends import cfg\n"
+        "from tests.fakes import FakePool\n"
+        "from rollout.engine import RolloutEngine\n"
+        "async def main():\n"
+        "    async with RolloutEngine(cfg('serve.api_servers=2'), pool=FakePool(2)) as engine:\n"
+        "        front = await engine.serve(port=0)\n"
+        "        print(*front.pids.values(), flush=True)\n"
+        "        await anyio.sleep_forever()\n"
+        "anyio.run(main)\n"
+    )
+    driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        pids = [int(p) for p in driver.stdout.readline().split()]
+        assert len(pids) == 2, "the driver did not start its front ends"
+    finally:
+        driver.kill()
+        driver.wait()
+    for pid in pids:  # each front end's exit, awaited through a pidfd (they are not our children)
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:  # gone already
+            continue
+        try:
+            assert select.select([fd], [], [], TIMEOUT)[0], f"front end {pid} still runs after the driver was killed"
+        finally:
+            os.close(fd)
+
+
+def test_api_servers_out_of_range_names_the_key():
+    for bad in ("0", "65", "-1"):
+        with pytest.raises(InvalidConfigError, match="serve.api_servers"):
+            cfg(f"serve.api_servers={bad}")
