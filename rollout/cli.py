@@ -5,7 +5,7 @@
     rollout run configs/tiny.yaml --out trajectories.jsonl
     rollout validate configs/tiny.yaml
     rollout bench                         (no CONFIG: the packaged configs/tiny.yaml)
-    rollout serve configs/tiny.yaml --port 8000 [--api-key KEY]
+    rollout serve configs/tiny.yaml --port 8000 [--api-key KEY] [--api-servers 4]
 Exit codes: 0 ok, 2 bad config or input, 1 anything else.
 """
 
@@ -52,12 +52,15 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--host", help="address to listen on (default: serve.host, 127.0.0.1)")
             p.add_argument("--port", type=int, help="port (default: serve.port, 8000; 0: a free one)")
             p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every request")
+            p.add_argument("--api-servers", type=int, metavar="N", help="HTTP front-end processes sharing the port (default: serve.api_servers, 1)")
     args = parser.parse_args(argv)
     args.config = args.config or packaged_config("tiny.yaml")
     try:
         overrides = list(args.override) + (["logging.json=true"] if args.log_json else [])
         if getattr(args, "rounds", None) is not None:
             overrides += [f"bench.rounds={args.rounds}", "bench.repeats=null"]  # the flag wins over the old key
+        if getattr(args, "api_servers", None) is not None:
+            overrides.append(f"serve.api_servers={args.api_servers}")
         cfg = load_config(args.config, overrides)
         return {"bench": _bench, "run": _run, "validate": _validate, "serve": _serve}[args.command](cfg, args)
     except (InvalidConfigError, InvalidPromptError, FileNotFoundError) as e:
