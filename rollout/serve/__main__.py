@@ -9,6 +9,7 @@ import anyio
 from rollout.log import configure
 from rollout.serve.frontends import front_end
 
-settings = pickle.load(sys.stdin.buffer)  # (index, socket fd, pipe fd, desk address, Config, model path, API key)
-configure(settings[4].logging.level, settings[4].logging.json)
-anyio.run(front_end, *settings)
+if __name__ == "__main__":
+    settings = pickle.load(sys.stdin.buffer)  # (index, socket fd, pipe fd, desk address, Config, model path, API key)
+    configure(settings[4].logging.level, settings[4].logging.json)
+    anyio.run(front_end, *settings)
