@@ -28,7 +28,7 @@ import pytest
 from rollout.config import load_config
 from rollout.engine import RolloutEngine
 from rollout.errors import InvalidConfigError
-from rollout.serve import Desk, Server
+from rollout.serve import Desk, Server, frontends
 from rollout.serve.frontends import DeskService, RemoteDesk
 from rollout.serve.io import served_chat
 from tests.fakes import FakePool
@@ -180,6 +180,16 @@ async def test_api_servers_processes_serve_one_engine_and_one_restarts_when_kill
                 results = [await ask(i) for i in range(8)]
                 assert all(r in ("stop", "length") for r in results)
         assert all(proc.poll() is not None for proc in front.procs)  # stopped with the engine
+
+
+async def test_a_front_end_that_cannot_start_fails_serve_naming_it_and_the_engine_serves_on(monkeypatch):
+    monkeypatch.setattr(frontends.sys, "executable", "/bin/false")  # each front end exits at once
+    with anyio.fail_after(TIMEOUT):
+        async with RolloutEngine(cfg("serve.api_servers=2"), pool=FakePool(2)) as engine:
+            with pytest.raises(RuntimeError, match=r"front-end process \d exited with code 1 before serving"):
+                await engine.serve(port=0)
+            groups = await engine.submit([[5, 6, 7]], train=False).result()
+            assert groups[0].trajectories and all(t.ok for t in groups[0].trajectories)
 
 
 def test_front_ends_exit_when_the_driver_is_killed(tmp_path):

@@ -22,6 +22,7 @@ as a RuntimeError naming it). Does not own: HTTP (`rollout.serve.server`), the d
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import os
@@ -90,6 +91,7 @@ class FrontEnds:
         self.procs: list[subprocess.Popen] = []  # a process per front end
         self._life = os.pipe()  # never written: its read end, in every front end, ends when this process does
         self.pids: dict[int, int] = {}  # front end -> the pid that said it serves
+        self._exits: dict[int, int] = {}  # front end -> a pidfd of its process, readable once it exits
         self._service: DeskService | None = None
         self._sock: socket.socket | None = None
         self._all_ready = anyio.Event()
@@ -119,10 +121,11 @@ class FrontEnds:
         pipe nobody writes (end of file once the driver is gone), its settings on stdin."""
         fds = (self._sock.fileno(), self._life[0])
         proc = subprocess.Popen([sys.executable, "-m", "rollout.serve"], stdin=subprocess.PIPE, pass_fds=fds, env=_env())
-        proc.stdin.write(pickle.dumps((index, *fds, self._service.address, self.cfg, self.model_path, self.api_key)))
-        proc.stdin.close()
-        exited = os.pidfd_open(proc.pid)  # readable once it exits
-        asyncio.get_running_loop().add_reader(exited, self._exited, index, proc, exited)
+        with contextlib.suppress(BrokenPipeError):  # it died at once: its exit says so
+            proc.stdin.write(pickle.dumps((index, *fds, self._service.address, self.cfg, self.model_path, self.api_key)))
+            proc.stdin.close()
+        self._exits[index] = exited = os.pidfd_open(proc.pid)  # readable once it exits
+        asyncio.get_running_loop().add_reader(exited, self._exited, index, proc)
         return proc
 
     def _ready(self, index: int, pid: int) -> None:
@@ -130,28 +133,35 @@ class FrontEnds:
         if len(self.pids) == len(self.procs):
             self._all_ready.set()
 
-    def _exited(self, index: int, proc: subprocess.Popen, exited: int) -> None:
-        asyncio.get_running_loop().remove_reader(exited)
-        os.close(exited)
+    def _exited(self, index: int, proc: subprocess.Popen) -> None:
+        self._unwatch(index)
         code = proc.wait()
         if self._stopping:
             return
         if self.pids.pop(index, None) is None:  # it never served: starting again would fail again
             self._failed = f"front-end process {index} exited with code {code} before serving"
+            log.error(f"serve: {self._failed}; not started again")
             self._all_ready.set()
             return
         log.error("serve: a front-end process exited; starting it again", front_end=index, code=code)
         self.procs[index] = self._spawn(index)
 
+    def _unwatch(self, index: int) -> None:
+        if (exited := self._exits.pop(index, None)) is not None:
+            asyncio.get_running_loop().remove_reader(exited)
+            os.close(exited)
+
     async def stop(self) -> None:
         self._stopping = True
-        for proc in self.procs:
+        for index, proc in enumerate(self.procs):
+            self._unwatch(index)
             proc.terminate()
         for proc in self.procs:
             try:
                 await anyio.to_thread.run_sync(proc.wait, 10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+                await anyio.to_thread.run_sync(proc.wait)
         if self._service is not None:
             self._service.close()
         if self._sock is not None:
