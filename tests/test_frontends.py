@@ -155,11 +155,14 @@ async def test_the_engine_busy_crosses_as_429_with_retry_after():
 
 async def test_api_servers_processes_serve_one_engine_and_one_restarts_when_killed():
     with anyio.fail_after(TIMEOUT * 3):
-        async with RolloutEngine(cfg("serve.api_servers=2"), pool=FakePool(2)) as engine:
+        async with RolloutEngine(cfg("serve.api_servers=2", "serve.api_key=k3y"), pool=FakePool(2)) as engine:
             front = await engine.serve(port=0)
             pids = dict(front.pids)
             assert sorted(pids) == [0, 1] and len(set(pids.values())) == 2 and os.getpid() not in pids.values()
-            async with openai.AsyncOpenAI(base_url=f"{front.url}/v1", api_key="none", max_retries=0) as client:
+            async with httpx.AsyncClient(base_url=front.url, timeout=TIMEOUT) as http:  # the key, in every process
+                assert (await http.get("/v1/models")).status_code == 401
+                assert (await http.get("/v1/models", headers={"Authorization": "Bearer k3y"})).json()["data"][0]["id"] == "tiny"
+            async with openai.AsyncOpenAI(base_url=f"{front.url}/v1", api_key="k3y", max_retries=0) as client:
 
                 async def ask(i: int) -> str:
                     r = await client.chat.completions.create(model="tiny", messages=[user(f"q{i}")], max_tokens=3)
