@@ -161,27 +161,69 @@ def test_cli_rejects_bad_config_naming_the_key():
     assert result.returncode == 2 and "engines.cpus_per_engine: expected `int`" in result.stderr
 
 
-def test_cli_serve_prints_its_url_answers_and_stops_cleanly_on_sigterm():
+def test_cli_serve_with_two_front_ends_answers_one_conversation_and_stops_cleanly_on_sigterm():
+    """`rollout serve --api-servers 2`: two front-end processes on one port over a real engine. Turns
+    of a conversation (a new connection each: either process may take it) keep their session and
+    KV, the episode is rewarded, and a SIGTERM to the driver alone takes everything down (the front
+    ends see the pipe the driver held end)."""
+    import httpx
     import openai
 
     before_pids, before_shm = engine_processes(), shm_segments()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rollout.cli", "serve", "configs/tiny.yaml", "--port", "0", "--api-key", "k",
+        [sys.executable, "-m", "rollout.cli", "serve", "configs/tiny.yaml", "--port", "0", "--api-key", "k", "--api-servers", "2",
          *sum((["-o", o] for o in SMALL), [])],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+    front_ends: set[int] = set()
     try:
         while (line := proc.stdout.readline()) and "serving" not in line:
             pass
         assert "serving" in line, proc.stderr.read()[-3000:] if proc.poll() is not None else line
         url = line.split(" at ")[1].strip()
-        client = openai.OpenAI(base_url=url, api_key="k", max_retries=0)
-        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=4)
-        assert len(r.choices[0].message.model_extra["generation_token_ids"]) == 4
+        front_ends = {p for p in _children(proc.pid) if _cmdline(p).endswith("-m rollout.serve")}
+        assert len(front_ends) == 2, [_cmdline(p) for p in _children(proc.pid)]
+        messages, turns = [{"role": "user", "content": "hello " * 60}], []  # a prefix over a KV block
+        for k in range(3):
+            with openai.OpenAI(base_url=url, api_key="k", max_retries=0, timeout=300) as client:
+                r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, extra_body={"episode_id": "e1"})
+            m = r.choices[0].message.model_dump()
+            turns.append(m)
+            messages = [*messages, m, {"role": "user", "content": f"and {k}"}]
+        assert [len(t["generation_token_ids"]) for t in turns] == [4, 4, 4]
+        for a, b in zip(turns, turns[1:]):
+            before = a["prompt_token_ids"] + a["generation_token_ids"]
+            assert b["prompt_token_ids"][: len(before)] == before and b["rollout"]["kv_reused"] > 0
+        reward = httpx.post(url.removesuffix("/v1") + "/v1/episodes/e1/reward", json={"reward": 1.0}, headers={"Authorization": "Bearer k"})
+        assert reward.status_code == 200 and reward.json()["turns"] == 3, reward.text
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert not _wait_gone(engine_processes() - before_pids), "engine or Ray processes outlived the server"
+    deadline = time.monotonic() + 60
+    while (left := {p for p in front_ends if _running(p)}) and time.monotonic() < deadline:
+        time.sleep(0.5)  # polling the OS process table; nothing to wait on
+    assert not left, f"front-end processes outlived the server: {left}"
     assert shm_segments() <= before_shm
+
+
+def _children(pid: int) -> set[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return {int(p) for p in out.split()}
+
+
+def _running(pid: int) -> bool:
+    """Not exited (a zombie nobody has reaped yet has exited)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""
