@@ -125,6 +125,8 @@ async def test_abort_on_one_front_end_and_a_client_gone_from_the_other_reach_the
     "path, body, status, param",
     [
         ("/v1/chat/completions", {"messages": [user("x")], "top_k": 2**40}, 400, "top_k"),  # the engine's InvalidPromptError
+        ("/v1/chat/completions", {"messages": [user("x")], "seed": 2**70}, 400, "seed"),  # no int msgpack carries
+        ("/inference/v1/generate", {"token_ids": [5], "sampling_params": {"top_k": -(2**64)}}, 400, "sampling_params.top_k"),
         ("/v1/episodes/none/reward", {"reward": 1}, 404, None),  # the desk's ApiError
         ("/v1/episodes/none/reward", {"reward": "high"}, 400, "reward"),
         ("/update_weight_version", {}, 400, "new_version"),

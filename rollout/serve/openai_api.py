@@ -171,6 +171,8 @@ def sampling(data: dict[str, Any], where: str = "") -> dict[str, Any]:
             raise ApiError(400, f"{where}{key}: expected {'an integer' if kind is int else 'a number'}, got {value!r}", where + key)
         if kind is float and not math.isfinite(value):
             raise ApiError(400, f"{where}{key}: expected a finite number, got {value!r}", where + key)
+        if kind is int and not -(2**63) <= value < 2**63:  # what msgpack carries (to a front end's desk, to the engines)
+            raise ApiError(400, f"{where}{key}: expected an integer in [-2^63, 2^63), got {value!r}", where + key)
         out[key] = value
     if out.get("top_k") == -1:
         out["top_k"] = 0
