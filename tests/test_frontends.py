@@ -130,6 +130,8 @@ async def test_abort_on_one_front_end_and_a_client_gone_from_the_other_reach_the
         ("/v1/episodes/none/reward", {"reward": 1}, 404, None),  # the desk's ApiError
         ("/v1/episodes/none/reward", {"reward": "high"}, 400, "reward"),
         ("/update_weight_version", {}, 400, "new_version"),
+        ("/v1/episodes/none/reward", {"reward": 2**70}, 400, None),  # values no msgpack carries, wherever they sit
+        ("/init_weight_transfer_engine", {"init_info": {"x": [2**64]}}, 400, None),
     ],
 )
 async def test_errors_cross_from_the_desk_in_their_own_shape(path, body, status, param):

@@ -253,10 +253,14 @@ class RemoteDesk:
 
     async def _call(self, op: str, *args: Any) -> Any:
         call_id = next(self._ids)
+        try:
+            frame = encode((call_id, op, args))
+        except (OverflowError, TypeError) as e:  # what the request held: an int msgpack cannot carry
+            raise ApiError(400, f"a value in the request is out of range: {e}") from e
         future = asyncio.get_running_loop().create_future()
         self._calls[call_id] = (future, op)
         try:
-            self._sock.send_multipart([encode((call_id, op, args))])
+            self._sock.send_multipart([frame])
             return await future
         except asyncio.CancelledError:
             if future.cancelled():  # given up before the answer came: the desk's task is cancelled too
