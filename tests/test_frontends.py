@@ -53,7 +53,6 @@ async def two_front_ends(*overrides: str) -> AsyncIterator[tuple[RolloutEngine, 
             servers, clients = [], []
             for _ in range(2):
                 desk = RemoteDesk(service.address)
-                desk.start()
                 server = Server(desk, engine.cfg, chat)
                 await server.start(engine._tg, port=0)
                 servers.append(server)
@@ -130,6 +129,8 @@ async def test_abort_on_one_front_end_and_a_client_gone_from_the_other_reach_the
         ("/v1/episodes/none/reward", {"reward": 1}, 404, None),  # the desk's ApiError
         ("/v1/episodes/none/reward", {"reward": "high"}, 400, "reward"),
         ("/update_weight_version", {}, 400, "new_version"),
+        ("/start_weight_update", {}, 409, None),  # out of order (no init); the desk's `start`, not the proxy's own
+        ("/finish_weight_update", {}, 409, None),
         ("/v1/episodes/none/reward", {"reward": 2**70}, 400, None),  # values no msgpack carries, wherever they sit
         ("/init_weight_transfer_engine", {"init_info": {"x": [2**64]}}, 400, None),
     ],
@@ -230,6 +231,12 @@ def test_front_ends_exit_when_the_driver_is_killed(tmp_path):
             assert select.select([fd], [], [], TIMEOUT)[0], f"front end {pid} still runs after the driver was killed"
         finally:
             os.close(fd)
+
+
+def test_a_remote_desk_answers_to_every_desk_call_and_hides_none():
+    """Each call the desk serves is a call over the socket: no name of the proxy's own shadows one."""
+    assert frontends.CALLS | {"record"} <= {name for name in dir(Desk) if not name.startswith("_")}  # "ready": the service's
+    assert not [name for name in vars(RemoteDesk) if not name.startswith("_")]
 
 
 def test_api_servers_out_of_range_names_the_key():

@@ -230,15 +230,15 @@ class DeskService:
 
 
 class RemoteDesk:
-    """A front end's desk: the desk's methods by name, each a call over the socket to the driver."""
+    """A front end's desk: the desk's methods by name, each a call over the socket to the driver.
+    Made on the event loop that makes the calls. No public name of its own: each would hide the
+    desk's method of that name (a `start` here once answered `/start_weight_update`)."""
 
     def __init__(self, address: str):
         self._sock = FrameSocket(zmq.DEALER)
         self._sock.sock.connect(address)
         self._calls: dict[int, tuple[asyncio.Future, str]] = {}
         self._ids = itertools.count(1)
-
-    def start(self) -> None:
         self._sock.start(self._frames)
 
     def __getattr__(self, op: str) -> Any:
@@ -305,7 +305,6 @@ def _env() -> dict[str, str]:
 async def front_end(index: int, sock_fd: int, life_fd: int, address: str, cfg: Config, model_path: str, api_key: str | None) -> None:
     """The HTTP half on the listening socket over the desk at `address`, until the driver is gone."""
     desk = RemoteDesk(address)
-    desk.start()
     server = Server(desk, cfg, io.served_chat(model_path, cfg.model.max_model_len), api_key)
     driver_gone = anyio.Event()
     asyncio.get_running_loop().add_reader(life_fd, driver_gone.set)
