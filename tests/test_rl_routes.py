@@ -36,9 +36,10 @@ def cfg(tmp_path):
 
 
 @contextlib.asynccontextmanager
-async def served(cfg, api_key: str | None = None):
+async def served(cfg, api_key: str | None = None, api_servers: int = 1):
     pool = FakePool(2)
-    with anyio.fail_after(TIMEOUT):
+    cfg = msgspec.structs.replace(cfg, serve=msgspec.structs.replace(cfg.serve, api_servers=api_servers))
+    with anyio.fail_after(TIMEOUT * 2):
         async with RolloutEngine(cfg, pool=pool) as engine:
             server = await engine.serve(port=0, api_key=api_key)
             async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT) as http:
@@ -82,8 +83,12 @@ def conflict(r: httpx.Response, call: str) -> None:
     assert err["code"] == 409 and err["type"] == "Conflict" and call in err["message"], err
 
 
-async def test_vllms_http_client_drives_a_round_between_pause_and_resume(cfg):
-    async with served(cfg) as (engine, server, pool, http):
+FRONT_ENDS = pytest.mark.parametrize("api_servers", [1, 2], ids=["in-process", "2-front-end-processes"])
+
+
+@FRONT_ENDS
+async def test_vllms_http_client_drives_a_round_between_pause_and_resume(cfg, api_servers):
+    async with served(cfg, api_servers=api_servers) as (engine, server, pool, http):
         assert (await http.get("/get_world_size")).json() == {"world_size": 2}
         for no in ("false", "0", "off", "No"):  # as FastAPI reads vLLM's bool query
             assert (await http.get("/get_world_size", params={"include_dp": no})).json() == {"world_size": 1}
@@ -112,8 +117,9 @@ async def test_vllms_http_client_drives_a_round_between_pause_and_resume(cfg):
         t.shutdown()
 
 
-async def test_calls_out_of_order_answer_409_naming_the_call_and_the_epoch_stays(cfg):
-    async with served(cfg) as (engine, server, pool, http):
+@FRONT_ENDS
+async def test_calls_out_of_order_answer_409_naming_the_call_and_the_epoch_stays(cfg, api_servers):
+    async with served(cfg, api_servers=api_servers) as (engine, server, pool, http):
         conflict(await http.post("/finish_weight_update"), "finish_weight_update called without start_weight_update")
         conflict(await http.post("/update_weights", json={"update_info": {"names": []}}), "update_weights called without start_weight_update")
         conflict(await http.post("/start_weight_update"), "start_weight_update called before init_weight_transfer_engine")
