@@ -89,7 +89,7 @@ class FrontEnds:
         self.model = self.cfg.serve.model_name or self.cfg.model.path
         self.url = ""
         self.procs: list[subprocess.Popen] = []  # a process per front end
-        self._life = os.pipe()  # never written: its read end, in every front end, ends when this process does
+        self._life: tuple[int, ...] = ()  # a pipe never written: its read end, in every front end, ends when this process does
         self.pids: dict[int, int] = {}  # front end -> the pid that said it serves
         self._exits: dict[int, int] = {}  # front end -> a pidfd of its process, readable once it exits
         self._service: DeskService | None = None
@@ -104,6 +104,7 @@ class FrontEnds:
         serve_cfg = self.cfg.serve
         host, port = host or serve_cfg.host, serve_cfg.port if port is None else port
         self._sock = io.listen(host, port)
+        self._life = os.pipe()
         self._service = DeskService(self.desk, self._ready)
         self._service.start()
         self.procs = [self._spawn(i) for i in range(serve_cfg.api_servers)]
