@@ -1,12 +1,14 @@
 """The driver's handle on one engine actor: `RayEngine`, the `rollout.scheduling.protocols.Engine` the scheduler
-runs groups on. Groups and their samples cross the zmq data path (`actors.channel`); everything
-else (the `serve` call that lasts as long as the engine, progress reports, weight updates, stats,
-kill) is a Ray call, its errors translated into `rollout.errors`.
+runs groups on. Groups and their samples cross the zmq data path (`actors.channel`), and so do,
+once the engine is connected, progress reports and the per-update calls (`policies.group_calls.CALLS`,
+unless an argument is an ObjectRef); everything else (the `serve` call that lasts as long as the
+engine, stats, kill) is a Ray call, its errors translated into `rollout.errors`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections import deque
 from collections.abc import AsyncIterator
@@ -14,10 +16,12 @@ from typing import Any
 
 import msgspec
 import ray
+import zmq
 from ray.exceptions import RayActorError, RayTaskError
 
 from actors.channel import Channel
-from policies.group_calls import CANCEL, FAILED, HELLO, PROGRESS, RESULTS, SUBMIT
+from policies.group_calls import ANSWER, CALL, CALLS, CANCEL, FAILED, HELLO, PROGRESS, RESULTS, SUBMIT
+from rollout import errors
 from rollout.errors import EngineDeadError, InvalidPromptError, RetryableError, RolloutError
 from rollout.log import get_logger
 from rollout.packed import encode
@@ -47,6 +51,8 @@ class RayEngine:
         self._serving: asyncio.Task | None = None  # the `serve` call, while it lasts
         self._connected = False  # the engine said hello on this `serve` call
         self._reports: deque[asyncio.Future] = deque()  # progress reports asked for on the data path, in order
+        self._calls: dict[int, asyncio.Future] = {}  # id -> a call of `CALLS` asked for on the data path
+        self._call_ids = itertools.count()
 
     async def generate_group(self, requests: list[Request]) -> AsyncIterator[Trajectory]:
         # Each sample comes back as it finishes, so the scheduler gives its slot on this engine to
@@ -82,12 +88,19 @@ class RayEngine:
             error = e
         finally:
             self._serving, self._connected = None, False
-        while self._reports:  # asked for on a `serve` call that ended: it will never answer
-            if not (report := self._reports.popleft()).done():
-                report.set_exception(_copy(error) if isinstance(error, RolloutError) else EngineDeadError(f"engine {self.engine_id}: {error}"))
         if self._waiting:
             log.error("engine results lost", engine=self.engine_id, groups=len(self._waiting), error=f"{type(error).__name__}: {error}")
-            self._fail(error, list(self._waiting))
+        self._lost(error)
+
+    def _lost(self, error: Exception) -> None:
+        """The `serve` call ended: whatever was asked for on it (groups, reports, calls) fails with `error`."""
+        self._fail(error, list(self._waiting))
+        asked = [*self._reports, *self._calls.values()]
+        self._reports.clear()
+        self._calls.clear()
+        for future in asked:
+            if not future.done():
+                future.set_exception(_copy(error) if isinstance(error, RolloutError) else EngineDeadError(f"engine {self.engine_id}: {error}"))
 
     def _on_frame(self, kind: bytes, payload: bytes) -> None:
         if kind == RESULTS:
@@ -115,6 +128,13 @@ class RayEngine:
                     report.set_result(payload)
                 else:
                     report.set_exception(EngineDeadError(payload.decode(errors="replace")))
+        elif kind == ANSWER:
+            call_id, error, value = msgspec.msgpack.decode(payload, type=tuple[int, list[str] | None, Any])
+            if (future := self._calls.pop(call_id, None)) is not None and not future.done():
+                if error is None:
+                    future.set_result(value)
+                else:
+                    future.set_exception(self._rebuilt(*error))
         elif kind == HELLO and self._serving is not None:
             self._connected = True
             self._submit()
@@ -175,7 +195,8 @@ class RayEngine:
         if self._serving is not None:
             self._serving.cancel()
         self._channel.unregister(self._identity)
-        self._fail(EngineDeadError(f"engine {self.engine_id} was shut down"), list(self._waiting))
+        self._connected = False
+        self._lost(EngineDeadError(f"engine {self.engine_id} was shut down"))
 
     async def stats(self) -> EngineStats:
         return await self._call(self.actor.stats.remote())
@@ -204,17 +225,53 @@ class RayEngine:
         return await self._call(self.actor.batch.remote())
 
     async def stage_weights(self, epoch: int, weights: Any) -> int:
-        return await self._call(self.actor.stage_weights.remote(epoch, weights))
+        return await self.call("stage_weights", epoch, weights)
 
     async def drop_weights(self, epoch: int) -> None:
-        await self._call(self.actor.drop_weights.remote(epoch))
+        await self.call("drop_weights", epoch)
 
     async def commit_weights(self, epoch: int) -> dict[str, float]:
-        return await self._call(self.actor.commit_weights.remote(epoch))
+        return await self.call("commit_weights", epoch)
 
     async def call(self, method: str, *args: Any) -> Any:
-        """The policy's `method` (vLLM's weight-transfer calls, `rollout.weights.transfer`)."""
-        return await self._call(getattr(self.actor, method).remote(*args))
+        """The policy's `method` (a weight update's phases, vLLM's weight-transfer calls): one of
+        `CALLS` on the data path once the engine is connected, a frame each way; through Ray before,
+        or when an argument is what msgpack does not carry (an ObjectRef to the weights)."""
+        frame = self._frame(method, args) if self._connected and method in CALLS else None
+        if frame is None:
+            return await self._call(getattr(self.actor, method).remote(*args))
+        call_id, payload = frame
+        future = self._calls[call_id] = asyncio.get_running_loop().create_future()
+        try:
+            self._channel.send(self._identity, CALL, payload)
+            return await future
+        except asyncio.CancelledError:
+            if future.cancelled() and self._connected:  # given up: the engine cancels it, as `ray.cancel` would
+                with contextlib.suppress(Exception):
+                    self._channel.send(self._identity, CALL, msgspec.msgpack.encode((call_id, None, [])))
+            raise
+        except zmq.ZMQError as e:  # not connected any more: the engine is gone (its `serve` call ends with it)
+            raise EngineDeadError(f"engine {self.engine_id}: {method}: the data path is closed: {e}") from e
+        finally:
+            self._calls.pop(call_id, None)
+
+    def _frame(self, method: str, args: tuple) -> tuple[int, bytes] | None:
+        """The call's frame, if its arguments arrive as sent (not an ObjectRef; not a dataclass
+        that would arrive as a dict, nor a tuple as a list): else Ray carries it."""
+        call_id = next(self._call_ids)
+        try:
+            payload = msgspec.msgpack.encode((call_id, method, args))
+        except (TypeError, OverflowError):
+            return None
+        return (call_id, payload) if msgspec.msgpack.decode(payload)[2] == list(args) else None
+
+    def _rebuilt(self, kind: str, message: str) -> RolloutError:
+        """An error a call on the data path raised in the engine, as `_translate` makes it of Ray's."""
+        cls = getattr(errors, kind, None)
+        if isinstance(cls, type) and issubclass(cls, RolloutError):
+            with contextlib.suppress(Exception):
+                return cls(message)
+        return RetryableError(f"engine {self.engine_id}: {message}")
 
     async def run_raw(self, requests: list[Request], outputs: bool = False) -> dict:
         return await self._call(self.actor.run_raw.remote(requests, outputs))

@@ -66,6 +66,7 @@ class Options(msgspec.Struct, frozen=True):
     warmup: float = 5.0
     duration: float = 20.0
     update_every: float = 5.0  # 0: no updates
+    update_with: str = "store"  # "store": a state dict (Ray's object store); "dir": a directory (every call a frame)
     kill: tuple[int, float] | None = None
     stall: tuple[int, float] | None = None
     durable: str | None = None
@@ -236,7 +237,7 @@ async def _drive(o: Options, engine: RolloutEngine, pool: SimPool, prompts: list
     async def updater() -> None:
         while o.update_every:
             await asyncio.sleep(o.update_every)
-            await engine.update_weights(WEIGHTS)
+            await engine.update_weights(WEIGHTS if o.update_with == "store" else engine.cfg.model.path)
 
     async def faults() -> None:
         for event, act in sorted(((o.kill, pool.kill), (o.stall, pool.stall)), key=lambda x: x[0][1] if x[0] else 0):
@@ -342,6 +343,9 @@ def parse(argv: list[str] | None) -> tuple[Options, str | None]:
     p.add_argument("--preempt", type=float, default=0.02, help="fraction of samples preempted once")
     p.add_argument("--load-s", type=float, default=0.05, help="each engine's pause per weight update")
     p.add_argument("--update-every", type=float, default=5.0, help="s between weight updates (0: none)")
+    p.add_argument("--update-with", choices=("store", "dir"), default="store",
+                   help="store: a state dict through Ray's object store (its ObjectRef takes a Ray call per engine); "
+                        "dir: a model directory (every call of the update a frame on the data path, as the trainer API's)")  # fmt: skip
     p.add_argument("--queued", type=int, default=None, help="engines.queued_per_engine (default: --capacity)")
     p.add_argument("--batch", type=int, default=8, help="groups per learner batch")
     p.add_argument("--hosts", type=int, default=4, help="Ray actors simulating the engines")
@@ -367,7 +371,7 @@ def parse(argv: list[str] | None) -> tuple[Options, str | None]:
         raise ValueError(f"--gc-threshold: expected up to 3 integers >= 0, got {a.gc_threshold!r}")
     spec = SimSpec(tokens_per_s=a.tokens_per_s, ttft_s=a.ttft, capacity=a.capacity, length=a.length, preempt=a.preempt, load_s=a.load_s)
     o = Options(engines=engines, spec=spec, max_tokens=a.max_tokens, prompt_len=a.prompt_len, n=a.n, batch=a.batch, queued=a.capacity if a.queued is None else a.queued, hosts=a.hosts,
-                warmup=a.warmup, duration=a.duration, update_every=a.update_every, durable=a.durable, profile=a.profile, freeze=a.freeze, gc_threshold=threshold,
+                warmup=a.warmup, duration=a.duration, update_every=a.update_every, update_with=a.update_with, durable=a.durable, profile=a.profile, freeze=a.freeze, gc_threshold=threshold,
                 kill=_event(a.kill, "--kill") if a.kill else None, stall=_event(a.stall, "--stall") if a.stall else None)  # fmt: skip
     check(o)
     return o, a.report

@@ -8,7 +8,7 @@ Owns: the submitted groups' tasks (a cancel frame stops them) and their results 
 task, unless the driver cancelled it, ends in one `GroupResult` per sample or in one with the
 error that ended it: nothing the driver waits for can vanish while the engine lives (and when it
 dies, the driver's `serve` call fails). Progress reports the driver asks for on the socket are
-answered there. Does not own: running a group (`VLLMPolicy.stream_group`; an engine without one
+answered there, and so are the per-update calls of `CALLS`. Does not own: running a group (`VLLMPolicy.stream_group`; an engine without one
 runs `finish_group` and sends its samples together), what a report holds (`progress`).
 """
 
@@ -27,6 +27,12 @@ from rollout.types import GroupResult, Request, Trajectory
 
 HELLO, SUBMIT, CANCEL, RESULTS = b"h", b"s", b"c", b"r"  # a frame's kind, its first part
 PROGRESS, FAILED = b"p", b"f"  # a progress report asked for and answered; or why it cannot be
+CALL, ANSWER = b"k", b"a"  # one of `CALLS` asked for (msgpack `[id, name, args]`; name None: cancel it) and answered
+# The engine's per-update calls that travel the data path once it is connected (a Ray call costs
+# each end ~0.3 ms of CPU, 2 x 256 per weight update at 256 engines); Ray carries them before, and
+# whatever msgpack cannot carry (an ObjectRef to weights in the object store).
+CALLS = frozenset({"stage_weights", "drop_weights", "commit_weights", "init_transfer", "start_transfer", "transfer",
+                   "finish_transfer", "pause_generation", "resume_generation"})  # fmt: skip
 
 
 class FrameSocket:
@@ -102,6 +108,7 @@ class GroupCalls:
         self._groups: dict[str, asyncio.Task] = {}  # key -> the task running that submitted group
         self._results: list[GroupResult] = []  # finished samples not sent yet
         self._sock: FrameSocket | None = None  # the driver's data path, while `serve` runs
+        self._calls: dict[int, asyncio.Task] = {}  # id -> the task answering that call of the driver's
 
     async def finish_group(self, requests: list[Request]) -> list[Trajectory]:
         raise NotImplementedError
@@ -127,6 +134,8 @@ class GroupCalls:
                     self.cancel(msgspec.msgpack.decode(payload, type=list[str]))
                 elif kind == PROGRESS:
                     self.report(sock)
+                elif kind == CALL:
+                    self.call(sock, payload)
             except Exception as e:  # a frame this end cannot take: the call ends, and the driver sees why
                 if not failed.done():
                     failed.set_exception(e)
@@ -153,6 +162,38 @@ class GroupCalls:
         except Exception as e:  # vLLM's engine core died (EngineDeadError): the driver kills this engine
             frame = [FAILED, f"engine {self.engine_id}: health report failed: {type(e).__name__}: {e}".encode()]
         sock.send_multipart(frame)
+
+    def call(self, sock: FrameSocket, payload: bytes) -> None:
+        """One of `CALLS`, asked for on the data path: run it, answer on `sock` (a name of None: the
+        driver gave up on that call, which is cancelled, as Ray cancels an actor call)."""
+        call_id, name, args = msgspec.msgpack.decode(payload, type=tuple[int, str | None, list])
+        if name is None:
+            if (task := self._calls.pop(call_id, None)) is not None:
+                task.cancel()
+        else:
+            self._calls[call_id] = asyncio.ensure_future(self._answer(sock, call_id, name, args))
+
+    async def _answer(self, sock: FrameSocket, call_id: int, name: str, args: list) -> None:
+        try:
+            if name not in CALLS:
+                raise ValueError(f"{name!r} is not a call of the data path")
+            reply: tuple = (call_id, None, await getattr(self, name)(*args))
+        except asyncio.CancelledError:
+            if call_id not in self._calls:  # the driver gave it up: nobody waits for the answer
+                raise
+            reply = (call_id, ["RetryableError", f"{name} was cancelled inside the engine"], None)
+        except Exception as e:  # the driver raises it, as Ray would have: rebuilt if one of ours
+            reply = (call_id, [type(e).__name__, str(e)], None)
+        finally:
+            self._calls.pop(call_id, None)
+        try:
+            payload = msgspec.msgpack.encode(reply)
+        except (TypeError, OverflowError) as e:
+            payload = msgspec.msgpack.encode((call_id, ["TypeError", f"{name}'s answer does not encode: {e}"], None))
+        try:
+            sock.send_multipart([ANSWER, payload])
+        except zmq.ZMQError:  # the driver's end closed (its `serve` call ended, and failed this call)
+            pass
 
     def submit(self, batch: bytes) -> None:
         """Start groups: msgpack `[(key, requests)]`. Each comes back once as results, unless cancelled;

@@ -41,3 +41,24 @@ async def as_finished(coros: Iterable[Awaitable[T]]) -> AsyncIterator[T]:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def fan_out(calls: Iterable[Awaitable[T]], per_turn: int = 16) -> list[T | BaseException]:
+    """`asyncio.gather(*calls, return_exceptions=True)`, starting at most `per_turn` calls per turn
+    of the event loop.
+
+    Starting a Ray actor call costs its caller ~0.2-0.3 ms of CPU: one per engine of 256 started
+    in one turn hold the loop for ~60 ms, and every group an engine finishes meanwhile waits behind
+    them. Between turns the loop reads its sockets. Cancelled, it cancels the calls it started.
+    """
+    tasks: list[asyncio.Future[T]] = []
+    try:
+        for call in calls:  # the next call is made only when it starts (a coroutine made and dropped warns)
+            tasks.append(asyncio.ensure_future(call))
+            if len(tasks) % per_turn == 0:
+                await asyncio.sleep(0)
+        return await asyncio.gather(*tasks, return_exceptions=True)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        raise

@@ -33,11 +33,13 @@ class TextVllm(FakeVllm):
 
 class LocalActor:
     """What `RayEngine` uses of an actor handle: `actor.method.remote(*args)` -> an awaitable.
-    `fail[name]`: that call raises it when made (as `.remote()` does when Ray refuses a call)."""
+    `fail[name]`: that call raises it when made (as `.remote()` does when Ray refuses a call);
+    `made`: the names of the calls made, in order (what went through Ray, not the data path)."""
 
     def __init__(self, target: Any):
         self.target = target
         self.fail: dict[str, BaseException] = {}
+        self.made: list[str] = []
 
     def __getattr__(self, name: str) -> _Method:
         return _Method(self, name)
@@ -48,6 +50,7 @@ class _Method:
         self.actor, self.name = actor, name
 
     def remote(self, *args: Any) -> asyncio.Future:
+        self.actor.made.append(self.name)
         if (error := self.actor.fail.get(self.name)) is not None:
             raise error
         result = getattr(self.actor.target, self.name)(*args)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from rollout.aio import fan_out
 from rollout.config import Config
 from rollout.errors import EngineClosedError, EngineDeadError, WeightSyncError
 from rollout.log import get_logger
@@ -199,13 +200,13 @@ class WeightUpdates:
         seen it a moment earlier), and its restart loads whatever epoch is current by then. Any
         other failure (a live engine that cannot take the weights), or none left alive, calls the
         update off: WeightSyncError, no engine changed."""
-        received = await asyncio.gather(*(e.stage_weights(epoch, shared) for e in engines), return_exceptions=True)
+        received = await fan_out(e.stage_weights(epoch, shared) for e in engines)
         bad = failures(live, received)
         dead = {i: bad[i] for i, r in zip(live, received) if isinstance(r, EngineDeadError)}
         for i, reason in dead.items():
             self.lost(i, reason)
         if len(bad) > len(dead) or len(dead) == len(live):
-            await asyncio.gather(*(e.drop_weights(epoch) for i, e in zip(live, engines) if i not in dead), return_exceptions=True)
+            await fan_out(e.drop_weights(epoch) for i, e in zip(live, engines) if i not in dead)
             raise WeightSyncError(f"epoch {epoch}: weights did not reach {describe(bad)}; no engine changed", list(bad))
         if dead:
             log.warning("engine found dead at a weight update: out of rotation, the update goes on without it",
@@ -257,7 +258,7 @@ class WeightUpdates:
         # times the load itself; a slow generation is not a failed load.
         wait = None if mode == "drain" else timeout
 
-        results = await asyncio.gather(*(asyncio.wait_for(e.commit_weights(epoch), wait) for e in engines), return_exceptions=True)
+        results = await fan_out(asyncio.wait_for(e.commit_weights(epoch), wait) for e in engines)
         bad = failures(live, results, f"no answer within weight_sync.timeout_s={timeout}")
         for i in bad:
             self.lost(i, bad[i])
