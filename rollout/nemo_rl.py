@@ -33,6 +33,7 @@ import anyio.lowlevel
 import anyio.to_thread
 import msgspec
 
+from rollout.aio import fan_out
 from rollout.config import Config
 from rollout.engine import RolloutEngine
 from rollout.errors import RolloutError, WeightSyncError
@@ -238,7 +239,7 @@ class RolloutGeneration:
 
     async def ainvalidate_kv_cache(self) -> bool:
         async def reset() -> bool:
-            results = await asyncio.gather(*(e.reset_prefix_cache() for e in self.engine.pool.engines), return_exceptions=True)
+            results = await fan_out(e.reset_prefix_cache() for e in self.engine.pool.engines)
             return not any(isinstance(r, BaseException) for r in results)
 
         return await self._on_engine(reset)

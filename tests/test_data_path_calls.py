@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 
 import anyio
 import pytest
@@ -185,7 +186,7 @@ async def test_fan_out_lets_the_loop_turn_between_every_few_calls():
     results = await fan_out((call(k) for k in range(100)), per_turn=16)
     done = True
     assert results == list(range(100))
-    steps = [b - a for a, b in zip(seen, seen[1:])]
+    steps = [b - a for a, b in itertools.pairwise(seen)]
     assert max(steps) <= 16 and seen[-1] == 100, seen  # asyncio.gather: [0, 100]
 
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import anyio
 import msgspec
 
+from rollout.aio import fan_out
 from rollout.errors import EngineDeadError, InvalidConfigError
 from rollout.handoff.staleness import StalenessStats
 from rollout.log import get_logger
@@ -135,7 +136,7 @@ class EngineMetrics:
         assert self._engine.pool is not None
         async with self._refreshing:  # two readings interleaved would count one stretch twice
             engines = list(self._engine.pool.engines)
-            stats = await asyncio.gather(*(e.stats() for e in engines), return_exceptions=True)
+            stats = await fan_out(e.stats() for e in engines)
             for i, s in enumerate(stats):
                 if isinstance(s, EngineDeadError):
                     continue

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from msgspec import Struct, field
 
+from rollout.aio import fan_out
 from rollout.errors import EngineClosedError, EngineDeadError
 from rollout.log import get_logger
 from rollout.types import SpecCounters
@@ -159,7 +160,7 @@ class SpecDecodeMeter:
         if pool is None:
             raise EngineClosedError("spec decode meter: the engine is not running")
         engines = pool.engines
-        got = await asyncio.gather(*(e.spec_counters() for e in engines), return_exceptions=True)
+        got = await fan_out(e.spec_counters() for e in engines)
         for r in got:
             if isinstance(r, BaseException) and not isinstance(r, EngineDeadError):
                 raise r

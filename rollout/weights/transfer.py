@@ -48,6 +48,7 @@ from typing import Any
 
 import anyio
 
+from rollout.aio import fan_out
 from rollout.errors import EngineDeadError, InvalidWeightsError, WeightSyncError
 from rollout.log import get_logger
 from rollout.types import UpdateStats
@@ -100,8 +101,8 @@ class WeightTransfer:
                 )  # fmt: skip
             infos = [{**init_info, "rank_offset": offset + k * workers} if "rank_offset" in init_info else init_info for k in range(len(live))]
             engines = [self.u.pool.engines[i] for i in live]
-            got = await asyncio.gather(*(asyncio.wait_for(e.call("init_transfer", info), self.u.cfg.weight_sync.timeout_s)
-                                         for e, info in zip(engines, infos)), return_exceptions=True)  # fmt: skip
+            got = await fan_out(asyncio.wait_for(e.call("init_transfer", info), self.u.cfg.weight_sync.timeout_s)
+                                for e, info in zip(engines, infos))  # fmt: skip
             if bad := failures(live, got):
                 self.members = None
                 raise WeightSyncError(f"init_weight_transfer_engine failed on {describe(bad)}", sorted(bad))
@@ -156,10 +157,10 @@ class WeightTransfer:
     async def _start_engines(self, rnd: _Round) -> None:
         """Every engine starts vLLM's update (pausing first unless its backend stages the bytes:
         `policies.weight_loading`), or none stays changed."""
-        got = await asyncio.gather(*(e.call("start_transfer", rnd.epoch) for e in rnd.engines), return_exceptions=True)
+        got = await fan_out(e.call("start_transfer", rnd.epoch) for e in rnd.engines)
         if bad := failures(rnd.live, got):
             ok = [e for e, r in zip(rnd.engines, got) if not isinstance(r, BaseException)]
-            await asyncio.gather(*(e.call("finish_transfer", rnd.epoch, False) for e in ok), return_exceptions=True)
+            await fan_out(e.call("finish_transfer", rnd.epoch, False) for e in ok)
             for i, r in zip(rnd.live, got):
                 if isinstance(r, EngineDeadError):
                     self.u.lost(i, bad[i])
@@ -172,7 +173,7 @@ class WeightTransfer:
     async def _transfer(self, rnd: _Round, update_info: Any) -> None:
         live = [i for i in rnd.live if i not in rnd.bad]
         engines = [e for i, e in zip(rnd.live, rnd.engines) if i not in rnd.bad]
-        got = await asyncio.gather(*(e.call("transfer", update_info) for e in engines), return_exceptions=True)
+        got = await fan_out(e.call("transfer", update_info) for e in engines)
         for i, reason in failures(live, got).items():
             rnd.bad[i] = reason
             self.u.failed_transfer(i)
@@ -257,7 +258,7 @@ class WeightTransfer:
         live = [i for i in rnd.live if i not in rnd.bad]
         engines = [e for i, e in zip(rnd.live, rnd.engines) if i not in rnd.bad]
         t0 = time.perf_counter()
-        got = await asyncio.gather(*(e.call("finish_transfer", rnd.epoch) for e in engines), return_exceptions=True)
+        got = await fan_out(e.call("finish_transfer", rnd.epoch) for e in engines)
         for i, reason in failures(live, got).items():
             rnd.bad[i] = reason
             self.u.lost(i, reason)

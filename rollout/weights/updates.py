@@ -325,7 +325,7 @@ class WeightUpdates:
     async def on_live(self, method: str, *args: Any) -> list[Any]:
         """vLLM's `method` on every live engine at once; raises the first failure (naming the engine)."""
         live = [(i, self.pool.engines[i]) for i in self.members()]
-        got = await asyncio.gather(*(e.call(method, *args) for _, e in live), return_exceptions=True)
+        got = await fan_out(e.call(method, *args) for _, e in live)
         for (i, _), r in zip(live, got):
             if isinstance(r, BaseException):
                 raise EngineDeadError(f"{method}: engine {i}: {type(r).__name__}: {r}") from r
