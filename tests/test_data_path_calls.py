@@ -18,8 +18,10 @@ import dataclasses
 import itertools
 
 import anyio
+import msgspec
 import pytest
 
+from policies.group_calls import CALL
 from rollout.aio import fan_out
 from rollout.config import Config, load_config
 from rollout.errors import EngineDeadError, InvalidWeightsError, RetryableError
@@ -216,3 +218,25 @@ async def test_fan_out_returns_errors_in_place_and_cancelled_it_cancels_what_it_
         await waiting
     await asyncio.sleep(0)
     assert 4 <= len(started) < 40 and sorted(cancelled) == sorted(started)
+
+
+async def test_a_call_frame_naming_anything_else_is_refused_and_the_engine_serves_on(cfg):
+    """The engine runs only `CALLS` from a call frame: a frame naming another method (`shutdown`,
+    a dunder) is answered with an error naming it, nothing runs, and groups go on."""
+    pool = await connected(cfg)
+    engine, policy = pool.engines[0], pool.policies[0]
+    ran: list[str] = []
+    policy.shutdown = lambda *a: ran.append("shutdown")
+    loop = asyncio.get_running_loop()
+    try:
+        with anyio.fail_after(TIMEOUT):
+            for call_id, name in ((1001, "shutdown"), (1002, "__init__"), (1003, "_answer")):
+                answer = engine._calls[call_id] = loop.create_future()
+                engine._channel.send(engine._identity, CALL, msgspec.msgpack.encode((call_id, name, [])))
+                with pytest.raises(RetryableError, match=f"^engine 0: '{name}' is not a call of the data path$"):
+                    await answer
+            req = Request("r1", "p", 0, Sampling(n=1, max_tokens=4), token_ids=[5, 6])
+            assert [t.ok async for t in engine.generate_group([req])] == [True]
+    finally:
+        await pool.shutdown()
+    assert ran == []
