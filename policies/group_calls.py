@@ -8,8 +8,9 @@ Owns: the submitted groups' tasks (a cancel frame stops them) and their results 
 task, unless the driver cancelled it, ends in one `GroupResult` per sample or in one with the
 error that ended it: nothing the driver waits for can vanish while the engine lives (and when it
 dies, the driver's `serve` call fails). Progress reports the driver asks for on the socket are
-answered there, and so are the per-update calls of `CALLS`. Does not own: running a group (`VLLMPolicy.stream_group`; an engine without one
-runs `finish_group` and sends its samples together), what a report holds (`progress`).
+answered there, and so are the per-update calls of `CALLS`. Does not own: running a group
+(`VLLMPolicy.stream_group`; an engine without one runs `finish_group` and sends its samples
+together), what a report holds (`progress`).
 """
 
 from __future__ import annotations

@@ -20,7 +20,6 @@ own queue meanwhile.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping

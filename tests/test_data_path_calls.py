@@ -47,6 +47,23 @@ async def connected(cfg: Config) -> WirePool:
     return pool
 
 
+def hang_commit(policy: object) -> tuple[asyncio.Event, asyncio.Event]:
+    """The policy's `commit_weights` never ends: set `started` when it begins, `cancelled` when cancelled."""
+    started, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def commit_weights(epoch: int) -> dict[str, float]:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return {}
+
+    policy.commit_weights = commit_weights
+    return started, cancelled
+
+
 async def test_an_update_s_calls_cross_the_data_path_once_the_engine_is_connected(cfg, tmp_path):
     pool = await connected(cfg)
     engine, actor, policy = pool.engines[0], pool.actors[0], pool.policies[0]
@@ -121,18 +138,7 @@ async def test_a_call_s_error_reaches_the_driver_as_through_ray(cfg):
 async def test_a_call_given_up_by_the_driver_is_cancelled_in_the_engine(cfg):
     pool = await connected(cfg)
     engine, policy = pool.engines[0], pool.policies[0]
-    started, cancelled = asyncio.Event(), asyncio.Event()
-
-    async def commit_weights(epoch: int) -> dict[str, float]:
-        started.set()
-        try:
-            await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-        return {}
-
-    policy.commit_weights = commit_weights
+    started, cancelled = hang_commit(policy)
     try:
         with anyio.fail_after(TIMEOUT):
             call = asyncio.ensure_future(engine.commit_weights(1))
@@ -146,15 +152,8 @@ async def test_a_call_given_up_by_the_driver_is_cancelled_in_the_engine(cfg):
 
 async def test_a_call_out_when_the_engine_goes_fails_with_engine_dead(cfg):
     pool = await connected(cfg)
-    engine, policy = pool.engines[0], pool.policies[0]
-    started = asyncio.Event()
-
-    async def commit_weights(epoch: int) -> dict[str, float]:
-        started.set()
-        await asyncio.Event().wait()
-        return {}
-
-    policy.commit_weights = commit_weights
+    engine = pool.engines[0]
+    started, _ = hang_commit(pool.policies[0])
     try:
         with anyio.fail_after(TIMEOUT):
             call = asyncio.ensure_future(engine.commit_weights(1))

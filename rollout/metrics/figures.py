@@ -18,7 +18,6 @@ read when asked for, off the hot path.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol

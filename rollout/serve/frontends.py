@@ -41,7 +41,7 @@ import zmq
 
 from policies.group_calls import FrameSocket
 from rollout.errors import EngineClosedError, EngineDeadError, InvalidPromptError, RetryableError
-from rollout.log import configure, get_logger
+from rollout.log import get_logger
 from rollout.packed import encode
 from rollout.serve import io
 from rollout.serve.desk import Desk
