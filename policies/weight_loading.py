@@ -6,7 +6,8 @@ epoch). A state dict or directory: phase 1 (`stage_weights`): a state dict from 
 store is written as safetensors to a staging directory; a directory is taken as is. Phase 2
 (`commit_weights`): pause as `weight_sync.mode` says, load (vLLM's layerwise `reload_weights`),
 tag the epoch, resume. vLLM's weight-transfer calls (`rollout.weights.transfer` drives them):
-`start_transfer` runs vLLM's `start_weight_update`, `transfer` its `update_weights`,
+`start_transfer` runs vLLM's `start_weight_update` (a staging backend's: with the first
+`transfer`), `transfer` its `update_weights`,
 `finish_transfer` its `finish_weight_update`, then the epoch tag and resume; the pause (as
 `weight_sync.mode` says) comes before `finish_weight_update` when the backend stages the bytes
 (ours, `gloo`: the engine generates while they come), else before `start_weight_update`.
@@ -40,6 +41,7 @@ class WeightLoading:
     _samples: dict[str, Any]
     _staged: dict[int, tuple[Any, bool]]  # epoch -> (weights dir, a dir of ours to delete)
     _staging = False  # this weight-transfer round's backend stages the bytes: the pause waits for finish_transfer
+    _start_due = False  # vLLM's start_weight_update of a staging round, sent with its update_weights
     # and the policy's `_state(piece)` and `_started(piece)`
 
     async def stage_weights(self, epoch: int, weights: Packed | str) -> int:
@@ -98,14 +100,15 @@ class WeightLoading:
 
     async def start_transfer(self, epoch: int) -> None:
         """vLLM's `start_weight_update`. A backend that stages the bytes before the load (ours,
-        `gloo`: `policies.gloo_transfer`) changes nothing here: the engine keeps generating while
-        the bytes come, and `finish_transfer` pauses for the load alone. Others (vLLM's `nccl`,
+        `gloo`, `shm`) changes nothing here: the engine keeps generating while the bytes come,
+        `finish_transfer` pauses for the load alone, and vLLM's start goes out with the first
+        `transfer` (vLLM's engine core runs utility calls between steps: sent back to back, the
+        two wait for one step of a generating engine, not two). Others (vLLM's `nccl`,
         `ipc`: the layerwise reload takes the parameters off here) pause first, as
         `weight_sync.mode` says. On failure the engine resumes as it was and this raises."""
         mode, self._transfer_t0, self._transfer_t1, self._recomputed = self.cfg.weight_sync.mode, time.perf_counter(), None, 0
-        self._staging = _stages(self.cfg)
-        if self._staging:
-            await self._vllm.start_update()
+        self._staging = self._start_due = _stages(self.cfg)
+        if self._staging:  # sent with the transfer: both in one gap between the engine's steps, not two
             return
         self._open.clear()
         try:
@@ -127,7 +130,11 @@ class WeightLoading:
         self._transfer_t1 = time.perf_counter()
         try:
             async with asyncio.timeout(self.cfg.weight_sync.timeout_s):
-                await self._vllm.update_weights(update_info)
+                if self._start_due:  # vLLM's start and update sent back to back: its engine core runs both
+                    self._start_due = False  # between the same two steps (one step's wait while generating)
+                    await asyncio.gather(self._vllm.start_update(), self._vllm.update_weights(update_info))
+                else:
+                    await self._vllm.update_weights(update_info)
         except BaseException as e:
             if isinstance(e, TimeoutError):
                 e = TimeoutError(f"no transfer within weight_sync.timeout_s={self.cfg.weight_sync.timeout_s}")
@@ -141,6 +148,9 @@ class WeightLoading:
         the old tensors back; a staging backend has nothing to drop)."""
         t2 = time.perf_counter()
         staged = self._staging and loaded
+        if self._start_due:  # called off before any transfer: vLLM's update never started here
+            self._start_due = False
+            return {"pause_s": 0.0, "load_s": 0.0, "stall_s": 0.0, "recomputed_tokens": 0, "received": 0.0}
         try:
             if staged:
                 self._transfer_t0 = t2
