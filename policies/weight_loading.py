@@ -42,6 +42,7 @@ class WeightLoading:
     _staged: dict[int, tuple[Any, bool]]  # epoch -> (weights dir, a dir of ours to delete)
     _staging = False  # this weight-transfer round's backend stages the bytes: the pause waits for finish_transfer
     _start_due = False  # vLLM's start_weight_update of a staging round, sent with its update_weights
+    _start: asyncio.Future | None = None  # that start, sent (every update_weights of the round waits for it)
     # and the policy's `_state(piece)` and `_started(piece)`
 
     async def stage_weights(self, epoch: int, weights: Packed | str) -> int:
@@ -108,6 +109,7 @@ class WeightLoading:
         `weight_sync.mode` says. On failure the engine resumes as it was and this raises."""
         mode, self._transfer_t0, self._transfer_t1, self._recomputed = self.cfg.weight_sync.mode, time.perf_counter(), None, 0
         self._staging = self._start_due = _stages(self.cfg)
+        self._start = None
         if self._staging:  # sent with the transfer: both in one gap between the engine's steps, not two
             return
         self._open.clear()
@@ -130,11 +132,13 @@ class WeightLoading:
         self._transfer_t1 = time.perf_counter()
         try:
             async with asyncio.timeout(self.cfg.weight_sync.timeout_s):
-                if self._start_due:  # vLLM's start and update sent back to back: its engine core runs both
+                if self._start_due:  # vLLM's start and update back to back: its engine core runs both
                     self._start_due = False  # between the same two steps (one step's wait while generating)
-                    await asyncio.gather(self._vllm.start_update(), self._vllm.update_weights(update_info))
-                else:
-                    await self._vllm.update_weights(update_info)
+                    self._start = asyncio.ensure_future(self._vllm.start_update())
+                # tasks run in the order made: the start goes out before this update, and before
+                # any update of the round's other calls (a sharded learner's ranks) made meanwhile
+                update = asyncio.ensure_future(self._vllm.update_weights(update_info))
+                await asyncio.gather(asyncio.shield(self._start), update) if self._start else await update
         except BaseException as e:
             if isinstance(e, TimeoutError):
                 e = TimeoutError(f"no transfer within weight_sync.timeout_s={self.cfg.weight_sync.timeout_s}")

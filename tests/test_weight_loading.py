@@ -89,3 +89,18 @@ async def test_a_staged_round_called_off_before_its_transfer_never_starts_vllms_
     # and the next round starts as usual
     await run_round(policy, core, ("start_transfer", (2,)), ("transfer", ({"names": []},)), ("finish_transfer", (2,)))
     assert [g for g in core.gaps if g][0] == ["start_weight_update", "update_weights"] and policy.epoch == 2
+
+
+async def test_update_calls_of_one_staged_round_made_together_all_go_out_after_its_start() -> None:
+    """A sharded learner's ranks call update_weights side by side: whichever engine call comes
+    first sends vLLM's start, and no update overtakes it (a shm worker given an update before
+    its start would wait for a drain that the start joins)."""
+    core = SteppingCore()
+    policy = VLLMPolicy(load_config(None), "", 0, frontend=core)
+    await run_round(policy, core, ("start_transfer", (1,)))
+    calls = [asyncio.ensure_future(policy.transfer({"names": [f"rank{k}"]})) for k in range(3)]
+    while not all(c.done() for c in calls):
+        await core.gap()
+    for c in calls:
+        c.result()
+    assert [g for g in core.gaps if g] == [["start_weight_update", "update_weights", "update_weights", "update_weights"]]
