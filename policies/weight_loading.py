@@ -41,8 +41,7 @@ class WeightLoading:
     _samples: dict[str, Any]
     _staged: dict[int, tuple[Any, bool]]  # epoch -> (weights dir, a dir of ours to delete)
     _staging = False  # this weight-transfer round's backend stages the bytes: the pause waits for finish_transfer
-    _start_due = False  # vLLM's start_weight_update of a staging round, sent with its update_weights
-    _start: asyncio.Future | None = None  # that start, sent (every update_weights of the round waits for it)
+    _start: asyncio.Future | None = None  # a staging round's vLLM start, sent with its first update_weights
     # and the policy's `_state(piece)` and `_started(piece)`
 
     async def stage_weights(self, epoch: int, weights: Packed | str) -> int:
@@ -108,8 +107,7 @@ class WeightLoading:
         `ipc`: the layerwise reload takes the parameters off here) pause first, as
         `weight_sync.mode` says. On failure the engine resumes as it was and this raises."""
         mode, self._transfer_t0, self._transfer_t1, self._recomputed = self.cfg.weight_sync.mode, time.perf_counter(), None, 0
-        self._staging = self._start_due = _stages(self.cfg)
-        self._start = None
+        self._staging, self._start = _stages(self.cfg), None
         if self._staging:  # sent with the transfer: both in one gap between the engine's steps, not two
             return
         self._open.clear()
@@ -132,9 +130,8 @@ class WeightLoading:
         self._transfer_t1 = time.perf_counter()
         try:
             async with asyncio.timeout(self.cfg.weight_sync.timeout_s):
-                if self._start_due:  # vLLM's start and update back to back: its engine core runs both
-                    self._start_due = False  # between the same two steps (one step's wait while generating)
-                    self._start = asyncio.ensure_future(self._vllm.start_update())
+                if self._staging and self._start is None:  # vLLM's start and update back to back: its engine
+                    self._start = asyncio.ensure_future(self._vllm.start_update())  # core runs both in one gap
                 # tasks run in the order made: the start goes out before this update, and before
                 # any update of the round's other calls (a sharded learner's ranks) made meanwhile
                 update = asyncio.ensure_future(self._vllm.update_weights(update_info))
@@ -152,8 +149,8 @@ class WeightLoading:
         the old tensors back; a staging backend has nothing to drop)."""
         t2 = time.perf_counter()
         staged = self._staging and loaded
-        if self._start_due:  # called off before any transfer: vLLM's update never started here
-            self._start_due = False
+        if self._staging and self._start is None:  # called off before any transfer: vLLM's update never started here
+            self._staging = False
             return {"pause_s": 0.0, "load_s": 0.0, "stall_s": 0.0, "recomputed_tokens": 0, "received": 0.0}
         try:
             if staged:
