@@ -188,6 +188,7 @@ async def run_one(o: Options, engines: int, prompts: list[Prompt] | None = None)
     with tempfile.TemporaryDirectory() as root:
         cfg = config(o, engines, model_dir(root, o.spec.vocab))
         pool = SimPool.start(o.spec, engines, o.hosts, local=o.local)
+        await pool.ready()
         async with RolloutEngine(cfg, pool=pool) as engine:
             return await _drive(o, engine, pool, prompts)
 

@@ -47,6 +47,8 @@ from rollout.types import Prompt  # noqa: E402
 
 async def run(cfg: Any, requests: int, max_tokens: int, rounds: int, client: str = "aiohttp", sim: int = 0) -> dict[str, Any]:
     pool = _sim_pool(cfg, sim, max_tokens) if sim else None
+    if pool is not None:
+        await pool.ready()
     async with RolloutEngine(cfg, pool=pool) as engine:
         server = await engine.serve(port=0)
         freeze_heap()

@@ -161,6 +161,12 @@ class SimPool:
         actor = ray.remote(SimHost).options(num_cpus=0, max_concurrency=100_000)
         return cls([actor.remote(spec, i) for i in ids if i], count, False, address=ray.util.get_node_ip_address())
 
+    async def ready(self) -> None:
+        """Wait until every host is up, as the real pool waits for its engines before the driver
+        runs: a host still starting (its process importing, on a busy machine for seconds) would
+        miss the health watch's first reports and be killed."""
+        await self.counts()
+
     def host(self, i: int) -> Any:
         return self.hosts[i // self.per_host]
 
