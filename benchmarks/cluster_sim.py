@@ -282,6 +282,8 @@ async def _drive(o: Options, engine: RolloutEngine, pool: SimPool, prompts: list
         result["rss_growth_mib"] = sum(rss_timeline[-3:]) / 3 - sum(rss_timeline[:3]) / 3  # the window's last tenths less its first
         if profiler:
             result["profile"] = _top(profiler)
+            result["profile_file"] = str(Path(tempfile.gettempdir()) / f"cluster_sim-{len(pool.engines)}.prof")
+            profiler.dump_stats(result["profile_file"])  # all of it, for `python -m pstats`
     await asyncio.wait_for(tasks[0], timeout=o.max_tokens / (o.spec.tokens_per_s / o.spec.capacity) + 60)  # the drain
     for t in tasks[1:]:
         if t.done() and t.exception() is not None:  # an update or a fault that failed: the run says so
@@ -414,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['gc_share']:.1%} of the wall time, longest full {r['gc_full_max_ms']:.0f} ms")
         for p in r.get("profile", []):
             print(f"  N={r['engines']}: {p['share']:6.1%} {p['self_s']:7.3f}s {p['calls']:>9} {p['function']}")
+        if "profile_file" in r:
+            print(f"  N={r['engines']}: the whole profile: python -m pstats {r['profile_file']}")
     if report:
         Path(report).write_text(msgspec.json.encode({"options": o, "runs": rows}).decode())
     return 0 if all(r["lost"] == 0 and r["duplicated"] == 0 for r in rows) else 1

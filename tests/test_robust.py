@@ -227,14 +227,14 @@ async def test_an_on_trajectory_callback_that_raises_fails_that_group_and_the_re
 async def test_a_bug_while_admitting_a_group_fails_that_group(cfg):
     with anyio.fail_after(TIMEOUT):  # before: its queue slot stayed reserved, the learner waited forever
         async with RolloutEngine(cfg, pool=FakePool(1)) as engine:
-            real = engine._scheduler.runner.acquire
+            real = engine._scheduler.runner.take  # what routes a group, run as a task or not
 
-            async def acquire(n, cost, on=None):
+            def take(n, cost, on=None):
                 if cost == 2 + 6:  # the two-token prompt's group
                     raise RuntimeError("router bug")
-                return await real(n, cost, on)
+                return real(n, cost, on)
 
-            engine._scheduler.runner.acquire = acquire
+            engine._scheduler.runner.take = take
             engine.feed(iter([[5, 6], [5, 6, 7]]))
             groups = [g async for g in engine.groups()]
     assert len(groups) == 2 and sum(g.ok for g in groups) == 1

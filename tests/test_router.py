@@ -8,7 +8,7 @@ import random
 import pytest
 
 from rollout.config import load_config
-from rollout.scheduling.router import EngineLoad, key, route
+from rollout.scheduling.router import EngineLoad, count, key, route
 from rollout.scheduling.runner import Runner
 
 
@@ -136,7 +136,9 @@ def test_the_runner_keeps_each_engines_key_with_its_load():
             if rng.random() < 0.05:
                 runner.mark_dead(k := rng.randrange(3), "test")
                 assert runner._keys == [key(load) for load in runner.loads]
+                assert runner._counts == [count(load) for load in runner.loads]
                 runner.revive(k, object())
             assert runner._keys == [key(load) for load in runner.loads]
+            assert runner._counts == [count(load) for load in runner.loads]
 
     asyncio.run(steps())

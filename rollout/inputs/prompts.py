@@ -93,9 +93,9 @@ def check_prompt(prompt: Prompt, sampling: Sampling, limits: ModelLimits) -> Non
     ids = prompt.token_ids or []
     if not ids:
         raise InvalidPromptError(f"{name}: empty token_ids")
-    bad = [t for t in ids if not 0 <= t < limits.vocab_size]
-    if bad:
-        raise InvalidPromptError(f"{name}: token id {bad[0]} outside the vocabulary [0, {limits.vocab_size})")
+    if min(ids) < 0 or max(ids) >= limits.vocab_size:  # at C speed: a prompt's ids, per group
+        bad = next(t for t in ids if not 0 <= t < limits.vocab_size)
+        raise InvalidPromptError(f"{name}: token id {bad} outside the vocabulary [0, {limits.vocab_size})")
     if len(ids) + sampling.max_tokens > limits.max_model_len:
         raise InvalidPromptError(
             f"{name}: {len(ids)} prompt tokens + max_tokens {sampling.max_tokens} exceed "

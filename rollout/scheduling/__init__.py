@@ -1,6 +1,7 @@
-"""Where and when each request runs: admission and groups (`scheduler`), the engines' loads,
-streams and failures (`runner`), the routing policy (`router`), and the engine protocols, all
-this part knows of engines (`protocols`).
+"""Where and when each request runs: admission and groups (`scheduler`), groups waiting for room
+(`lobby`), the learner's plain groups run by callbacks (`direct`), the engines' loads, streams and
+failures (`runner`), the routing policy (`router`), and the engine protocols, all this part knows
+of engines (`protocols`).
 """
 
 from rollout.scheduling.protocols import Engine, EnginePool

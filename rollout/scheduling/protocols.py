@@ -20,6 +20,8 @@ class Engine(Protocol):
 
         Cancelling the iteration aborts the unfinished requests in the engine. A bad request
         yields a trajectory with finish_reason "error"; raises EngineDeadError.
+        An engine may also have `start_group(requests, deliver) -> abort`, the same without a task
+        (`rollout.scheduling.direct.start_group`; `actors.handle.RayEngine` has it).
         """
         ...
 

@@ -26,7 +26,7 @@ from rollout.config import Config
 from rollout.errors import EngineDeadError, RolloutError
 from rollout.log import get_logger
 from rollout.scheduling.protocols import Engine
-from rollout.scheduling.router import EngineLoad, key, route
+from rollout.scheduling.router import EngineLoad, count, key, route
 from rollout.types import Request, Trajectory
 
 log = get_logger(__name__)
@@ -48,8 +48,11 @@ class Runner:
         self.reports: list[Mapping[str, Trajectory]] = [{} for _ in self.engines]  # each engine's latest progress report
         self.loads = [EngineLoad() for _ in self.engines]
         self._keys = [key(load) for load in self.loads]  # `router.key` of each load, kept with it
+        self._counts = [count(load) for load in self.loads]  # and its requests (OUT when out of rotation)
         self._capacity_freed = asyncio.Event()
-        self._waiting = 0  # acquirers waiting for room: only they need `_capacity_freed` set
+        self.waiters = 0  # tasks waiting in `acquire` for room: only they need `_capacity_freed` set
+        self.on_room: Callable[[int], None] | None = None  # room came free on an engine (-1: anywhere); `Lobby`
+        self.changes = 0  # counts every change of the loads but a release (room taken, an engine out or back)
 
     # -- room on the engines -----------------------------------------------------------------
 
@@ -57,36 +60,58 @@ class Runner:
         """Wait for room for `n` requests of `cost` tokens each and take it; returns the engine.
         `on`: that engine (an episode's), while it is in rotation. Raises EngineDeadError when
         every engine is dead."""
-        batch = self.cfg.engines.max_inflight_per_engine
-        capacity = batch + self.cfg.engines.queue_depth
-        while (i := route(self.loads, n, capacity, prefer=on, batch=batch, keys=self._keys)) is None:
+        while (i := self.take(n, cost, on)) is None:
             if not any(load.healthy or load.restarting for load in self.loads):
                 raise EngineDeadError("every engine is dead")
             freed = self._capacity_freed
-            self._waiting += 1
+            self.waiters += 1
             try:
                 await freed.wait()
             finally:
-                self._waiting -= 1
-        self._add(i, n, n * cost)
+                self.waiters -= 1
         return i
+
+    def take(self, n: int, cost: int, on: int | None = None) -> int | None:
+        """Room for `n` requests of `cost` tokens each, taken on the engine `router.route` picks
+        now (`on`: that one, while in rotation); None when it says wait."""
+        batch = self.cfg.engines.max_inflight_per_engine
+        i = route(self.loads, n, batch + self.cfg.engines.queue_depth, prefer=on, batch=batch, keys=self._keys, counts=self._counts)
+        if i is not None:
+            self._add(i, n, n * cost)
+            self.changes += 1
+        return i
+
+    def fits(self, i: int, n: int) -> bool:
+        """Whether engine `i` is in rotation with room for `n` more requests."""
+        load = self.loads[i]
+        return load.healthy and load.requests + n <= self.cfg.engines.max_inflight_per_engine + self.cfg.engines.queue_depth
 
     def release(self, i: int, n: int, cost: int) -> None:
         self._add(i, -n, -n * cost)
-        self._wake()
+        self._wake(i)
 
     def _add(self, i: int, requests: int, tokens: int) -> None:
         load = self.loads[i]
         load.requests += requests
         load.tokens += tokens
-        self._keys[i] = key(load)
+        self._keep(i)
         if self.on_load is not None:
             self.on_load(i, load.requests)
 
-    def _wake(self) -> None:
-        if self._waiting:  # a new event per finished sample with nobody waiting was ~2 us of the driver's
+    def _keep(self, i: int) -> None:
+        """Engine `i`'s load changed: its routing key and count follow."""
+        load = self.loads[i]
+        self._keys[i] = key(load)
+        self._counts[i] = count(load)
+
+    def _wake(self, i: int = -1) -> None:
+        if self.waiters:  # a new event per finished sample with nobody waiting was ~2 us of the driver's
             self._capacity_freed.set()
             self._capacity_freed = asyncio.Event()
+        if i < 0:
+            self.changes += 1
+        if self.on_room is not None:
+            self.on_room(i)
 
     # -- running requests --------------------------------------------------------------------
 
@@ -97,11 +122,19 @@ class Runner:
         handed to `finish` as it ends; moves the unfinished ones when `i` dies. Returns the engine
         the last of them ran on. Every request gets a trajectory: a failed one says why."""
         pending = {r.sample_index: r for r in requests}
+        failure, moved = await self._attempt(i, pending, cost, finish, self.cfg.engines.request_timeout_s)
+        return await self.carry_on(i, pending, cost, finish, failure, moved)
+
+    async def carry_on(
+        self, i: int, pending: dict[int, Request], cost: int, finish: Callable[[Trajectory], None], failure: str | None, moved: bool
+    ) -> int:  # fmt: skip
+        """After an attempt on engine `i` ended (`failure`: why, if it failed) with `pending` still
+        unfinished (their room there given back): while they may move (`moved`: the engine died or
+        timed out), continue them on another engine from `i`'s last progress report, up to
+        `engines.max_retries` times; whatever is left gets a failed trajectory saying why. Returns
+        the engine the last of them ran on."""
         retries, timeout = 0, self.cfg.engines.request_timeout_s
-        while True:
-            failure, moved = await self._attempt(i, pending, cost, finish, timeout)
-            if not pending or not moved or retries == self.cfg.engines.max_retries:
-                break
+        while pending and moved and retries < self.cfg.engines.max_retries:
             retries += 1
             for k, req in list(pending.items()):  # continue from the failed engine's last progress report
                 partial = self.reports[i].get(req.request_id)
@@ -117,8 +150,9 @@ class Runner:
             except EngineDeadError as e:
                 failure = str(e)
                 break
-            log.warning("samples moved to another engine", prompt=requests[0].prompt_id, samples=len(pending), engine=i,
+            log.warning("samples moved to another engine", prompt=next(iter(pending.values())).prompt_id, samples=len(pending), engine=i,
                         reason=failure, resumed_tokens=sum(len(r.resume.token_ids) for r in pending.values() if r.resume))  # fmt: skip
+            failure, moved = await self._attempt(i, pending, cost, finish, timeout)
         for req in pending.values():
             reason = failure or "engine returned no result"
             finish(failed(req, i, f"{reason} (moved {retries} times)" if retries else reason))
@@ -137,17 +171,22 @@ class Runner:
                     del pending[traj.sample_index]
                     self.release(i, 1, cost)  # per sample: the engine has room as soon as one ends
                     finish(traj)
-        except EngineDeadError as e:
-            self.mark_dead(i, str(e))
-            failure, moved = str(e), True
         except TimeoutError:
             failure, moved = f"no result within engines.request_timeout_s={timeout} on engine {i}", True
         except RolloutError as e:
-            failure = str(e)
+            failure, moved = self.failed_on(i, e)
         finally:
             if pending:
                 self.release(i, len(pending), cost)
         return failure, moved
+
+    def failed_on(self, i: int, error: RolloutError) -> tuple[str, bool]:
+        """A group's attempt on engine `i` failed with `error`: (why, whether its unfinished samples
+        may move on). A dead engine leaves rotation first."""
+        if isinstance(error, EngineDeadError):
+            self.mark_dead(i, str(error))
+            return str(error), True
+        return str(error), False
 
     # -- health ------------------------------------------------------------------------------
 
@@ -163,14 +202,14 @@ class Runner:
 
     async def _watch_one(self, i: int) -> None:
         while True:
-            await anyio.sleep(self.cfg.engines.health_interval_s)
+            await asyncio.sleep(self.cfg.engines.health_interval_s)
             if self.loads[i].healthy:
                 await self._check(i)
 
     async def _check(self, i: int) -> None:
         engine, timeout = self.engines[i], self.cfg.engines.health_timeout_s
-        try:
-            with anyio.fail_after(timeout):
+        try:  # asyncio's timeout, not anyio's: a report per engine every 2 s is 128 a second at 256 engines
+            async with asyncio.timeout(timeout):
                 reports = await engine.progress()
         except TimeoutError:
             reason = f"engine {i}: no health report within engines.health_timeout_s={timeout}"
@@ -190,7 +229,7 @@ class Runner:
         """Take engine `i` out of rotation (its running groups move on) and have it restarted."""
         if self.loads[i].healthy:
             self.loads[i].healthy = False
-            self._keys[i] = key(self.loads[i])
+            self._keep(i)
             log.error("engine out of rotation", engine=i, reason=reason)
             self.loads[i].restarting = self.on_engine_dead is not None and self.on_engine_dead(i)
         self._check_alive()
@@ -200,7 +239,7 @@ class Runner:
         self.engines[i] = engine
         self.reports[i] = {}  # the old engine's: the samples it held have moved on
         self.loads[i].healthy, self.loads[i].restarting = True, False
-        self._keys[i] = key(self.loads[i])
+        self._keep(i)
         log.info("engine back in rotation", engine=i)
         self._wake()
 

@@ -21,6 +21,9 @@ Owns the data path between the prompt sources and where groups go:
   6) score its trajectories with the reward function, if any (off the engine path);
   7) hand the finished group to its destination as soon as its last sample ends: the learner's
      queue (after logging it to `queue.durable_dir`, when set) or the caller's `Submission`.
+Steps 4-7 of the learner's plain groups (no episode, session or request timeout) are callbacks,
+not a task per group (`rollout.scheduling.direct`: the lobby starts one when room comes free, the
+engine's results frames complete it); the rest run as a task each (`_run_group`).
 One task group (the engine's) owns every in-flight group; cancelling it aborts the engine requests.
 A source that raises ends with a failed group saying why; the others go on.
 Does not own: engines (`runner`), hand-out order and capacity (`queue`).
@@ -29,7 +32,6 @@ Does not own: engines (`runner`), hand-out order and capacity (`queue`).
 from __future__ import annotations
 
 import asyncio
-import heapq
 import time
 import traceback
 from collections import OrderedDict, deque
@@ -53,6 +55,8 @@ from rollout.inputs.prompts import BadPrompt, ModelLimits, check_prompt, coerce,
 from rollout.inputs.rewards import RewardFn, score
 from rollout.inputs.usercode import passes_through
 from rollout.log import get_logger
+from rollout.scheduling.direct import Direct
+from rollout.scheduling.lobby import Lobby
 from rollout.scheduling.protocols import Engine
 from rollout.scheduling.runner import Runner, failed
 from rollout.types import Group, Prompt, Request, Sampling, Trajectory
@@ -60,66 +64,6 @@ from rollout.types import Group, Prompt, Request, Sampling, Trajectory
 log = get_logger(__name__)
 Destination = TrajectoryQueue | Submission
 MAX_SESSIONS = 65536  # sessions remembered; a forgotten one starts over on any engine
-
-
-class Lobby:
-    """Groups waiting for room on an engine: the largest token budget (`max_tokens`) goes first, equal
-    budgets in arrival order, one at a time into `Runner.acquire` (which routes it). A group with a
-    larger budget arriving while the head waits for room takes its place. Each waiter has its own
-    event, so a start wakes only the next one, not every group waiting."""
-
-    def __init__(self, runner: Runner) -> None:
-        self.runner = runner
-        self._waiting: list[list[Any]] = []  # heap of [-budget, arrival, event]
-        self._arrivals = 0
-        self._head: tuple[list[Any], anyio.CancelScope] | None = None  # the one in `Runner.acquire`
-        self._shrunk = asyncio.Event()  # set when a group leaves the waiting ones
-
-    async def acquire(self, n: int, cost: int, budget: int) -> int:
-        """`Runner.acquire(n, cost)` once no group with a larger budget (or as large, earlier) waits."""
-        self._arrivals += 1
-        entry = [-budget, self._arrivals, asyncio.Event()]
-        heapq.heappush(self._waiting, entry)
-        if self._head is not None and entry < self._head[0]:
-            self._head[1].cancel()  # overtaken: it waits again, this one goes first
-        try:
-            while True:
-                while self._head is not None or self._waiting[0] is not entry:
-                    entry[2] = asyncio.Event()
-                    await entry[2].wait()
-                heapq.heappop(self._waiting)
-                self._shrunk.set()
-                with anyio.CancelScope() as scope:
-                    self._head = (entry, scope)
-                    try:
-                        return await self.runner.acquire(n, cost)
-                    finally:
-                        self._head = None
-                        self._next()
-                heapq.heappush(self._waiting, entry)
-        except BaseException:  # cancelled while waiting: the next one may be the head now
-            if any(e is entry for e in self._waiting):
-                self._waiting.remove(entry)
-                heapq.heapify(self._waiting)
-                self._shrunk.set()
-                self._next()
-            raise
-
-    async def room(self, limit: int) -> None:
-        """Wait until fewer than `limit` groups wait here (a caller's submission, which takes no
-        learner queue slots, is read no further ahead than that)."""
-        while len(self._waiting) >= limit:
-            if self._shrunk.is_set():
-                self._shrunk = asyncio.Event()
-            await self._shrunk.wait()
-
-    def __len__(self) -> int:
-        """Groups waiting (the head in `Runner.acquire` not counted)."""
-        return len(self._waiting)
-
-    def _next(self) -> None:
-        if self._head is None and self._waiting:
-            self._waiting[0][2].set()
 
 
 class Scheduler:
@@ -144,9 +88,12 @@ class Scheduler:
         self.durable = durable
         self.env = env
         self.chat = chat
-        self.runner = Runner(cfg, engines, on_engine_dead, self.fail)
+        self.runner = Runner(cfg, engines, on_engine_dead, self._all_dead)
         self.lobby = Lobby(self.runner)
         self._stopped = False  # every engine is dead: no prompt is read any more
+        self._direct = env is None and cfg.engines.request_timeout_s is None  # the learner's plain groups run as `Direct`s
+        self.direct: set[Direct] = set()  # those started on an engine, not yet complete
+        self._spawned: set[asyncio.Task] = set()  # tasks they need meanwhile (`spawn`)
         self.admission = Admission(cfg.staleness)
         self._sources: deque[AsyncIterator] = deque()
         self._new_source = asyncio.Event()
@@ -175,6 +122,29 @@ class Scheduler:
         self._tg = tg
         tg.start_soon(self._or_fail, self._read_sources, tg)
         tg.start_soon(self._or_fail, self.runner.watch)
+        tg.start_soon(self._stop_direct_at_exit)
+
+    def spawn(self, fn: Callable[..., Awaitable[None]], *args: object) -> asyncio.Task:
+        """Run `fn(*args)` as a task (a direct group's work that must wait), from a callback too
+        (where anyio's task group cannot start one); cancelled when the engine's task group is."""
+        task = asyncio.get_running_loop().create_task(fn(*args))
+        self._spawned.add(task)
+        task.add_done_callback(self._spawned.discard)
+        return task
+
+    async def _stop_direct_at_exit(self) -> None:
+        """When the engine's task group is cancelled, abort the direct groups' engine requests (as
+        cancelling a group's task does) and cancel the tasks they spawned."""
+        try:
+            await anyio.sleep_forever()
+        finally:
+            for group in list(self.direct):
+                group.stop()
+            self.direct.clear()
+            for task in self._spawned:
+                task.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(*self._spawned, return_exceptions=True)
 
     async def _or_fail(self, fn: Callable[..., Awaitable[None]], *args: object) -> None:
         """Run one of the engine task group's long-lived tasks. If it dies, nothing may ever reach
@@ -222,6 +192,10 @@ class Scheduler:
         finally:
             self._submissions.discard(sub)
 
+    def _all_dead(self, error: EngineDeadError) -> None:
+        self._stopped = True
+        self.fail(error)
+
     def fail(self, error: RolloutError) -> None:
         """Nothing can run any more: whoever waits for a group gets `error` instead."""
         if isinstance(error, EngineDeadError):
@@ -246,7 +220,7 @@ class Scheduler:
         try:
             return await self._start(item, tg, dest, train, seq, self._numbers)
         except Exception as e:  # a bug must not leave `seq` waiting forever: this group fails, the rest goes on
-            await self._crashed(e, item, seq, dest, train)
+            await self.crashed(e, item, seq, dest, train)
             return True
 
     async def _start(self, item: Prompt | BadPrompt, tg: TaskGroup, dest: Destination, train: bool, seq: int, number: int) -> bool:
@@ -262,6 +236,9 @@ class Scheduler:
             await self._reject(Group(prompt_id=prompt.id, prompt=prompt, error=str(e)), seq, dest, train)
             return True
         cost = len(prompt.token_ids or prompt.text or "") + sampling.max_tokens
+        if self._direct and dest is self.queue and prompt.session is None:
+            self.lobby.add(Direct(self, prompt, sampling, number, seq, cost, queued_at, train), sampling.max_tokens)
+            return not self._stopped
         session = self._sessions.get(prompt.session) if prompt.session is not None else None
         tg.start_soon(self._run_guarded, prompt, sampling, number, seq, cost, queued_at, dest, train, session)
         return not self._stopped
@@ -275,9 +252,9 @@ class Scheduler:
             if passes_through(e):  # our own cancellation, or Ctrl-C
                 raise
             prompt, _, _, seq, _, _, dest, train, _ = args
-            await self._crashed(e, prompt, seq, dest, train)
+            await self.crashed(e, prompt, seq, dest, train)
 
-    async def _crashed(self, error: BaseException, item: Prompt | BadPrompt, seq: int, dest: Destination, train: bool) -> None:
+    async def crashed(self, error: BaseException, item: Prompt | BadPrompt, seq: int, dest: Destination, train: bool) -> None:
         """Group `seq` failed for a reason of ours, not the engine's: hand it in failed, with the reason."""
         reason = f"scheduler: {type(error).__name__}: {error}"
         log.error("group failed", prompt=item.id, error=reason, traceback=traceback.format_exc(limit=6))
@@ -330,6 +307,29 @@ class Scheduler:
         trajectories = [done[k] for k in range(sampling.n)]
         if prompt.session is not None:
             self._continue(prompt.session, trajectories[0], session[2] if session else [])
+        await self._scored_in(prompt, trajectories, seq, dest, train)
+
+    def complete(self, prompt: Prompt, trajectories: list[Trajectory], seq: int, train: bool) -> None:
+        """A direct group's last sample ended: into the learner's queue now, or after a task scores
+        it and the durable log holds it."""
+        if self.reward is not None or self.durable is not None:
+            self.spawn(self._guarded_in, prompt, trajectories, seq, train)
+            return
+        group = Group(prompt_id=prompt.id, prompt=prompt, trajectories=trajectories)
+        if train and not trainable(group):
+            self.admission.release()  # every sample failed: never trained on
+        self.queue.put(group, seq)
+
+    async def _guarded_in(self, prompt: Prompt, trajectories: list[Trajectory], seq: int, train: bool) -> None:
+        try:
+            await self._scored_in(prompt, trajectories, seq, self.queue, train)
+        except BaseException as e:
+            if passes_through(e):
+                raise
+            await self.crashed(e, prompt, seq, self.queue, train)
+
+    async def _scored_in(self, prompt: Prompt, trajectories: list[Trajectory], seq: int, dest: Destination, train: bool) -> None:
+        """Score a finished group's trajectories (the reward function, if any), then hand it in."""
         if self.reward is not None:
             async with anyio.create_task_group() as tg:
                 for t in trajectories:

@@ -1,0 +1,147 @@
+"""A group of the learner's run without a task of its own (`Direct`): the common case, at a few
+tens of microseconds of the driver's CPU a group less than a task (issue 27).
+
+Its path is three callbacks. The lobby starts it (`start`) when it is first in line and an engine
+has room; the engine hands back each results frame's samples of it (`on_result`, from the data
+path's reader), each sample's room given back at once so the lobby starts the next group in the
+same turn; its last sample completes it into the learner's queue (`Scheduler.complete`).
+What must wait runs as a task, then: samples moving on from an engine that died (`Runner.carry_on`),
+a reward to score or the durable log to write. A group that needs a task throughout (an episode,
+a session's turn, a caller's submission, a request timeout) is not direct (`Scheduler._start`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from rollout.errors import RolloutError
+from rollout.inputs.usercode import passes_through
+from rollout.scheduling.protocols import Engine
+from rollout.scheduling.runner import failed
+from rollout.types import Prompt, Request, Sampling, Trajectory
+
+if TYPE_CHECKING:
+    from rollout.scheduling.scheduler import Scheduler
+
+
+class Direct:
+    __slots__ = ("s", "prompt", "sampling", "number", "seq", "cost", "queued_at", "train", "n", "engine", "pending", "done", "abort", "over")
+
+    def __init__(self, s: Scheduler, prompt: Prompt, sampling: Sampling, number: int, seq: int, cost: int, queued_at: float, train: bool):
+        self.s, self.prompt, self.sampling, self.number, self.seq = s, prompt, sampling, number, seq
+        self.cost, self.queued_at, self.train, self.n = cost, queued_at, train, sampling.n
+        self.engine = -1
+        self.pending: dict[int, Request] = {}
+        self.done: dict[int, Trajectory] = {}
+        self.abort: Callable[[], None] | None = None  # aborts what is still running on the engine
+        self.over = False  # completed or crashed: nothing more happens to it
+
+    def start(self, i: int) -> None:
+        """Room for it is taken on engine `i` (`Lobby`): send it there."""
+        p, sampling = self.prompt, self.sampling
+        self.engine = i
+        self.pending = {
+            k: Request(f"r{self.number}-{k}", p.id, k, sampling, token_ids=p.token_ids, text=p.text) for k in range(self.n)
+        }
+        self.s.direct.add(self)
+        try:
+            self.abort = start_group(self.s.runner.engines[i], list(self.pending.values()), self.on_result, self.s.spawn)
+        except BaseException as e:
+            self.crash(e)
+
+    def on_result(self, item: list[Trajectory] | BaseException) -> None:
+        """Samples of it that finished on its engine, or what ended it there."""
+        if self.over:
+            return
+        try:
+            if isinstance(item, BaseException):
+                self._ended(item)
+                return
+            release, i, cost = self.s.runner.release, self.engine, self.cost
+            for traj in item:
+                del self.pending[traj.sample_index]
+                release(i, 1, cost)  # per sample: the lobby starts the next group in this turn
+                self.finish(traj)
+            if not self.pending:
+                self._complete()
+        except BaseException as e:  # a bug, or a callback that raised: this group fails with the reason
+            self.crash(e)
+
+    def finish(self, traj: Trajectory) -> None:
+        traj.queued_at = self.queued_at
+        self.done[traj.sample_index] = traj
+        if self.s.on_trajectory is not None:
+            self.s.on_trajectory(traj)
+
+    def _ended(self, error: BaseException) -> None:
+        """Its engine ended it with samples unfinished: they move on if it died, else fail saying why."""
+        if not isinstance(error, RolloutError):  # a bug at the engine's edge (a fake's)
+            self.crash(error)
+            return
+        runner, i = self.s.runner, self.engine
+        failure, moved = runner.failed_on(i, error)
+        runner.release(i, len(self.pending), self.cost)
+        self.abort = None
+        if moved:
+            self.s.spawn(self._move_on, failure)
+            return
+        for req in self.pending.values():
+            self.finish(failed(req, i, failure))
+        self.pending.clear()
+        self._complete()
+
+    async def _move_on(self, failure: str) -> None:
+        try:
+            await self.s.runner.carry_on(self.engine, self.pending, self.cost, self.finish, failure, True)
+            self._complete()
+        except BaseException as e:
+            if passes_through(e):
+                raise
+            self.crash(e)
+
+    def _complete(self) -> None:
+        self.over = True
+        self.s.direct.discard(self)
+        self.s.complete(self.prompt, [self.done[k] for k in range(self.n)], self.seq, self.train)
+
+    def crash(self, error: BaseException) -> None:
+        if passes_through(error):
+            raise error
+        if self.over:
+            return
+        self.over = True
+        self.s.direct.discard(self)
+        if self.pending and self.engine >= 0:
+            if self.abort is not None:
+                self.abort()
+            self.s.runner.release(self.engine, len(self.pending), self.cost)
+        self.s.spawn(self.s.crashed, error, self.prompt, self.seq, self.s.queue, self.train)
+
+    def stop(self) -> None:
+        """The scheduler stops: abort what still runs on the engine."""
+        self.over = True
+        if self.abort is not None:
+            self.abort()
+
+
+def start_group(
+    engine: Engine, requests: list[Request], deliver: Callable[[Any], None], spawn: Callable[..., asyncio.Task]
+) -> Callable[[], None]:  # fmt: skip
+    """Run `requests` on `engine`, handing `deliver` each batch of finished trajectories, or what
+    ended the group (a RolloutError; anything else is a bug). Returns the call that aborts the rest.
+    Engines with `start_group` (`actors.handle.RayEngine`) do it without a task; any other
+    (a test's fake) is read through `generate_group` in a task."""
+    native = getattr(engine, "start_group", None)
+    if native is not None:
+        return native(requests, deliver)
+
+    async def read() -> None:
+        try:
+            async for traj in engine.generate_group(requests):
+                deliver([traj])
+        except Exception as e:
+            deliver(e)
+
+    return spawn(read).cancel

@@ -1,0 +1,138 @@
+"""Groups waiting for room on an engine (`Lobby`): the largest token budget (`max_tokens`) goes
+first, equal budgets in arrival order, so the long samples of a long-tailed set start first (LPT).
+
+Two kinds wait here. A group run as a task (`Lobby.acquire`: episodes, a caller's submission, ...)
+waits on its own event, and the first in line sits in `Runner.acquire`, which routes it. A direct
+group (`rollout.scheduling.direct`: the learner's plain groups, no task of their own) is started
+from `_next` as soon as it is first in line and an engine has room: when it arrives, and whenever
+the runner says room came free (`Runner.on_room`). A group with a larger budget arriving while a
+task waits in `Runner.acquire` takes its place; that one waits again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+from typing import Any, Protocol
+
+import anyio
+
+from rollout.scheduling.runner import Runner
+
+
+class Startable(Protocol):
+    n: int  # requests
+    cost: int  # tokens each
+
+    def start(self, engine: int) -> None:
+        """Room for it is taken on `engine`: send it there."""
+        ...
+
+    def crash(self, error: BaseException) -> None:
+        """It cannot start (a bug): it fails, saying why."""
+        ...
+
+
+class Lobby:
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+        runner.on_room = self._next
+        self._waiting: list[list[Any]] = []  # heap of [-budget, arrival, event or direct group]
+        self._arrivals = 0
+        self._head: tuple[list[Any], anyio.CancelScope] | None = None  # the task in `Runner.acquire`
+        self._shrunk = asyncio.Event()  # set when a group leaves the waiting ones
+        self._again = False  # a look at the line is on the loop already (`_next` deferred a turn)
+        self._stuck = (0, -1)  # (arrival of the first in line, `Runner.changes`) when it last found no room
+
+    async def acquire(self, n: int, cost: int, budget: int) -> int:
+        """`Runner.acquire(n, cost)` once no group with a larger budget (or as large, earlier) waits."""
+        entry = self._enter(budget, asyncio.Event())
+        try:
+            while True:
+                while self._head is not None or self._waiting[0] is not entry:
+                    entry[2] = asyncio.Event()
+                    await entry[2].wait()
+                heapq.heappop(self._waiting)
+                self._shrunk.set()
+                with anyio.CancelScope() as scope:
+                    self._head = (entry, scope)
+                    try:
+                        return await self.runner.acquire(n, cost)
+                    finally:
+                        self._head = None
+                        self._next()
+                heapq.heappush(self._waiting, entry)
+        except BaseException:  # cancelled while waiting: the next one may be the head now
+            if any(e is entry for e in self._waiting):
+                self._waiting.remove(entry)
+                heapq.heapify(self._waiting)
+                self._shrunk.set()
+                self._next()
+            raise
+
+    def add(self, group: Startable, budget: int) -> None:
+        """A direct group: started (`group.start(engine)`) once first in line with room taken for it."""
+        self._enter(budget, group)
+        self._next()
+
+    def _enter(self, budget: int, what: Any) -> list[Any]:
+        self._arrivals += 1
+        entry = [-budget, self._arrivals, what]
+        heapq.heappush(self._waiting, entry)
+        if self._head is not None and entry < self._head[0]:
+            self._head[1].cancel()  # overtaken: it waits again, this one goes first
+        return entry
+
+    async def room(self, limit: int) -> None:
+        """Wait until fewer than `limit` groups wait here (a caller's submission, which takes no
+        learner queue slots, is read no further ahead than that)."""
+        while len(self._waiting) >= limit:
+            if self._shrunk.is_set():
+                self._shrunk = asyncio.Event()
+            await self._shrunk.wait()
+
+    def __len__(self) -> int:
+        """Groups waiting (the head in `Runner.acquire` not counted)."""
+        return len(self._waiting)
+
+    def _next(self, freed: int = -1, defer: bool = True) -> None:
+        """Start the direct groups first in line while engines have room; wake the first task in
+        line. `freed`: the engine whose room grew, if that is the only change (-1: look anyway).
+        Tasks waiting in `Runner.acquire` (a session's turn for its engine, samples moving on) get
+        the room first: with any, this looks again on the loop's next turn, after them."""
+        if self._head is not None or not self._waiting:
+            return
+        if defer and self.runner.waiters:
+            if not self._again:
+                self._again = True
+                asyncio.get_running_loop().call_soon(self._look_again)
+            return
+        runner = self.runner
+        while self._head is None and self._waiting:
+            entry = self._waiting[0]
+            what = entry[2]
+            if isinstance(what, asyncio.Event):
+                what.set()
+                return
+            if self._stuck == (entry[1], runner.changes) and freed >= 0 and not runner.fits(freed, what.n):
+                # nothing but a release on `freed`, still too full for it, since it found no room:
+                # the router's answer is the same (`router.route`: only `freed`'s load moved)
+                return
+            try:
+                i = runner.take(what.n, what.cost)
+            except Exception as e:  # a bug routing it: that group fails, not the one whose sample freed the room
+                i = e
+            if i is None:
+                self._stuck = (entry[1], runner.changes)
+                return  # no room: `Runner.on_room` calls again when some comes free
+            heapq.heappop(self._waiting)
+            self._shrunk.set()
+            if isinstance(i, Exception):
+                what.crash(i)
+            else:
+                what.start(i)
+            freed = -1
+
+    def _look_again(self) -> None:
+        self._again = False
+        self._next(defer=False)
