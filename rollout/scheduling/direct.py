@@ -5,8 +5,10 @@ Its path is three callbacks. The lobby starts it (`start`) when it is first in l
 has room; the engine hands back each results frame's samples of it (`on_result`, from the data
 path's reader), each sample's room given back at once so the lobby starts the next group in the
 same turn; its last sample completes it into the learner's queue (`Scheduler.complete`).
-What must wait runs as a task, then: samples moving on from an engine that died (`Runner.carry_on`),
-a reward to score or the durable log to write. A group that needs a task throughout (an episode,
+What must wait runs as a task, then: what follows an engine ending it (its samples moving on from
+an engine that died, `Runner.carry_on`), a reward to score or the durable log to write. Nothing on
+the callback path may use anyio, which finds no task there (`anyio.get_cancelled_exc_class`,
+a task group's `start_soon` raise NoEventLoopError): `Scheduler.spawn` makes plain asyncio tasks. A group that needs a task throughout (an episode,
 a session's turn, a caller's submission, a request timeout) is not direct (`Scheduler._start`).
 """
 
@@ -19,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 from rollout.errors import RolloutError
 from rollout.inputs.usercode import passes_through
 from rollout.scheduling.protocols import Engine
-from rollout.scheduling.runner import failed
 from rollout.types import Prompt, Request, Sampling, Trajectory
 
 if TYPE_CHECKING:
@@ -55,10 +56,10 @@ class Direct:
         """Samples of it that finished on its engine, or what ended it there."""
         if self.over:
             return
+        if isinstance(item, BaseException):  # what follows (an engine out of rotation, its restart) runs in a task
+            self.s.spawn(self._end, item)
+            return
         try:
-            if isinstance(item, BaseException):
-                self._ended(item)
-                return
             release, i, cost = self.s.runner.release, self.engine, self.cost
             for traj in item:
                 del self.pending[traj.sample_index]
@@ -67,6 +68,8 @@ class Direct:
             if not self.pending:
                 self._complete()
         except BaseException as e:  # a bug, or a callback that raised: this group fails with the reason
+            if isinstance(e, KeyboardInterrupt):  # the process's own Ctrl-C: nothing here may swallow it
+                raise
             self.crash(e)
 
     def finish(self, traj: Trajectory) -> None:
@@ -75,26 +78,17 @@ class Direct:
         if self.s.on_trajectory is not None:
             self.s.on_trajectory(traj)
 
-    def _ended(self, error: BaseException) -> None:
-        """Its engine ended it with samples unfinished: they move on if it died, else fail saying why."""
-        if not isinstance(error, RolloutError):  # a bug at the engine's edge (a fake's)
-            self.crash(error)
-            return
-        runner, i = self.s.runner, self.engine
-        failure, moved = runner.failed_on(i, error)
-        runner.release(i, len(self.pending), self.cost)
-        self.abort = None
-        if moved:
-            self.s.spawn(self._move_on, failure)
-            return
-        for req in self.pending.values():
-            self.finish(failed(req, i, failure))
-        self.pending.clear()
-        self._complete()
-
-    async def _move_on(self, failure: str) -> None:
+    async def _end(self, error: BaseException) -> None:
+        """Its engine ended it with samples unfinished: they move on if it died (`Runner.carry_on`),
+        else fail saying why."""
         try:
-            await self.s.runner.carry_on(self.engine, self.pending, self.cost, self.finish, failure, True)
+            if not isinstance(error, RolloutError):  # a bug at the engine's edge (a fake's)
+                raise error
+            runner, i = self.s.runner, self.engine
+            failure, moved = runner.failed_on(i, error)
+            runner.release(i, len(self.pending), self.cost)
+            self.abort = None
+            await runner.carry_on(i, self.pending, self.cost, self.finish, failure, moved)
             self._complete()
         except BaseException as e:
             if passes_through(e):
@@ -107,8 +101,7 @@ class Direct:
         self.s.complete(self.prompt, [self.done[k] for k in range(self.n)], self.seq, self.train)
 
     def crash(self, error: BaseException) -> None:
-        if passes_through(error):
-            raise error
+        """It fails with `error` as the reason (a bug of ours, or a callback that raised)."""
         if self.over:
             return
         self.over = True
