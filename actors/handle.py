@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -58,25 +59,36 @@ class RayEngine:
         # Each sample comes back as it finishes, so the scheduler gives its slot on this engine to
         # the next request at once (a group's slots held until its last sample ended let the
         # engine's batch drain in waves). Leaving early (cancelled, closed) aborts the rest.
-        key = str(next(self._keys))
-        group = self._waiting[key] = _Group(len(requests))
-        if not self._outbox:
-            asyncio.get_running_loop().call_soon(self._submit)
-        self._outbox.append((key, requests))
-        if self._serving is None:
-            self._serving = asyncio.ensure_future(self._serve())
+        inbox: asyncio.Queue[list[Trajectory] | BaseException] = asyncio.Queue()
+        key = self._start(requests, inbox.put_nowait)
         left = len(requests)
         try:
             while left:
-                item = await group.inbox.get()
+                item = await inbox.get()
                 if isinstance(item, BaseException):
                     raise item
                 for traj in item:
                     left -= 1
                     yield traj
         finally:
-            if self._waiting.get(key) is group:  # given up before its last sample: abort the rest
+            if key in self._waiting:  # given up before its last sample: abort the rest
                 self._cancel(key)
+
+    def start_group(self, requests: list[Request], deliver: Callable[[list[Trajectory] | RolloutError], None]) -> Callable[[], None]:
+        """`generate_group` without a task: `deliver` gets each results frame's samples of the group
+        as they come (from the data path's reader callback), or the RolloutError that ends it.
+        Returns the call that aborts what has not finished."""
+        return functools.partial(self._cancel, self._start(requests, deliver))
+
+    def _start(self, requests: list[Request], deliver: Callable[[Any], None]) -> str:
+        key = str(next(self._keys))
+        self._waiting[key] = _Group(len(requests), deliver)
+        if not self._outbox:
+            asyncio.get_running_loop().call_soon(self._submit)
+        self._outbox.append((key, requests))
+        if self._serving is None:
+            self._serving = asyncio.ensure_future(self._serve())
+        return key
 
     async def _serve(self) -> None:
         """The engine's `serve` call: while it lasts, the engine is alive. When it ends, every group
@@ -118,10 +130,10 @@ class RayEngine:
                     group.left -= len(r.trajectories)
                     if group.left <= 0:
                         del self._waiting[r.key]
-                    group.inbox.put_nowait(r.trajectories)
+                    group.deliver(r.trajectories)
                 else:
                     del self._waiting[r.key]
-                    group.inbox.put_nowait(EngineDeadError(r.error) if r.dead else RetryableError(r.error))
+                    group.deliver(EngineDeadError(r.error) if r.dead else RetryableError(r.error))
         elif kind in (PROGRESS, FAILED):
             if self._reports and not (report := self._reports.popleft()).done():  # answers come in the order asked
                 if kind == PROGRESS:
@@ -173,7 +185,8 @@ class RayEngine:
         return True
 
     def _cancel(self, key: str) -> None:
-        self._waiting.pop(key, None)
+        if self._waiting.pop(key, None) is None:
+            return  # ended already (its last sample, its error), or aborted before
         if any(k == key for k, _ in self._outbox):
             self._outbox = [(k, r) for k, r in self._outbox if k != key]
         elif self._connected:
@@ -188,7 +201,7 @@ class RayEngine:
             error = RetryableError(f"engine {self.engine_id}: {type(error).__name__}: {error}")
         for key in keys:
             if (group := self._waiting.pop(key, None)) is not None:
-                group.inbox.put_nowait(_copy(error))
+                group.deliver(_copy(error))
 
     def close(self) -> None:
         """Stop this handle's `serve` call (the engine is being replaced or shut down)."""
@@ -299,14 +312,14 @@ class RayEngine:
 
 
 class _Group:
-    """A group out on an engine: how many samples are still to come, and what came back so far
-    (lists of trajectories, or the error that ends the group)."""
+    """A group out on an engine: how many samples are still to come, and where what comes back
+    goes (lists of trajectories, or the error that ends the group)."""
 
-    __slots__ = ("left", "inbox")
+    __slots__ = ("left", "deliver")
 
-    def __init__(self, samples: int):
+    def __init__(self, samples: int, deliver: Callable[[Any], None]):
         self.left = samples
-        self.inbox: asyncio.Queue[list[Trajectory] | RolloutError] = asyncio.Queue()
+        self.deliver = deliver
 
 
 def _copy(error: RolloutError) -> RolloutError:
