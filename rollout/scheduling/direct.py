@@ -8,8 +8,9 @@ same turn; its last sample completes it into the learner's queue (`Scheduler.com
 What must wait runs as a task, then: what follows an engine ending it (its samples moving on from
 an engine that died, `Runner.carry_on`), a reward to score or the durable log to write. Nothing on
 the callback path may use anyio, which finds no task there (`anyio.get_cancelled_exc_class`,
-a task group's `start_soon` raise NoEventLoopError): `Scheduler.spawn` makes plain asyncio tasks. A group that needs a task throughout (an episode,
-a session's turn, a caller's submission, a request timeout) is not direct (`Scheduler._start`).
+a task group's `start_soon` raise NoEventLoopError): `Scheduler.spawn` makes plain asyncio tasks.
+A group that needs a task throughout (an episode, a session's turn, a caller's submission, a
+request timeout) is not direct (`Scheduler._start`).
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ class Direct:
             runner, i = self.s.runner, self.engine
             failure, moved = runner.failed_on(i, error)
             runner.release(i, len(self.pending), self.cost)
-            self.abort = None
+            self.abort, self.engine = None, -1  # its room there is given back: a crash below must not give it twice
             await runner.carry_on(i, self.pending, self.cost, self.finish, failure, moved)
             self._complete()
         except BaseException as e:
