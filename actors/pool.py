@@ -4,7 +4,7 @@ Owns: one actor per engine with its resources and pinned cores (the cluster itse
 `actors.cluster`), readiness with a timeout, translation of Ray errors into
 `rollout.errors`, and a shutdown that leaves no process or /dev/shm segment behind (a driver
 SIGKILLed cannot shut down: what it left is recorded, and the next start removes it, `actors.leftovers`).
-The actor itself is `ray.remote(VLLMPolicy)`: a shell with no logic of its own; the driver's
+The actor itself is `ray.remote(shell(VLLMPolicy))`: a shell with no logic of its own (`actors.shell`); the driver's
 handle on each is `actors.handle.RayEngine`, its groups on the data path of `actors.channel`.
 """
 
@@ -24,6 +24,7 @@ from actors.channel import Channel
 from actors.cluster import connect, missing_resources
 from actors.handle import RayEngine
 from actors.leftovers import Record, reap
+from actors.shell import shell
 from policies.shm import Snapshot, descendants, sweep_when_gone
 from policies.vllm_args import checked_engine_args, engine_env
 from policies.vllm_policy import VLLMPolicy
@@ -32,6 +33,7 @@ from rollout.errors import EngineDeadError, InvalidConfigError, RolloutError
 from rollout.log import get_logger
 
 log = get_logger(__name__)
+ENGINE_ACTOR = shell(VLLMPolicy)  # what `ray.remote` gets: Ray's tracing wrappers stay on the driver's calls
 
 
 class RayEnginePool:
@@ -98,7 +100,7 @@ class RayEnginePool:
     def _spawn(self, i: int) -> Any:
         """Engine actor `i` in bundle `i` of the placement group (not started yet)."""
         e = self.cfg.engines
-        return ray.remote(VLLMPolicy).options(
+        return ray.remote(ENGINE_ACTOR).options(
             name=None,
             num_cpus=e.cpus_per_engine,
             num_gpus=e.gpus_per_engine,

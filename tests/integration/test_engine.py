@@ -24,6 +24,19 @@ async def collect(engine: RolloutEngine, timeout: float = 300):
         return [g async for g in engine.groups()]
 
 
+def _wrapped_by_ray(actor) -> bool:
+    """Inside the engine actor: is the policy's own per-step method one of Ray's tracing wrappers?"""
+    return hasattr(type(getattr(actor, "inner", actor))._after_step, "__ray_tracing_wrapped__")
+
+
+async def test_the_policy_s_calls_to_itself_are_not_ray_s_tracing_wrappers(engine):
+    """Ray wraps every method of the class it is handed, private ones too, tracing on or off: a
+    wrapper per call the policy makes to itself (per request, per engine step, per request in
+    vLLM's queue). The actor is a shell (`actors.shell`) whose methods alone Ray wraps."""
+    for actor in engine.pool.actors:
+        assert await actor.__ray_call__.remote(_wrapped_by_ray) is False
+
+
 async def test_every_prompt_completes_exactly_once_with_one_logprob_per_token(engine):
     prompts = synthetic_prompts(PromptsConfig(count=200, min_len=4, max_len=64, seed=7), engine.limits.vocab_size)
     engine.feed(prompts)
