@@ -92,7 +92,7 @@ def commit_when(engine: RolloutEngine, ready: Callable[[int], Awaitable[Any]]) -
 def _generate_then_pause(policy: Any, seconds: float) -> None:
     """Inside an engine actor (Ray runs `__ray_call__` on a thread of its own): let vLLM generate
     for `seconds` (0: not at all), then pause it the way a commit does (keep: requests stay)."""
-    vllm = policy._vllm
+    vllm = policy.inner._vllm  # the actor is a shell over the policy (`actors.shell`)
 
     async def run() -> None:
         if seconds:
