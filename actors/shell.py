@@ -50,5 +50,5 @@ def _forward(name: str, fn: Any) -> Any:
         def call(self: Any, *args: Any, **kwargs: Any) -> Any:
             return getattr(self.inner, name)(*args, **kwargs)
 
-    call.__name__, call.__qualname__, call.__doc__ = name, f"{fn.__qualname__}", fn.__doc__
+    call.__name__, call.__qualname__, call.__doc__ = name, fn.__qualname__, fn.__doc__
     return call
