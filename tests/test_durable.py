@@ -407,3 +407,19 @@ def test_a_full_disk_fails_the_group_and_the_log_and_keeps_what_was_logged(tmp_p
         d.ack([first])  # it stays unacknowledged: handed out again, never lost
     d.close()
     assert recovered(tmp_path) == ["g0"]
+
+
+def test_a_write_that_reaches_a_closed_log_fails_its_group_and_raises_nothing(tmp_path):
+    """A group's append can reach the log after the engine closed it (its worker thread started
+    late, its task cancelled at exit): the group is not logged, as one still generating is not."""
+    d = DurableLog(tmp_path)
+    d.open()
+    d.append(kept := group("g0"))
+    d.close()
+    late = group("g1")
+    d.append(late)
+    d.set_epoch(3)
+    assert late.error == f"queue.durable_dir={tmp_path}: the log was closed (the engine had exited); not logged"
+    with pytest.raises(DurableLogError, match="the log was closed"):
+        d.ack([kept])
+    assert recovered(tmp_path) == ["g0"]

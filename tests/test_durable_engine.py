@@ -55,6 +55,15 @@ async def everything_left(cfg, **kwargs) -> list[str]:
         return [g.prompt_id async for g in engine.groups()]
 
 
+async def logged(engine: RolloutEngine, groups: int) -> None:
+    """Wait until `groups` finished groups wait for the learner, each there once the durable log's
+    append returned. That runs in a worker thread, which `wait_all_tasks_blocked` does not wait for:
+    an exit before it ends keeps nothing of the group (`DurableLog.close`)."""
+    queue = engine._live_scheduler().queue
+    while len(queue) < groups:
+        await anyio.sleep(0.001)
+
+
 # -- acknowledged on the learner's commit, not on take ----------------------------------------
 
 
@@ -63,7 +72,7 @@ async def test_a_new_run_hands_out_exactly_the_groups_the_last_one_did_not_take(
         async with RolloutEngine(make_cfg(), pool=FakePool(2)) as engine:
             engine.feed(prompts(5))
             taken = [(await engine.next_group()).prompt_id for _ in range(2)]
-            await wait_all_tasks_blocked()  # the other 3 finished (logged), never taken
+            await logged(engine, 3)  # the other 3 finished, never taken
         # a clean exit committed the 2 taken
         async with RolloutEngine(make_cfg(), pool=FakePool(2)) as engine:
             engine.feed([Prompt(token_ids=[99], id="new")])
@@ -84,7 +93,7 @@ async def test_a_learner_that_crashes_mid_step_gets_that_batch_again(make_cfg):
                 async for batch in engine.batches(groups=2):
                     if trained:  # the second step
                         crashed = [g.prompt_id for g in batch.groups]
-                        await wait_all_tasks_blocked()  # every group finished and logged
+                        await logged(engine, 2)  # every group finished
                         raise RuntimeError("learner crashed")
                     trained += [g.prompt_id for g in batch.groups]
         again = await everything_left(make_cfg())
@@ -101,7 +110,7 @@ async def test_asking_for_the_next_group_commits_the_ones_before(make_cfg):
                 async for group in engine.groups():
                     taken.append(group.prompt_id)
                     if len(taken) == 3:
-                        await wait_all_tasks_blocked()
+                        await logged(engine, 1)
                         raise RuntimeError("learner crashed")
         again = await everything_left(make_cfg())
     assert sorted(again) == sorted({taken[2], *{f"q{i}" for i in range(4)} - set(taken)})
@@ -176,7 +185,7 @@ async def test_recovered_groups_go_through_the_staleness_filter(make_cfg, stale)
     with anyio.fail_after(TIMEOUT):
         async with RolloutEngine(make_cfg(), pool=FakePool(2)) as engine:
             engine.feed(prompts(2))
-            await wait_all_tasks_blocked()  # both finished at epoch 0 and logged, none taken
+            await logged(engine, 2)  # both finished at epoch 0, none taken
             await engine.update_weights(STATE)
             await engine.update_weights(STATE)
         async with RolloutEngine(
@@ -200,7 +209,7 @@ async def test_a_group_dropped_as_too_stale_is_acknowledged_even_when_reported_i
         async with RolloutEngine(cfg, pool=FakePool(2)) as engine:
             engine.admit_step(2)
             engine.feed(prompts(2))
-            await wait_all_tasks_blocked()  # both finished at epoch 0
+            await logged(engine, 2)  # both finished at epoch 0
             await engine.update_weights(STATE)
             await engine.update_weights(STATE)
             reports = [await engine.next_group(keep_dropped=True) for _ in range(2)]

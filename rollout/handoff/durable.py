@@ -192,9 +192,12 @@ class DurableLog:
             raise self.failed
 
     def close(self) -> None:
-        """Close the file and release the lock (always). Raises DurableLogError if the file did not close cleanly."""
+        """Close the file and release the lock (always). Raises DurableLogError if the file did not
+        close cleanly. A write after this (a late worker thread's) logs nothing and says why."""
         with self._mutex:
             f, self._file = self._file, None
+            if self.failed is None:
+                self.failed = DurableLogError(f"queue.durable_dir={self.dir}: the log was closed (the engine had exited); not logged")
             try:
                 if f is not None:
                     f.close()
