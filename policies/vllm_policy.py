@@ -293,22 +293,25 @@ class VLLMPolicy(GroupCalls, WeightLoading):
                     del self._samples[r.request_id]
 
     def progress(self) -> bytes:
-        """Every sample of the running groups as far as it is exact, msgpack-encoded Trajectories (`rollout.packed.encode`):
-        finished ones whole (`finished_at` set), running ones with what vLLM has produced of their
-        current piece so far; none that has produced nothing yet. What a crash of this engine keeps, so once vLLM's engine core died
-        (its pieces' tokens unreadable) it raises EngineDeadError instead of replacing the last
-        good report with a poorer one."""
+        """The running samples of the running groups as far as they are exact, msgpack-encoded
+        Trajectories (`rollout.packed.encode`): what vLLM has produced of each one's current piece
+        so far. What a crash of this engine keeps, so once vLLM's engine core died (its pieces'
+        tokens unreadable) it raises EngineDeadError instead of replacing the last good report
+        with a poorer one. Left out: finished samples (each went to the driver in a results frame,
+        which leaves before any later report on the socket) and ones that produced nothing yet
+        (waiting in vLLM's queue: the driver runs them again from their prompt), ~40% of a report
+        each at a full queue."""
         if self._vllm.dead:
             raise EngineDeadError("vLLM's engine core died")
         mode = self.cfg.weight_sync.mode
         out = []
         for traj, piece, _ in list(self._samples.values()):
+            if traj.finished_at:
+                continue
             state = self._state(piece) if piece is not None else None
             so_far = self._vllm.so_far(state) if state is not None else None
-            if traj.finished_at or traj.token_ids or (so_far is not None and so_far[0]):
+            if traj.token_ids or (so_far is not None and so_far[0]):
                 out.append(ledger_snapshot(traj, piece, so_far, mode))
-            # else nothing produced yet (waiting in vLLM's queue): a crash would keep nothing of it,
-            # the driver runs it again from its prompt. At a full queue that is ~40% of a report.
         return encode(out)
 
     async def abort(self, request_ids: list[str]) -> None:

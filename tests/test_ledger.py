@@ -141,6 +141,24 @@ async def test_a_progress_report_leaves_out_samples_that_produced_nothing_yet() 
     fake.shutdown()
 
 
+async def test_a_progress_report_leaves_out_samples_that_finished() -> None:
+    """A finished sample went to the driver in a results frame (`policies.group_calls`), ahead of
+    any later report on the same socket, so a report does not carry it again while the rest of
+    its group runs (a copy of every token of it, in every report)."""
+    fake = FakeVllm(random.Random(3), chunk=4, capacity=2)
+    policy = VLLMPolicy(load_config(None), "", 0, frontend=fake)
+    await policy.ready()
+    reqs = [Request(f"r{k}", "p", k, Sampling(n=2, max_tokens=m, stop_token_ids=[]), token_ids=[5, 6, 7, 8]) for k, m in enumerate([2, 400])]
+    stream = policy.stream_group(reqs)
+    first = await anext(stream)
+    assert first.request_id == "r0" and first.finished_at
+    while not (report := ProgressReport(policy.progress())):
+        await asyncio.sleep(0)
+    assert list(report) == ["r1"] and not report["r1"].finished_at
+    await stream.aclose()
+    fake.shutdown()
+
+
 async def test_once_vllm_died_a_progress_report_fails_instead_of_dropping_the_tokens_it_had() -> None:
     """A crash keeps the engine's last progress report. A report asked for after its engine core
     died (the actor lives on) must fail, not answer with its samples stripped of the running

@@ -28,8 +28,9 @@ class Engine(Protocol):
     async def stats(self) -> EngineStats: ...
 
     async def progress(self) -> Mapping[str, Trajectory]:
-        """Every request of the running groups as far as known, by request id: finished ones
-        whole (`finished_at` set), running ones with the tokens whose epochs are already exact.
+        """The requests of the running groups as far as known, by request id: running ones with
+        the tokens whose epochs are already exact; finished ones whole (`finished_at` set) or, once
+        their results went out, not at all (`VLLMPolicy.progress`).
         May decode lazily (`rollout.types.ProgressReport`): it is read only if the engine fails."""
         ...
 
