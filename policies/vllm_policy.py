@@ -299,8 +299,8 @@ class VLLMPolicy(GroupCalls, WeightLoading):
         tokens unreadable) it raises EngineDeadError instead of replacing the last good report
         with a poorer one. Left out: finished samples (each went to the driver in a results frame,
         which leaves before any later report on the socket) and ones that produced nothing yet
-        (waiting in vLLM's queue: the driver runs them again from their prompt), ~40% of a report
-        each at a full queue."""
+        (waiting in vLLM's queue: the driver runs them again from their prompt; ~40% of a report
+        at a full queue)."""
         if self._vllm.dead:
             raise EngineDeadError("vLLM's engine core died")
         mode = self.cfg.weight_sync.mode
