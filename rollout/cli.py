@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every request")
             p.add_argument("--api-servers", type=int, metavar="N", help="HTTP front-end processes sharing the port (default: serve.api_servers, 1)")
     args = parser.parse_args(argv)
-    args.config = args.config or packaged_config("tiny.yaml")
+    args.config = args.config or str(packaged_config("tiny.yaml"))  # a str: the bench report names it in JSON
     try:
         overrides = list(args.override) + (["logging.json=true"] if args.log_json else [])
         if getattr(args, "rounds", None) is not None:

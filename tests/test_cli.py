@@ -118,3 +118,14 @@ def test_validate_asks_vllm_about_the_model_config(capsys):
     assert main(["validate", "configs/tiny.yaml", "-o", "model.max_model_len=100000"]) == 2  # before: "ok"
     err = capsys.readouterr().err
     assert "model.max_model_len: vLLM refuses it: User-specified max_model_len (100000) is greater" in err, err
+
+
+def test_bench_without_a_config_writes_its_report_naming_the_packaged_one(tmp_path, run_args, pools, capsys):
+    # `rollout bench` with no CONFIG runs the packaged tiny.yaml; its report must still be written
+    # (the path once reached json.dumps as a PosixPath: the whole run lost at its last step).
+    report = tmp_path / "bench.json"
+    overrides = run_args[1:]  # no config file: the packaged one
+    assert main(["bench", *overrides, "--rounds", "1", "-o", "bench.warmup_prompts=2", "--report", str(report)]) == 0
+    written = json.loads(report.read_text())
+    assert written["config"].endswith("tiny.yaml") and written["engine"]["trajectories"] == 6
+    assert "tokens/s" in capsys.readouterr().out
