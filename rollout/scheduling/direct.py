@@ -3,8 +3,8 @@ tens of microseconds of the driver's CPU a group less than a task (issue 27).
 
 Its path is three callbacks. The lobby starts it (`start`) when it is first in line and an engine
 has room; the engine hands back each results frame's samples of it (`on_result`, from the data
-path's reader), each sample's room given back at once so the lobby starts the next group in the
-same turn; its last sample completes it into the learner's queue (`Scheduler.complete`).
+path's reader), each sample's room given back at once so the lobby starts the next groups on the
+loop's next turn (one look for all the room a turn freed); its last sample completes it into the learner's queue (`Scheduler.complete`).
 What must wait runs as a task, then: what follows an engine ending it (its samples moving on from
 an engine that died, `Runner.carry_on`), a reward to score or the durable log to write. Nothing on
 the callback path may use anyio, which finds no task there (`anyio.get_cancelled_exc_class`,
@@ -64,7 +64,7 @@ class Direct:
             release, i, cost = self.s.runner.release, self.engine, self.cost
             for traj in item:
                 del self.pending[traj.sample_index]
-                release(i, 1, cost)  # per sample: the lobby starts the next group in this turn
+                release(i, 1, cost)  # per sample, before anything of ours can raise: a crash gives back the rest
                 self.finish(traj)
             if not self.pending:
                 self._complete()

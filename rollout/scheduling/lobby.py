@@ -4,8 +4,9 @@ first, equal budgets in arrival order, so the long samples of a long-tailed set 
 Two kinds wait here. A group run as a task (`Lobby.acquire`: episodes, a caller's submission, ...)
 waits on its own event, and the first in line sits in `Runner.acquire`, which routes it. A direct
 group (`rollout.scheduling.direct`: the learner's plain groups, no task of their own) is started
-from `_next` as soon as it is first in line and an engine has room: when it arrives, and whenever
-the runner says room came free (`Runner.on_room`). A group with a larger budget arriving while a
+from `_next` as soon as it is first in line and an engine has room: when it arrives, and on the loop's
+turn after the runner says room came free (`Runner.on_room`: one look for all the room freed in
+a turn). A group with a larger budget arriving while a
 task waits in `Runner.acquire` takes its place; that one waits again.
 """
 
@@ -36,12 +37,13 @@ class Startable(Protocol):
 class Lobby:
     def __init__(self, runner: Runner) -> None:
         self.runner = runner
-        runner.on_room = self._next
+        runner.on_room = self._freed
         self._waiting: list[list[Any]] = []  # heap of [-budget, arrival, event or direct group]
         self._arrivals = 0
         self._head: tuple[list[Any], anyio.CancelScope] | None = None  # the task in `Runner.acquire`
         self._shrunk = asyncio.Event()  # set when a group leaves the waiting ones
         self._again = False  # a look at the line is on the loop already (`_next` deferred a turn)
+        self._room = -2  # -2: no look at the line on the loop for freed room; else the engine freed (-1: several)
         self._stuck = (0, -1)  # (arrival of the first in line, `Runner.changes`) when it last found no room
 
     async def acquire(self, n: int, cost: int, budget: int) -> int:
@@ -94,6 +96,20 @@ class Lobby:
     def __len__(self) -> int:
         """Groups waiting (the head in `Runner.acquire` not counted)."""
         return len(self._waiting)
+
+    def _freed(self, i: int) -> None:
+        """Room came free on engine `i` (-1: anywhere; `Runner.on_room`): one look at the line on the
+        loop's next turn covers every sample freed in this one (a results frame, a burst of frames),
+        instead of a look per finished sample."""
+        if self._room == -2:
+            self._room = i
+            asyncio.get_running_loop().call_soon(self._look_freed)
+        elif self._room != i:
+            self._room = -1
+
+    def _look_freed(self) -> None:
+        freed, self._room = self._room, -2
+        self._next(freed)
 
     def _next(self, freed: int = -1, defer: bool = True) -> None:
         """Start the direct groups first in line while engines have room; wake the first task in

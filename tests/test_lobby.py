@@ -1,0 +1,74 @@
+"""The lobby (`rollout.scheduling.lobby`) over a real `Runner`: direct groups start largest budget
+first as room comes free, and the room a turn of the loop frees is looked at once, not once per
+finished sample (issue 27: at 256 engines a look per sample was most of the router's calls)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from rollout.config import load_config
+from rollout.scheduling.lobby import Lobby
+from rollout.scheduling.runner import Runner
+
+
+class Group:
+    """A direct group as the lobby sees it (`lobby.Startable`)."""
+
+    def __init__(self, name: str, started: list[tuple[str, int]], n: int = 2, cost: int = 10):
+        self.name, self.started, self.n, self.cost = name, started, n, cost
+
+    def start(self, engine: int) -> None:
+        self.started.append((self.name, engine))
+
+    def crash(self, error: BaseException) -> None:
+        raise AssertionError(f"{self.name} crashed: {error}")
+
+
+def full_lobby(engines: int = 2) -> tuple[Runner, Lobby, list[tuple[str, int]], list[int]]:
+    """A lobby whose `engines` engines are full (4 requests each), and 3 groups of 2 waiting.
+    Returns the runner, the lobby, the groups started (name, engine) and the routes tried."""
+    cfg = load_config(None, [f"engines.count={engines}", "sampling.n=2", "engines.max_inflight_per_engine=2", "engines.queued_per_engine=2"])
+    runner = Runner(cfg, [object()] * engines)
+    lobby, started, routes = Lobby(runner), [], []
+    take = runner.take
+
+    def counted(n: int, cost: int, on: int | None = None) -> int | None:
+        routes.append(n)
+        return take(n, cost, on)
+
+    runner.take = counted
+    for i in range(engines):
+        assert runner.take(4, 10) is not None
+    for name, budget in (("short", 8), ("long", 64), ("mid", 16)):
+        lobby.add(Group(name, started), budget)
+    routes.clear()
+    return runner, lobby, started, routes
+
+
+async def test_the_room_freed_in_one_turn_is_looked_at_once():
+    runner, lobby, started, routes = full_lobby()
+    for _ in range(4):  # a results frame: engine 0's four samples, handed back one by one
+        runner.release(0, 1, 10)
+    assert started == [] and routes == []  # nothing routed per sample
+    await asyncio.sleep(0)  # the loop's next turn
+    assert started == [("long", 0), ("mid", 0)]  # largest budget first, as much as the room holds
+    assert len(routes) == 3  # one look: two groups started, the third found no room
+
+
+async def test_room_freed_on_several_engines_in_one_turn_starts_groups_on_each():
+    runner, lobby, started, routes = full_lobby()
+    runner.release(0, 2, 10)
+    runner.release(1, 2, 10)
+    await asyncio.sleep(0)
+    assert sorted(started) == [("long", 0), ("mid", 1)] or sorted(started) == [("long", 1), ("mid", 0)]
+    assert len(lobby) == 1
+
+
+async def test_room_freed_in_a_later_turn_is_looked_at_again():
+    runner, lobby, started, routes = full_lobby()
+    runner.release(0, 1, 10)
+    await asyncio.sleep(0)
+    assert started == []  # one request's room: the head (2 requests) does not fit yet
+    runner.release(0, 1, 10)
+    await asyncio.sleep(0)
+    assert started == [("long", 0)]
