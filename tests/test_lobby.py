@@ -72,3 +72,16 @@ async def test_room_freed_in_a_later_turn_is_looked_at_again():
     runner.release(0, 1, 10)
     await asyncio.sleep(0)
     assert started == [("long", 0)]
+
+
+async def test_a_group_arriving_behind_a_head_without_room_routes_nothing_until_room_comes_free():
+    runner, lobby, started, routes = full_lobby()  # its head ("long", 2 requests) found no room
+    lobby.add(Group("late", started), 4)  # a smaller budget: behind the head
+    runner.release(0, 1, 10)
+    await asyncio.sleep(0)
+    assert started == [] and routes == []  # room for 1 on engine 0: the head still does not fit
+    lobby.add(Group("longest", started), 128)  # a new head: it looks
+    assert len(routes) == 1 and started == []
+    runner.release(0, 1, 10)
+    await asyncio.sleep(0)
+    assert started == [("longest", 0)] and len(routes) == 3  # then "long" found no room

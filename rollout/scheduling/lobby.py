@@ -74,7 +74,9 @@ class Lobby:
 
     def add(self, group: Startable, budget: int) -> None:
         """A direct group: started (`group.start(engine)`) once first in line with room taken for it."""
-        self._enter(budget, group)
+        entry = self._enter(budget, group)
+        if (head := self._waiting[0]) is not entry and self._stuck[0] == head[1]:
+            return  # behind a head that found no room: the room that comes free looks again (`_freed`)
         self._next()
 
     def _enter(self, budget: int, what: Any) -> list[Any]:
