@@ -79,7 +79,7 @@ async def all_groups(engine: RolloutEngine) -> list[Group]:
     with anyio.fail_after(TIMEOUT):
         async with anyio.create_task_group() as tg:
             tg.start_soon(consume)
-            await wait_all_tasks_blocked()
+            await settled()
             stuck = not done.is_set()
             if stuck:
                 tg.cancel_scope.cancel()
@@ -88,6 +88,17 @@ async def all_groups(engine: RolloutEngine) -> list[Group]:
     if errors:
         raise errors[0]
     return out
+
+
+async def settled() -> None:
+    """Until every task is blocked and the loop callbacks they left have run (anyio's
+    `wait_all_tasks_blocked` sees tasks only): the lobby looks at freed room on the loop's next turn
+    (`Lobby._freed`), that look may start a group, whose results free room again. The fakes have no
+    timers, so once settled nothing runs until the test acts."""
+    for _ in range(5):
+        await wait_all_tasks_blocked()
+        await anyio.lowlevel.checkpoint()  # the callbacks pending on the loop run before this task resumes
+    await wait_all_tasks_blocked()
 
 
 def total_requests(pool: FakePool) -> int:

@@ -4,7 +4,7 @@ hand-out, a group with nothing to train on), whose batch size it uses, when it w
 RL facade, whose calls must finish whatever `max_lag` is.
 
 Where a test shows that something does *not* happen, it waits until every task is blocked
-(`anyio.wait_all_tasks_blocked`): the fakes have no timers, so nothing could wake them later.
+(`tests.on_fakes.settled`): the fakes have no timers, so nothing could wake them later.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import anyio
 import msgspec
 import pytest
 import torch
-from anyio import wait_all_tasks_blocked
 from safetensors.torch import save_file
 from structlog.testing import capture_logs
 
@@ -23,6 +22,7 @@ from rollout.episodes.env import Step
 from rollout.nemo_rl import GenerationError, RolloutGeneration
 from rollout.types import Prompt, Trajectory
 from tests.fakes import FakeEngine, FakePool
+from tests.on_fakes import settled
 
 TIMEOUT = 30  # a hang guard, only reached by a test about to fail; fake engines have no timers, so
 # a verdict never waits on the clock, but on a busy 2-core machine startup alone can take seconds
@@ -102,10 +102,10 @@ async def test_dropped_groups_give_their_admission_slot_back(make_cfg):
                     release.set()
                     await pool.engines[0].wait_until(lambda e: not e.held)
                     await pool.engines[1].wait_until(lambda e: not e.held)
-                await wait_all_tasks_blocked()
+                await settled()
                 before = started_ids(pool)
                 await engine.update_weights(STATE)
-                await wait_all_tasks_blocked()
+                await settled()
     assert engine.staleness.dropped_groups == 2
     # steps 1-2: the slow groups hold the budget while they run; from step 3 on, every batch was
     # generated during the learner's previous step, as max_lag=1 allows
@@ -123,7 +123,7 @@ async def test_a_group_with_nothing_to_train_on_gives_its_slot_back(make_cfg, ki
         async with RolloutEngine(make_cfg("staleness.max_lag=0", "staleness.batch_groups=2"), pool=pool) as engine:
             engine.feed(iter([bad, *prompts(4)]))  # an iterator: a bad item becomes a failed group
             batch = await engine.batches(groups=2)
-            await wait_all_tasks_blocked()
+            await settled()
             assert batch is not None
             assert [g.prompt_id for g in batch.groups if g.ok] == ["q0", "q1"]
             assert [g.prompt_id for g in batch.groups if not g.ok] == ["bad"]
@@ -136,10 +136,10 @@ async def test_configured_batch_groups_wins_over_the_learners_batch_size(make_cf
         async with RolloutEngine(make_cfg("staleness.max_lag=0", "staleness.batch_groups=3"), pool=pool) as engine:
             engine.feed(prompts(10))
             batch = await engine.batches(groups=2)
-            await wait_all_tasks_blocked()
+            await settled()
             assert batch is not None and len(started_ids(pool)) == 3  # (0 + 0 + 1) * 3, not * 2
             assert (await engine.next_group()) is not None  # nor does a single-group consumer change it
-            await wait_all_tasks_blocked()
+            await settled()
             assert len(started_ids(pool)) == 3
 
 
@@ -159,13 +159,13 @@ async def test_a_learner_step_with_nothing_generated_ahead_is_warned_about(make_
             engine.feed(prompts(20))
             with capture_logs() as logs:
                 await engine.batches(groups=2)  # one batch per update: the next one runs ahead
-                await wait_all_tasks_blocked()
+                await settled()
                 await engine.update_weights(STATE)
-                await wait_all_tasks_blocked()
+                await settled()
                 assert bottleneck_warnings(logs) == []
                 await engine.batches(groups=2)  # two batches per update: the learner takes
                 await engine.batches(groups=2)  # everything admission let in
-                await wait_all_tasks_blocked()
+                await settled()
                 await engine.update_weights(STATE)
     (warning,) = bottleneck_warnings(logs)
     assert (warning["epoch"], warning["max_lag"], warning["batch_groups"], warning["accepted"]) == (2, 1, 2, 6)
@@ -177,7 +177,7 @@ async def test_an_update_before_the_first_batch_ends_no_step(make_cfg):
         async with RolloutEngine(make_cfg("staleness.max_lag=1"), pool=pool) as engine:
             engine.feed(prompts(8))
             with capture_logs() as logs:
-                await wait_all_tasks_blocked()  # admission waits for the learner's batch size
+                await settled()  # admission waits for the learner's batch size
                 await engine.update_weights(STATE)  # e.g. the learner's initial weights
     assert bottleneck_warnings(logs) == []
 
@@ -190,7 +190,7 @@ async def test_max_lag_0_holds_back_every_step_without_a_warning(make_cfg):
             with capture_logs() as logs:
                 for _ in range(3):
                     await engine.batches(groups=2)
-                    await wait_all_tasks_blocked()
+                    await settled()
                     await engine.update_weights(STATE)
     assert bottleneck_warnings(logs) == []  # synchronous by request
 
@@ -219,15 +219,15 @@ async def test_admission_counts_episodes_not_turns(make_cfg):
             make_cfg("staleness.max_lag=0", "staleness.batch_groups=2"), pool=pool, env=ThreeTurns
         ) as engine:
             engine.feed(prompts(8))
-            await wait_all_tasks_blocked()
+            await settled()
             assert started_ids(pool) == {"q0", "q1"}
             assert len([r for e in pool.engines for r in e.requests]) == 2 * 2 * 3  # 2 episodes x n=2 x 3 turns
             batch = await engine.batches(groups=2)
             assert all(len(t.turns) == 3 for g in batch.groups for t in g.trajectories)
-            await wait_all_tasks_blocked()
+            await settled()
             assert started_ids(pool) == {"q0", "q1"}  # taken, but max_lag 0: the next wait for an update
             await engine.update_weights(STATE)
-            await wait_all_tasks_blocked()
+            await settled()
             assert started_ids(pool) == {"q0", "q1", "q2", "q3"}
 
 
@@ -291,7 +291,7 @@ async def test_facade_rows_dropped_as_too_stale_come_back_as_failed_rows(make_cf
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(call)
-                await wait_all_tasks_blocked()
+                await settled()
                 await engine.update_weights(STATE)
                 release.set()
     assert sorted(failure[0].rows) == [0, 1]

@@ -14,6 +14,7 @@ import structlog
 import rollout.engine
 from rollout.cli import main
 from tests.fakes import FakeEngine, FakePool
+from tests.on_fakes import settled
 
 
 @pytest.fixture(autouse=True)
@@ -76,7 +77,7 @@ def test_run_streams_each_group_to_the_file_as_it_finishes(tmp_path, run_args, p
     class Watching(FakeEngine):
         async def generate(self, request):
             if request.sample_index == 0:
-                await anyio.wait_all_tasks_blocked()  # the learner took every finished group and waits
+                await settled()  # the learner took every finished group and waits
                 seen.append(len(out.read_text().splitlines()))
             return await super().generate(request)
 
@@ -91,7 +92,7 @@ def test_run_stopped_midway_keeps_what_was_written_and_says_so(tmp_path, run_arg
     class Stopping(FakeEngine):
         async def generate(self, request):
             if request.prompt_id == "syn-2":
-                await anyio.wait_all_tasks_blocked()  # the groups before it are handed out
+                await settled()  # the groups before it are handed out
                 raise KeyboardInterrupt  # Ctrl-C (or SIGTERM, which unwinds the same way) mid-run
             return await super().generate(request)
 

@@ -9,7 +9,6 @@ import anyio
 import msgspec
 import pytest
 import torch
-from anyio import wait_all_tasks_blocked
 from safetensors.torch import save_file
 
 from rollout.config import load_config
@@ -20,6 +19,7 @@ from rollout.sync_engine import SyncRolloutEngine
 from rollout.types import Prompt
 from tests.fakes import FakeEngine, FakePool
 from tests.test_durable import fill_the_disk, read_only
+from tests.on_fakes import settled
 
 TIMEOUT = 5  # seconds; only reached when a test is about to fail
 STATE = {"embed.weight": torch.ones(4, 3)}
@@ -228,10 +228,10 @@ async def test_admission_after_a_resume_counts_epochs_from_the_runs_start(make_c
             make_cfg("staleness.max_lag=0", "staleness.batch_groups=1"), pool=pool, start_epoch=5
         ) as engine:
             engine.feed(prompts(10))
-            await wait_all_tasks_blocked()
+            await settled()
             assert started() == 1  # (0 + max_lag + 1) * 1
             assert await engine.update_weights(STATE) == 6
-            await wait_all_tasks_blocked()
+            await settled()
             assert started() == 2  # not (6 + 0 + 1) * 1 = 7
 
 

@@ -11,7 +11,6 @@ import anyio
 import msgspec
 import pytest
 import torch
-from anyio import wait_all_tasks_blocked
 from safetensors.torch import save_file
 
 from rollout.config import load_config
@@ -27,6 +26,7 @@ from rollout.nemo_rl import (
 )
 from rollout.types import Prompt, Request, Trajectory
 from tests.fakes import FakeEngine, FakePool, fake_logprob, fake_token
+from tests.on_fakes import settled
 
 TIMEOUT = 5  # seconds; only reached when a test is about to fail
 MAX_TOKENS = 5
@@ -306,7 +306,7 @@ async def test_overlapping_calls_each_get_their_own_rows(cfg):
             tg.start_soon(whole, "a", ROWS[:3])
             tg.start_soon(streamed, "b", ROWS[3:])
             tg.start_soon(whole, "c", ROWS[1:2])
-            await wait_all_tasks_blocked()
+            await settled()
             gate.set()
     for r, prompt in enumerate(ROWS[:3]):
         assert_row(results["a"], r, prompt, 3 + MAX_TOKENS)
@@ -323,7 +323,7 @@ async def test_rows_left_behind_by_an_abandoned_stream_are_dropped(cfg):
                 break
         out = await gen.agenerate(batch([[30, 31]]))
         assert_row(out, 0, [30, 31], 2 + MAX_TOKENS)
-        await wait_all_tasks_blocked()
+        await settled()
         assert await gen.engine.next_group() is None  # nothing left over in the engine either
         other = RolloutGeneration(engine=gen.engine)  # a second facade on the same engine: its own rows only
         assert_row(await other.agenerate(batch([[30, 31]])), 0, [30, 31], 2 + MAX_TOKENS)
@@ -372,7 +372,7 @@ async def test_bad_input_fails_before_anything_is_admitted(cfg):
         assert not ok and str(e.value) == message
         with pytest.raises(InvalidPromptError, match="outside the vocabulary"):
             await gen.agenerate(batch([[5], [300]]))
-        await wait_all_tasks_blocked()
+        await settled()
         assert await gen.engine.next_group() is None
     assert [e.requests for e in pool.engines] == [[], []]
 
@@ -382,7 +382,7 @@ async def test_a_learner_consuming_the_same_engine_meanwhile_gets_its_own_groups
     never see each other's groups, whoever reads first."""
     async with wrapped(cfg, FakePool(2)) as gen:
         gen.engine.feed([Prompt(token_ids=[5], id="mine")])
-        await wait_all_tasks_blocked()
+        await settled()
         out = await gen.agenerate(batch([[6], [7]]))
         assert_row(out, 1, [7], 1 + MAX_TOKENS)
         group = await gen.engine.next_group()

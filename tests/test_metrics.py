@@ -10,7 +10,6 @@ import urllib.request
 import anyio
 import msgspec
 import pytest
-from anyio import wait_all_tasks_blocked
 from safetensors.torch import save_file
 
 from rollout.config import load_config
@@ -22,6 +21,7 @@ from rollout.sync_engine import SyncRolloutEngine
 from rollout.types import Prompt, SpecCounters, UpdateStats
 from tests.fakes import FakePool
 from tests.test_weights import STATE
+from tests.on_fakes import settled
 
 TIMEOUT = 10
 ALWAYS = {
@@ -63,7 +63,7 @@ async def test_metrics_are_flat_numbers_over_the_window_since_the_previous_call(
         async with RolloutEngine(make_cfg("staleness.max_lag=1", "staleness.batch_groups=2"), pool=pool) as engine:
             first = await engine.metrics()  # since start: nothing yet
             engine.feed(prompts(4))  # (epoch 0 + max_lag 1 + 1) * 2 groups may start: all 4, at epoch 0
-            await wait_all_tasks_blocked()
+            await settled()
             await engine.update_weights(STATE)
             await engine.update_weights(STATE)  # the 4 groups now lag 2 > max_lag 1: dropped at hand-out
             assert [g async for g in engine.groups()] == []

@@ -2,7 +2,7 @@
 
 Every wait is on an event or a condition, bounded by `anyio.fail_after`. Where a test must show that
 something does *not* happen (no more admissions), it waits until every task is blocked
-(`anyio.wait_all_tasks_blocked`): the fakes have no timers, so nothing could wake them later.
+(`tests.on_fakes.settled`): the fakes have no timers, so nothing could wake them later.
 """
 # ruff: noqa: F401, F811 (make_cfg and model_dir are fixtures, imported from tests/on_fakes.py)
 
@@ -13,7 +13,6 @@ from contextlib import asynccontextmanager
 import anyio
 import msgspec
 import pytest
-from anyio import wait_all_tasks_blocked
 
 from rollout.config import Config, load_config
 from rollout.engine import RolloutEngine
@@ -21,7 +20,7 @@ from rollout.errors import EngineClosedError, EngineDeadError, InvalidPromptErro
 from rollout.sync_engine import SyncRolloutEngine
 from rollout.types import Group, Prompt
 from tests.fakes import EOS_ID, FakeEngine, FakePool, fake_logprob, fake_token, text_ids
-from tests.on_fakes import TIMEOUT, Deadlock, all_groups, make_cfg, model_dir, prompts, rollout, total_requests
+from tests.on_fakes import TIMEOUT, Deadlock, all_groups, make_cfg, model_dir, prompts, rollout, settled, total_requests
 
 
 async def test_every_sample_completes_exactly_once(make_cfg):
@@ -59,7 +58,7 @@ async def test_load_is_spread_and_capped_per_engine(make_cfg):
         engine.feed(prompts(6))
         for e in pool.engines:
             await e.wait_until(lambda e: e.inflight == 4)
-        await wait_all_tasks_blocked()
+        await settled()
         # 2 groups per engine; the other 2 prompts wait for room
         assert [len(e.prompt_ids) for e in pool.engines] == [2, 2]
         assert [e.max_inflight for e in pool.engines] == [4, 4]
@@ -80,7 +79,7 @@ async def test_queued_requests_add_room_per_engine(make_cfg):
         engine.feed(prompts(8))
         for e in pool.engines:
             await e.wait_until(lambda e: e.inflight == 6)
-        await wait_all_tasks_blocked()
+        await settled()
         assert [len(e.prompt_ids) for e in pool.engines] == [3, 3]  # the other 2 prompts wait for room
         gate.set()
         groups = await all_groups(engine)
@@ -105,7 +104,7 @@ async def test_waiting_groups_start_longest_budget_first(make_cfg):
         budgets = [2, 2, 16, 2, 8, 16]
         engine.feed([Prompt(token_ids=[40 + i] * 3, id=f"w{i}-{b}", sampling={"max_tokens": b})
                      for i, b in enumerate(budgets)])  # fmt: skip
-        await wait_all_tasks_blocked()
+        await settled()
         gate.set()
         groups = await all_groups(engine)
     assert len(groups) == 10 and all(g.ok for g in groups)
@@ -124,7 +123,7 @@ async def test_a_submission_waits_in_the_lobby_no_deeper_than_max_groups(make_cf
         sub = engine.submit(prompts(12), train=False)  # 4 start (2 per engine), at most 3 wait
         for e in pool.engines:
             await e.wait_until(lambda e: e.inflight == 4)
-        await wait_all_tasks_blocked()
+        await settled()
         assert len(engine._live_scheduler().lobby) == 3
         gate.set()
         with anyio.fail_after(TIMEOUT):
@@ -146,11 +145,11 @@ async def test_backpressure_stops_admission_when_nobody_consumes(make_cfg):
     pool = FakePool(2)
     async with rollout(make_cfg("queue.max_groups=2"), pool) as engine:
         engine.feed(prompts(5))
-        await wait_all_tasks_blocked()
+        await settled()
         assert sum(len(e.prompt_ids) for e in pool.engines) == 2  # engines had room for 4 groups
         first = await engine.next_group()  # frees one slot
         assert first is not None and first.ok
-        await wait_all_tasks_blocked()
+        await settled()
         assert sum(len(e.prompt_ids) for e in pool.engines) == 3
         rest = await all_groups(engine)
     assert len(rest) == 4
