@@ -6,9 +6,16 @@ from __future__ import annotations
 
 import asyncio
 
+import anyio
+
 from rollout.config import load_config
+from rollout.engine import RolloutEngine
 from rollout.scheduling.lobby import Lobby
 from rollout.scheduling.runner import Runner
+from rollout.types import Prompt
+from tests.fakes import FakePool
+from tests.on_fakes import TIMEOUT, make_cfg, model_dir, settled  # noqa: F401 (fixtures)
+from tests.test_admission import HeldEngine
 
 
 class Group:
@@ -85,3 +92,21 @@ async def test_a_group_arriving_behind_a_head_without_room_routes_nothing_until_
     runner.release(0, 1, 10)
     await asyncio.sleep(0)
     assert started == [("longest", 0)] and len(routes) == 3  # then "long" found no room
+
+
+
+async def test_nothing_starts_once_the_scheduler_has_exited(make_cfg):
+    # A caller's submission (a task) holds the only room; the learner's groups wait in the lobby.
+    # Exiting cancels the submission, whose room comes back: no waiting group may start then.
+    held = HeldEngine(0, {"*"}, anyio.Event())
+    cfg = make_cfg("engines.count=1", "engines.max_inflight_per_engine=2", "engines.queued_per_engine=1")
+    with anyio.fail_after(TIMEOUT):
+        async with RolloutEngine(cfg, pool=FakePool([held])) as engine:
+            engine.submit([Prompt(token_ids=[7, 7], id="s0")])
+            await settled()
+            assert len(held.arrived) == 2  # both its samples wait on the engine
+            engine.feed([Prompt(token_ids=[8, 8], id=f"q{i}") for i in range(3)])
+            await settled()
+            assert len(held.arrived) == 2  # the learner's groups wait for its room
+        await settled()
+    assert len(held.arrived) == 2

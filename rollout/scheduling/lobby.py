@@ -45,6 +45,7 @@ class Lobby:
         self._again = False  # a look at the line is on the loop already (`_next` deferred a turn)
         self._room = -2  # -2: no look at the line on the loop for freed room; else the engine freed (-1: several)
         self._stuck = (0, -1)  # (arrival of the first in line, `Runner.changes`) when it last found no room
+        self.closed = False  # the scheduler exited: nothing starts any more
 
     async def acquire(self, n: int, cost: int, budget: int) -> int:
         """`Runner.acquire(n, cost)` once no group with a larger budget (or as large, earlier) waits."""
@@ -99,6 +100,10 @@ class Lobby:
         """Groups waiting (the head in `Runner.acquire` not counted)."""
         return len(self._waiting)
 
+    def close(self) -> None:
+        """The scheduler exited: room that comes back now (its cancelled tasks') starts nothing."""
+        self.closed = True
+
     def _freed(self, i: int) -> None:
         """Room came free on engine `i` (-1: anywhere; `Runner.on_room`): one look at the line on the
         loop's next turn covers every sample freed in this one (a results frame, a burst of frames),
@@ -118,7 +123,7 @@ class Lobby:
         line. `freed`: the engine whose room grew, if that is the only change (-1: look anyway).
         Tasks waiting in `Runner.acquire` (a session's turn for its engine, samples moving on) get
         the room first: with any, this looks again on the loop's next turn, after them."""
-        if self._head is not None or not self._waiting:
+        if self._head is not None or not self._waiting or self.closed:
             return
         if defer and self.runner.waiters:
             if not self._again:

@@ -138,6 +138,7 @@ class Scheduler:
         try:
             await anyio.sleep_forever()
         finally:
+            self.lobby.close()  # the cancelled groups' room comes back: no waiting one starts on it
             for group in list(self.direct):
                 group.stop()
             self.direct.clear()
