@@ -4,7 +4,8 @@ tens of microseconds of the driver's CPU a group less than a task (issue 27).
 Its path is three callbacks. The lobby starts it (`start`) when it is first in line and an engine
 has room; the engine hands back each results frame's samples of it (`on_result`, from the data
 path's reader), each sample's room given back at once so the lobby starts the next groups on the
-loop's next turn (one look for all the room a turn freed); its last sample completes it into the learner's queue (`Scheduler.complete`).
+loop's next turn (one look for all the room a turn freed); its last sample completes it into the
+learner's queue (`Scheduler.complete`).
 What must wait runs as a task, then: what follows an engine ending it (its samples moving on from
 an engine that died, `Runner.carry_on`), a reward to score or the durable log to write. Nothing on
 the callback path may use anyio, which finds no task there (`anyio.get_cancelled_exc_class`,

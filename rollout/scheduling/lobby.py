@@ -4,10 +4,10 @@ first, equal budgets in arrival order, so the long samples of a long-tailed set 
 Two kinds wait here. A group run as a task (`Lobby.acquire`: episodes, a caller's submission, ...)
 waits on its own event, and the first in line sits in `Runner.acquire`, which routes it. A direct
 group (`rollout.scheduling.direct`: the learner's plain groups, no task of their own) is started
-from `_next` as soon as it is first in line and an engine has room: when it arrives, and on the loop's
-turn after the runner says room came free (`Runner.on_room`: one look for all the room freed in
-a turn). A group with a larger budget arriving while a
-task waits in `Runner.acquire` takes its place; that one waits again.
+from `_next` as soon as it is first in line and an engine has room: when it arrives, and on the
+loop's turn after the runner says room came free (`Runner.on_room`: one look for all the room
+freed in a turn). A group with a larger budget arriving while a task waits in `Runner.acquire`
+takes its place; that one waits again. Once the scheduler exits (`close`), nothing starts.
 """
 
 from __future__ import annotations
