@@ -79,3 +79,45 @@ def test_a_signal_that_lands_in_code_on_the_loop_still_shuts_the_engines_down(tm
         proc.kill()
     assert "pool shut down" in out, err[-2000:]
     assert proc.returncode == code, err[-2000:]
+
+
+SERVER = """
+import os, sys, anyio, httpx
+from rollout.config import load_config
+from rollout.engine import RolloutEngine
+from tests.fakes import FakePool
+
+class Pool(FakePool):
+    async def shutdown(self):
+        print("pool shut down", flush=True)
+
+async def main():
+    cfg = load_config(None, ["model.path=tiny", "logging.level=error"])
+    async with RolloutEngine(cfg, pool=Pool(1)) as engine:
+        server = await engine.serve(port=0)
+
+        async def signalled():  # runs in the HTTP server's request task, as its handlers do
+            os.kill(os.getpid(), int(sys.argv[1]))
+            return {}
+
+        server.app.add_api_route("/signalled", signalled)
+        async with httpx.AsyncClient() as client:
+            print("answered", (await client.get(server.url + "/signalled")).status_code, flush=True)
+        await anyio.sleep_forever()
+
+anyio.run(main)
+"""
+
+
+def test_a_sigterm_that_lands_in_the_http_server_s_code_still_shuts_the_engines_down():
+    """A busy `rollout serve` runs request handlers most of the time; a SystemExit raised in one
+    was the ASGI server's to catch: the request answered 500, the signal lost. (Ctrl-C is asyncio's
+    runner's: it cancels the main task, whatever code runs.)"""
+    proc = start_python(SERVER, str(int(signal.SIGTERM)))
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert "pool shut down" in out, err[-2000:]
+    assert "answered 500" not in out, out
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
