@@ -69,13 +69,17 @@ class Channel:
         self._sock.send_multipart([identity, kind, payload])
 
     def _frames(self, frames: list[bytes]) -> None:
-        if len(frames) != 3 or (on_frame := self._peers.get(frames[0])) is None:  # a closed handle's engine: nobody waits
+        if (
+            len(frames) != 3 or (on_frame := self._peers.get(frames[0])) is None
+        ):  # a closed handle's engine: nobody waits
             self.dropped += 1
             return
         try:
             on_frame(frames[1], frames[2])
         except Exception as e:  # a bug in one handle must not stop every engine's frames
-            log.error("engine frame dropped", identity=frames[0].decode(errors="replace"), error=f"{type(e).__name__}: {e}")
+            log.error(
+                "engine frame dropped", identity=frames[0].decode(errors="replace"), error=f"{type(e).__name__}: {e}"
+            )
 
     def close(self) -> None:
         if self._sock is not None:

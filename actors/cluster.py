@@ -52,7 +52,9 @@ def connect(cfg: Config) -> bool:
         with _keep_sigterm():
             ray.init(address=cfg.ray.address, **kwargs)
     except Exception as e:
-        raise InvalidConfigError(f"ray.address: cannot join the Ray cluster at {cfg.ray.address!r}: {type(e).__name__}: {e}") from e
+        raise InvalidConfigError(
+            f"ray.address: cannot join the Ray cluster at {cfg.ray.address!r}: {type(e).__name__}: {e}"
+        ) from e
     return True
 
 

@@ -74,7 +74,9 @@ class RayEngine:
             if key in self._waiting:  # given up before its last sample: abort the rest
                 self._cancel(key)
 
-    def start_group(self, requests: list[Request], deliver: Callable[[list[Trajectory] | RolloutError], None]) -> Callable[[], None]:
+    def start_group(
+        self, requests: list[Request], deliver: Callable[[list[Trajectory] | RolloutError], None]
+    ) -> Callable[[], None]:
         """`generate_group` without a task: `deliver` gets each results frame's samples of the group
         as they come (from the data path's reader callback), or the RolloutError that ends it.
         Returns the call that aborts what has not finished."""
@@ -101,7 +103,12 @@ class RayEngine:
         finally:
             self._serving, self._connected = None, False
         if self._waiting:
-            log.error("engine results lost", engine=self.engine_id, groups=len(self._waiting), error=f"{type(error).__name__}: {error}")
+            log.error(
+                "engine results lost",
+                engine=self.engine_id,
+                groups=len(self._waiting),
+                error=f"{type(error).__name__}: {error}",
+            )
         self._lost(error)
 
     def _lost(self, error: Exception) -> None:
@@ -112,14 +119,23 @@ class RayEngine:
         self._calls.clear()
         for future in asked:
             if not future.done():
-                future.set_exception(_copy(error) if isinstance(error, RolloutError) else EngineDeadError(f"engine {self.engine_id}: {error}"))
+                future.set_exception(
+                    _copy(error)
+                    if isinstance(error, RolloutError)
+                    else EngineDeadError(f"engine {self.engine_id}: {error}")
+                )
 
     def _on_frame(self, kind: bytes, payload: bytes) -> None:
         if kind == RESULTS:
             try:
                 results = msgspec.msgpack.decode(payload, type=list[GroupResult])
             except Exception as e:  # the engine's to answer for: every group out on it fails, loudly
-                log.error("engine results lost", engine=self.engine_id, groups=len(self._waiting), error=f"{type(e).__name__}: {e}")
+                log.error(
+                    "engine results lost",
+                    engine=self.engine_id,
+                    groups=len(self._waiting),
+                    error=f"{type(e).__name__}: {e}",
+                )
                 self._fail(e, list(self._waiting))
                 return
             for r in results:
@@ -180,7 +196,12 @@ class RayEngine:
             try:
                 encode(req)
             except Exception as e:
-                self._fail(InvalidPromptError(f"request {req.request_id} (prompt {req.prompt_id!r}) cannot be sent to engine {self.engine_id}: {type(e).__name__}: {e}"), [key])
+                self._fail(
+                    InvalidPromptError(
+                        f"request {req.request_id} (prompt {req.prompt_id!r}) cannot be sent to engine {self.engine_id}: {type(e).__name__}: {e}"
+                    ),
+                    [key],
+                )
                 return False
         return True
 

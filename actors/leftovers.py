@@ -31,7 +31,9 @@ from rollout.log import get_logger
 
 log = get_logger(__name__)
 GRACE_S = 10.0  # a recorded process that SIGTERM has not ended by then gets SIGKILL
-_serial = itertools.count()  # one record per pool: a process may run several (one after the other, or a test's beside a session's)
+_serial = (
+    itertools.count()
+)  # one record per pool: a process may run several (one after the other, or a test's beside a session's)
 
 
 def runs_dir() -> Path:
@@ -57,7 +59,9 @@ class Record:
     def __init__(self, directory: Path | None = None):
         self.pid = os.getpid()
         self.path = (directory or runs_dir()) / f"{self.pid}-{started(self.pid)}-{next(_serial)}.json"
-        self.processes: dict[int, int | None] = {}  # pid -> start time: ended by the next start if this driver is killed
+        self.processes: dict[
+            int, int | None
+        ] = {}  # pid -> start time: ended by the next start if this driver is killed
         self.engines: dict[int, tuple[list[str], list[int]]] = {}  # engine -> (/dev/shm names, pids)
 
     def cluster(self, pids: list[int]) -> None:

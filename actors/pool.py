@@ -60,7 +60,9 @@ class RayEnginePool:
         children = descendants(os.getpid())
         started_ray = connect(cfg)
         record = Record()
-        if missing := missing_resources(cfg, ray.cluster_resources()):  # else the placement group waits for the whole start timeout
+        if missing := missing_resources(
+            cfg, ray.cluster_resources()
+        ):  # else the placement group waits for the whole start timeout
             if started_ray:
                 ray.shutdown()
             raise InvalidConfigError(missing)
@@ -89,10 +91,14 @@ class RayEnginePool:
                 pool._starting.clear()  # hung or failed: nothing to wait for
             await pool.shutdown()
             if isinstance(err, (asyncio.TimeoutError, GetTimeoutError)):
-                raise EngineDeadError(f"engines did not start within engines.start_timeout_s={e.start_timeout_s}") from err
+                raise EngineDeadError(
+                    f"engines did not start within engines.start_timeout_s={e.start_timeout_s}"
+                ) from err
             if isinstance(err, (RayActorError, RayTaskError)):
                 cause = getattr(err, "cause", None)  # the engine's own EngineDeadError names the cause in one line
-                raise EngineDeadError(str(cause) if isinstance(cause, RolloutError) else f"an engine failed to start: {err}") from err
+                raise EngineDeadError(
+                    str(cause) if isinstance(cause, RolloutError) else f"an engine failed to start: {err}"
+                ) from err
             raise
         log.info("engines ready", count=e.count)
         return pool
@@ -100,14 +106,18 @@ class RayEnginePool:
     def _spawn(self, i: int) -> Any:
         """Engine actor `i` in bundle `i` of the placement group (not started yet)."""
         e = self.cfg.engines
-        return ray.remote(ENGINE_ACTOR).options(
-            name=None,
-            num_cpus=e.cpus_per_engine,
-            num_gpus=e.gpus_per_engine,
-            max_concurrency=e.max_inflight_per_engine + 16,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i),
-            runtime_env={"env_vars": engine_env(i, e.cpus_per_engine, e.gpus_per_engine, self.cfg.logging.level)},
-        ).remote(self.cfg, self.model_path, i)
+        return (
+            ray.remote(ENGINE_ACTOR)
+            .options(
+                name=None,
+                num_cpus=e.cpus_per_engine,
+                num_gpus=e.gpus_per_engine,
+                max_concurrency=e.max_inflight_per_engine + 16,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i),
+                runtime_env={"env_vars": engine_env(i, e.cpus_per_engine, e.gpus_per_engine, self.cfg.logging.level)},
+            )
+            .remote(self.cfg, self.model_path, i)
+        )
 
     async def restart(self, i: int) -> RayEngine:
         """Replace engine `i` (killed first, freeing its bundle) with a fresh one at epoch 0."""
@@ -123,13 +133,15 @@ class RayEnginePool:
             # new engine runs where the old one did (same placement bundle).
             names, pids, _ = self._shm.get(i, ([], [], ""))
             await actor.sweep_left.remote(names, pids)
-        except (asyncio.TimeoutError, GetTimeoutError) as err:
+        except (TimeoutError, GetTimeoutError) as err:
             self._starting.pop(i, None)
             raise EngineDeadError(f"engine {i} did not restart within engines.start_timeout_s") from err
         except (RayActorError, RayTaskError) as err:
             self._starting.pop(i, None)
             cause = getattr(err, "cause", None)
-            raise EngineDeadError(str(cause) if isinstance(cause, RolloutError) else f"engine {i} failed to restart: {err}") from err
+            raise EngineDeadError(
+                str(cause) if isinstance(cause, RolloutError) else f"engine {i} failed to restart: {err}"
+            ) from err
         self._shm[i] = held
         self._remember(i)
         return self.engines[i]
@@ -169,7 +181,9 @@ class RayEnginePool:
         this_host = socket.gethostname()
         here = [(names, pids) for names, pids, host in self._shm.values() if host == this_host]
         if here:
-            await sweep_when_gone(Snapshot({n for names, _ in here for n in names}, {p for _, pids in here for p in pids}), timeout=10.0)
+            await sweep_when_gone(
+                Snapshot({n for names, _ in here for n in names}, {p for _, pids in here for p in pids}), timeout=10.0
+            )
         if self._pg is not None:
             remove_placement_group(self._pg)
             self._pg = None

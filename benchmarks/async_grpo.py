@@ -167,7 +167,9 @@ async def run(
     from rollout.learner.offpolicy import lag
 
     t_start = time.perf_counter()
-    scoring: dict[str, Any] = {"env": lambda: Digits(turns)} if turns > 1 else {"reward": DigitReward(cfg.sampling.max_tokens)}
+    scoring: dict[str, Any] = (
+        {"env": lambda: Digits(turns)} if turns > 1 else {"reward": DigitReward(cfg.sampling.max_tokens)}
+    )
     async with RolloutEngine(cfg, **scoring) as engine:
         learner = await asyncio.to_thread(Learner, engine.model_path, lr, ppo_epochs, seed=seed)
         engine.feed(letter_prompts(seed))
@@ -328,7 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in modes:
         cfg = load_config(args.config, [*BASE, *MODES[name], *args.override])
         show = lambda row, n=name: print(format_row(n, row), flush=True)  # noqa: E731
-        results[name] = asyncio.run(run(cfg, args.steps, args.groups, args.lr, args.ppo_epochs, args.seed, log=show, turns=args.turns))
+        results[name] = asyncio.run(
+            run(cfg, args.steps, args.groups, args.lr, args.ppo_epochs, args.seed, log=show, turns=args.turns)
+        )
     print(table(results, args.window))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

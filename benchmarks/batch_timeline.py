@@ -11,6 +11,7 @@ the line before, requests the driver counts on engine 0 / engine 1, and the lear
 
     flock /tmp/rollout-engine.lock .venv/bin/python benchmarks/batch_timeline.py prompts.count=1024 logging.level=warning
 """
+
 import asyncio
 import collections
 import os

@@ -279,7 +279,9 @@ async def _drive(o: Options, engine: RolloutEngine, pool: SimPool, prompts: list
         result.update(_figures(o, len(pool.engines), window, cpu, wall, before, after, inflight, rss - rss0))
         result.update(collections.figures(wall))
         result["rss_timeline_mib"] = rss_timeline
-        result["rss_growth_mib"] = sum(rss_timeline[-3:]) / 3 - sum(rss_timeline[:3]) / 3  # the window's last tenths less its first
+        result["rss_growth_mib"] = (
+            sum(rss_timeline[-3:]) / 3 - sum(rss_timeline[:3]) / 3
+        )  # the window's last tenths less its first
         if profiler:
             result["profile"] = _top(profiler)
             result["profile_file"] = str(Path(tempfile.gettempdir()) / f"cluster_sim-{len(pool.engines)}.prof")
@@ -299,7 +301,9 @@ async def _drive(o: Options, engine: RolloutEngine, pool: SimPool, prompts: list
     return result
 
 
-def _figures(o: Options, n: int, w: dict, cpu: float, wall: float, before: dict, after: dict, inflight: int, rss: int) -> dict[str, Any]:
+def _figures(
+    o: Options, n: int, w: dict, cpu: float, wall: float, before: dict, after: dict, inflight: int, rss: int
+) -> dict[str, Any]:
     lat = sorted(w["latency"]) or [float("nan")]
     toks, trajs = w["tokens"], w["trajectories"]
     return {
@@ -320,7 +324,10 @@ def _top(profiler: cProfile.Profile, k: int = 15) -> list[dict[str, Any]]:
     stats = pstats.Stats(profiler, stream=io.StringIO())
     total = sum(v[2] for v in stats.stats.values()) or 1
     rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:k]
-    return [{"function": f"{Path(f).name}:{line}({name})", "self_s": v[2], "share": v[2] / total, "calls": v[1]} for (f, line, name), v in rows]
+    return [
+        {"function": f"{Path(f).name}:{line}({name})", "self_s": v[2], "share": v[2] / total, "calls": v[1]}
+        for (f, line, name), v in rows
+    ]
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -334,12 +341,18 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def parse(argv: list[str] | None) -> tuple[Options, str | None]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--engines", default="8,32,128,256", help="engine counts to sweep, comma-separated")
     p.add_argument("--tokens-per-s", type=float, default=2000.0, help="per engine, when full")
     p.add_argument("--ttft", type=float, default=0.05, help="time to first token, s")
     p.add_argument("--capacity", type=int, default=16, help="sequences one engine decodes at once")
-    p.add_argument("--length", default="lognormal:150:0.8", help="output lengths: fixed:N, uniform:A:B, lognormal:MEDIAN:SIGMA, pareto:MIN:ALPHA")
+    p.add_argument(
+        "--length",
+        default="lognormal:150:0.8",
+        help="output lengths: fixed:N, uniform:A:B, lognormal:MEDIAN:SIGMA, pareto:MIN:ALPHA",
+    )
     p.add_argument("--max-tokens", type=int, default=1024)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--n", type=int, default=4, help="samples per prompt")
@@ -372,7 +385,14 @@ def parse(argv: list[str] | None) -> tuple[Options, str | None]:
         raise ValueError(f"--gc-threshold: expected up to 3 comma-separated integers, got {a.gc_threshold!r}") from None
     if len(threshold) > 3 or any(x < 0 for x in threshold):
         raise ValueError(f"--gc-threshold: expected up to 3 integers >= 0, got {a.gc_threshold!r}")
-    spec = SimSpec(tokens_per_s=a.tokens_per_s, ttft_s=a.ttft, capacity=a.capacity, length=a.length, preempt=a.preempt, load_s=a.load_s)
+    spec = SimSpec(
+        tokens_per_s=a.tokens_per_s,
+        ttft_s=a.ttft,
+        capacity=a.capacity,
+        length=a.length,
+        preempt=a.preempt,
+        load_s=a.load_s,
+    )
     o = Options(engines=engines, spec=spec, max_tokens=a.max_tokens, prompt_len=a.prompt_len, n=a.n, batch=a.batch, queued=a.capacity if a.queued is None else a.queued, hosts=a.hosts,
                 warmup=a.warmup, duration=a.duration, update_every=a.update_every, update_with=a.update_with, durable=a.durable, profile=a.profile, freeze=a.freeze, gc_threshold=threshold,
                 kill=_event(a.kill, "--kill") if a.kill else None, stall=_event(a.stall, "--stall") if a.stall else None)  # fmt: skip
@@ -406,14 +426,25 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
     print(table(rows))
     for r in rows:
-        print(f"  N={r['engines']}: Ray calls per group: " + ", ".join(f"{k} {v:.2f}" for k, v in r.get("ray_calls_per_group", {}).items()))
-        print(f"  N={r['engines']}: driver threads, cores: " + ", ".join(f"{k} {v:.2f}" for k, v in r.get("threads_cpu", {}).items()))
+        print(
+            f"  N={r['engines']}: Ray calls per group: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in r.get("ray_calls_per_group", {}).items())
+        )
+        print(
+            f"  N={r['engines']}: driver threads, cores: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in r.get("threads_cpu", {}).items())
+        )
         if "rss_timeline_mib" in r:
-            print(f"  N={r['engines']}: driver RSS over the window, MiB: " + " ".join(f"{v:.0f}" for v in r["rss_timeline_mib"])
-                  + f" (last tenths less first: {r['rss_growth_mib']:+.1f})")
+            print(
+                f"  N={r['engines']}: driver RSS over the window, MiB: "
+                + " ".join(f"{v:.0f}" for v in r["rss_timeline_mib"])
+                + f" (last tenths less first: {r['rss_growth_mib']:+.1f})"
+            )
         if "gc_collections" in r:
-            print(f"  N={r['engines']}: garbage collections (gen 0/1/2): {'/'.join(map(str, r['gc_collections']))}, "
-                  f"{r['gc_share']:.1%} of the wall time, longest full {r['gc_full_max_ms']:.0f} ms")
+            print(
+                f"  N={r['engines']}: garbage collections (gen 0/1/2): {'/'.join(map(str, r['gc_collections']))}, "
+                f"{r['gc_share']:.1%} of the wall time, longest full {r['gc_full_max_ms']:.0f} ms"
+            )
         for p in r.get("profile", []):
             print(f"  N={r['engines']}: {p['share']:6.1%} {p['self_s']:7.3f}s {p['calls']:>9} {p['function']}")
         if "profile_file" in r:

@@ -111,7 +111,9 @@ def _close(value: Any, target: Any, tolerance: float) -> bool:
 class ReasoningGym:
     """A `reasoning-gym` dataset as a multi-attempt task (module docstring)."""
 
-    def __init__(self, dataset: str = "basic_arithmetic", seed: int = 0, size: int = 1000, attempts: int = 3, **config: Any):
+    def __init__(
+        self, dataset: str = "basic_arithmetic", seed: int = 0, size: int = 1000, attempts: int = 3, **config: Any
+    ):
         import reasoning_gym  # the `envs` extra
 
         self.data = reasoning_gym.create_dataset(dataset, seed=seed, size=size, **config)

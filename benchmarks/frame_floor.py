@@ -62,7 +62,9 @@ def check(o: Options) -> None:
         if value < 1:
             raise ValueError(f"{flag}: expected >= 1, got {value}")
     if o.traj_per_s / max(o.per_frame) * o.duration < 2:
-        raise ValueError(f"--duration: {o.duration} s at --traj-per-s {o.traj_per_s} sends under 2 frames of {max(o.per_frame)}")
+        raise ValueError(
+            f"--duration: {o.duration} s at --traj-per-s {o.traj_per_s} sends under 2 frames of {max(o.per_frame)}"
+        )
 
 
 def payload(k: int, tokens: int, prompt_len: int) -> bytes:
@@ -108,14 +110,21 @@ async def receive(o: Options, k: int) -> dict[str, float]:
             done.set_result((time.process_time(), time.perf_counter(), thread_cpu(), os.times()))
             return
         if seen["frames"] == 0:
-            seen["cpu0"], seen["t0"], seen["threads0"], seen["times0"] = time.process_time(), time.perf_counter(), thread_cpu(), os.times()
+            seen["cpu0"], seen["t0"], seen["threads0"], seen["times0"] = (
+                time.process_time(),
+                time.perf_counter(),
+                thread_cpu(),
+                os.times(),
+            )
         seen["frames"] += 1
         if not o.raw:
             for r in msgspec.msgpack.decode(body, type=list[GroupResult]):
                 seen["samples"] += len(r.trajectories)
 
     identity = channel.register(0, on_frame)
-    sender = multiprocessing.get_context("spawn").Process(target=send, args=(address, identity, payload(k, o.tokens, o.prompt_len), frames, o.traj_per_s / k))
+    sender = multiprocessing.get_context("spawn").Process(
+        target=send, args=(address, identity, payload(k, o.tokens, o.prompt_len), frames, o.traj_per_s / k)
+    )
     sender.start()
     try:
         cpu1, t1, threads1, times1 = await _until_the_end(done, sender)
@@ -150,7 +159,9 @@ async def _until_the_end(done: asyncio.Future, sender: multiprocessing.process.B
 
 
 def parse(argv: list[str] | None) -> tuple[Options, str | None]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--per-frame", default="1,4,16,64", help="samples per results frame, one row each (comma-separated)")
     p.add_argument("--traj-per-s", type=float, default=4000.0, help="samples arriving per second")
     p.add_argument("--duration", type=float, default=4.0, help="seconds of frames per row")
@@ -163,7 +174,14 @@ def parse(argv: list[str] | None) -> tuple[Options, str | None]:
         per_frame = [int(x) for x in a.per_frame.split(",")]
     except ValueError:
         raise ValueError(f"--per-frame: expected comma-separated integers, got {a.per_frame!r}") from None
-    o = Options(per_frame=per_frame, traj_per_s=a.traj_per_s, duration=a.duration, tokens=a.tokens, prompt_len=a.prompt_len, raw=a.raw)
+    o = Options(
+        per_frame=per_frame,
+        traj_per_s=a.traj_per_s,
+        duration=a.duration,
+        tokens=a.tokens,
+        prompt_len=a.prompt_len,
+        raw=a.raw,
+    )
     check(o)
     return o, a.report
 
@@ -175,11 +193,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"frame_floor: {e}", file=sys.stderr)
         return 2
     rows = []
-    print(f"{'per frame':>9} {'frames/s':>9} {'traj/s':>8} {'us/frame':>9} {'us/traj':>8} {'loop':>5} {'sys':>5} {'lost':>5}")
+    print(
+        f"{'per frame':>9} {'frames/s':>9} {'traj/s':>8} {'us/frame':>9} {'us/traj':>8} {'loop':>5} {'sys':>5} {'lost':>5}"
+    )
     for k in o.per_frame:
         r = asyncio.run(receive(o, k))
         rows.append(r)
-        print(f"{k:>9} {r['frames_per_s']:>9,.0f} {r['traj_per_s']:>8,.0f} {r['us_per_frame']:>9.1f} {r['us_per_traj']:>8.1f} {r['loop_share']:>5.0%} {r['sys_share']:>5.0%} {r['lost']:>5}", flush=True)
+        print(
+            f"{k:>9} {r['frames_per_s']:>9,.0f} {r['traj_per_s']:>8,.0f} {r['us_per_frame']:>9.1f} {r['us_per_traj']:>8.1f} {r['loop_share']:>5.0%} {r['sys_share']:>5.0%} {r['lost']:>5}",
+            flush=True,
+        )
     if report:
         Path(report).write_text(json.dumps({"options": msgspec.to_builtins(o), "rows": rows}, indent=1))
     return 0 if all(r["lost"] == 0 for r in rows) else 1

@@ -58,21 +58,34 @@ async def one_run(cfg: Config, setting: str) -> dict[str, Any]:
             failed += sum(not t.ok for t in group.trajectories) + bool(group.error)
         elapsed = time.perf_counter() - start
         preempted = sum(s.preemptions for s in await engine.stats()) - before
-    return {"setting": setting, "tokens": tokens, "elapsed_s": elapsed, "tokens_per_s": tokens / elapsed, "preempted": preempted, "failed": failed}
+    return {
+        "setting": setting,
+        "tokens": tokens,
+        "elapsed_s": elapsed,
+        "tokens_per_s": tokens / elapsed,
+        "preempted": preempted,
+        "failed": failed,
+    }
 
 
 def table(runs: list[dict[str, Any]], kv_gib: float) -> str:
     rec = [r["tokens_per_s"] for r in runs if r["setting"] == "record"]
     avo = [r["tokens_per_s"] for r in runs if r["setting"] == "avoid"]
     ratios = [a / b for a, b in zip(rec, avo)]
-    lines = [f"max_model_len 8192, KV cache {kv_gib:g} GiB per engine | generated tokens/s per run (fresh engines each)"]
+    lines = [
+        f"max_model_len 8192, KV cache {kv_gib:g} GiB per engine | generated tokens/s per run (fresh engines each)"
+    ]
     for setting in ("record", "avoid"):
         mine = [r for r in runs if r["setting"] == setting]
         lines.append(
             f"{setting:<7} " + "  ".join(f"{r['tokens_per_s']:8.1f}" for r in mine)
             + f"   preempted: {', '.join(str(r['preempted']) for r in mine)}   failed: {sum(r['failed'] for r in mine)}"
         )  # fmt: skip
-    lines.append(f"record / avoid, median of {len(ratios)} rounds: {statistics.median(ratios):.3f}  (" + " ".join(f"{x:.3f}" for x in ratios) + ")")
+    lines.append(
+        f"record / avoid, median of {len(ratios)} rounds: {statistics.median(ratios):.3f}  ("
+        + " ".join(f"{x:.3f}" for x in ratios)
+        + ")"
+    )
     return "\n".join(lines)
 
 
@@ -89,9 +102,16 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         for setting in ("record", "avoid") if r % 2 == 0 else ("avoid", "record"):
             runs.append(asyncio.run(one_run(cfg, setting)))
-            print(f"round {r + 1} {setting}: {runs[-1]['tokens_per_s']:.1f} tokens/s, {runs[-1]['preempted']} preempted", flush=True)
+            print(
+                f"round {r + 1} {setting}: {runs[-1]['tokens_per_s']:.1f} tokens/s, {runs[-1]['preempted']} preempted",
+                flush=True,
+            )
     print(table(runs, args.kv_gib))
-    Path(args.report).write_text(msgspec.json.encode({"config": args.config, "overrides": args.override, "kv_gib": args.kv_gib, "runs": runs}).decode())
+    Path(args.report).write_text(
+        msgspec.json.encode(
+            {"config": args.config, "overrides": args.override, "kv_gib": args.kv_gib, "runs": runs}
+        ).decode()
+    )
     print(f"report: {args.report}")
     return 0
 

@@ -76,11 +76,20 @@ def gloo_loopback(nbytes: int, bucket_bytes: int = 64 << 20) -> dict[str, float]
     src = torch.ones(n * bucket_bytes, dtype=torch.uint8)
 
     def run(pairs: int, touched: bool) -> float:
-        store, session, go = tcp_store("127.0.0.1", 0, 300.0, master=True), f"floor-{pairs}-{touched}", threading.Event()
+        store, session, go = (
+            tcp_store("127.0.0.1", 0, 300.0, master=True),
+            f"floor-{pairs}-{touched}",
+            threading.Event(),
+        )
 
         def worker(r: int) -> None:
             pg = pair_group(tcp_store("127.0.0.1", store.port, 300.0), session, r, 300.0, trainer=False)
-            bufs = [torch.zeros(bucket_bytes, dtype=torch.uint8) if touched else torch.empty(bucket_bytes, dtype=torch.uint8) for _ in range(n)]
+            bufs = [
+                torch.zeros(bucket_bytes, dtype=torch.uint8)
+                if touched
+                else torch.empty(bucket_bytes, dtype=torch.uint8)
+                for _ in range(n)
+            ]
             go.wait()
             for w in [broadcast(pg, b) for b in bufs]:
                 w.wait()
@@ -116,19 +125,29 @@ def shm_ring(nbytes: int, workers: int = 2, slot_bytes: int = 64 << 20) -> dict[
     import torch
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from policies.gloo_transfer import StateDictSource
     from benchmarks.weight_plane import ShmPeak
+    from policies.gloo_transfer import StateDictSource
     from policies.shm_transfer import ShmTrainerInitInfo, ShmWeightTransferEngine
 
     n = max(1, nbytes // slot_bytes)
     weights = {f"t{k}": torch.ones(slot_bytes, dtype=torch.uint8) for k in range(n)}
-    cfg = types.SimpleNamespace(parallel_config=types.SimpleNamespace(data_parallel_index=0, world_size=1, rank=0), model_config=None)
-    ws = [ShmWeightTransferEngine(types.SimpleNamespace(backend="shm"), cfg, torch.device("cpu"), None) for _ in range(workers)]
+    cfg = types.SimpleNamespace(
+        parallel_config=types.SimpleNamespace(data_parallel_index=0, world_size=1, rank=0), model_config=None
+    )
+    ws = [
+        ShmWeightTransferEngine(types.SimpleNamespace(backend="shm"), cfg, torch.device("cpu"), None)
+        for _ in range(workers)
+    ]
     pool = ThreadPoolExecutor(workers)
 
     class Client:  # vLLM's four calls over the in-process workers; update_weights only starts their drains
         def init_weight_transfer_engine(self, info: dict) -> None:
-            list(pool.map(lambda k: ws[k].init_transfer_engine(ws[k].parse_init_info({**info, "rank_offset": 1 + k})), range(workers)))
+            list(
+                pool.map(
+                    lambda k: ws[k].init_transfer_engine(ws[k].parse_init_info({**info, "rank_offset": 1 + k})),
+                    range(workers),
+                )
+            )
 
         def start_weight_update(self) -> None: ...
 
@@ -196,7 +215,11 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="0.5B", choices=list(SIZES))
-    ap.add_argument("--engines", default="1,2", help="comma-separated engine counts, each loading at once ('' none: the transports only)")
+    ap.add_argument(
+        "--engines",
+        default="1,2",
+        help="comma-separated engine counts, each loading at once ('' none: the transports only)",
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-transport", action="store_true", help="skip the transports' floor (shm ring, gloo loopback)")
     ap.add_argument("--cache", default=str(Path.home() / ".cache" / "rollout"))

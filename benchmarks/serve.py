@@ -45,7 +45,9 @@ from rollout.process import freeze_heap  # noqa: E402
 from rollout.types import Prompt  # noqa: E402
 
 
-async def run(cfg: Any, requests: int, max_tokens: int, rounds: int, client: str = "aiohttp", sim: int = 0) -> dict[str, Any]:
+async def run(
+    cfg: Any, requests: int, max_tokens: int, rounds: int, client: str = "aiohttp", sim: int = 0
+) -> dict[str, Any]:
     pool = _sim_pool(cfg, sim, max_tokens) if sim else None
     if pool is not None:
         await pool.ready()
@@ -123,7 +125,10 @@ async def run(cfg: Any, requests: int, max_tokens: int, rounds: int, client: str
                       f"{1e6 * row['http_server_cpu_s'] / requests:.0f} us (front-end processes "
                       f"{1e6 * row['http_front_ends_cpu_s'] / requests:.0f}; in-process {1e6 * row['in_process_server_cpu_s'] / requests:.0f})",
                       flush=True)  # fmt: skip
-    us = {side: statistics.median(1e6 * r[f"{side}_server_cpu_s"] / requests for r in table) for side in ("http", "in_process")}
+    us = {
+        side: statistics.median(1e6 * r[f"{side}_server_cpu_s"] / requests for r in table)
+        for side in ("http", "in_process")
+    }
     driver_us = statistics.median(1e6 * (r["http_server_cpu_s"] - r["http_front_ends_cpu_s"]) / requests for r in table)
     return {"requests": requests, "max_tokens": max_tokens, "client": client, "model": cfg.model.path, "sim_engines": sim,
             "api_servers": cfg.serve.api_servers, "rounds": table, "driver_us_per_request": driver_us,
@@ -146,7 +151,9 @@ def _sim_pool(cfg: Any, engines: int, max_tokens: int) -> Any:
 
     connect(cfg)
     vocab = json.loads((resolve_model_path(cfg.model.path, cfg.model.seed) / "config.json").read_text())["vocab_size"]
-    spec = SimSpec(tokens_per_s=20_000.0, ttft_s=0.02, capacity=256, length=f"fixed:{max_tokens}", preempt=0.0, vocab=vocab)
+    spec = SimSpec(
+        tokens_per_s=20_000.0, ttft_s=0.02, capacity=256, length=f"fixed:{max_tokens}", preempt=0.0, vocab=vocab
+    )
     return SimPool.start(spec, engines, hosts=min(4, engines))
 
 
@@ -176,7 +183,9 @@ async def _engines_cpu(pool: Any = None) -> float:
 
 
 @contextlib.asynccontextmanager
-async def _client(kind: str, url: str, model: str, client_cpu: list[float]) -> AsyncIterator[Callable[[list, dict], Awaitable[int]]]:
+async def _client(
+    kind: str, url: str, model: str, client_cpu: list[float]
+) -> AsyncIterator[Callable[[list, dict], Awaitable[int]]]:
     """A client process of `kind`; yields a function sending one round of chat requests at once
     and returning the tokens generated (its CPU seconds appended to `client_cpu`)."""
     proc = await asyncio.create_subprocess_exec(sys.executable, __file__, "--client-of", url, "--model", model, "--client", kind,
@@ -220,11 +229,15 @@ async def _sender(kind: str, url: str, model: str) -> AsyncIterator[Callable[[li
     else:
         import aiohttp
 
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900), connector=aiohttp.TCPConnector(limit=0)) as session:
+        async with aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=900), connector=aiohttp.TCPConnector(limit=0)
+        ) as session:
 
             async def send(messages: list, sampling: dict) -> int:
                 body = msgspec.json.encode({"model": model, "messages": messages, **sampling})
-                async with session.post(f"{url}/v1/chat/completions", data=body, headers={"content-type": "application/json"}) as r:
+                async with session.post(
+                    f"{url}/v1/chat/completions", data=body, headers={"content-type": "application/json"}
+                ) as r:
                     r.raise_for_status()
                     return msgspec.json.decode(await r.read())["usage"]["completion_tokens"]
 
@@ -254,7 +267,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--client", choices=["aiohttp", "openai"], default="aiohttp",
                     help="the client process's HTTP client: aiohttp (as vLLM's serving benchmark) or the OpenAI SDK")  # fmt: skip
-    ap.add_argument("--size", choices=list(SIZES), help="serve a random bf16 Llama of this size (built once, cached) instead of the config's model")
+    ap.add_argument(
+        "--size",
+        choices=list(SIZES),
+        help="serve a random bf16 Llama of this size (built once, cached) instead of the config's model",
+    )
     ap.add_argument("--cache", default=str(cache_root()), help="where --size models are built")
     ap.add_argument("--sim", type=int, default=0, metavar="N",
                     help="N simulated GPU engines (benchmarks/sim_pool.py) instead of vLLM: the front end's own requests/s and CPU per request")  # fmt: skip

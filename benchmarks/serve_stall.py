@@ -38,7 +38,9 @@ async def probe(stop: anyio.Event, worst: list[float]) -> None:
 
 
 def post(url: str, body: bytes, out: list, started: float) -> None:
-    r = httpx.post(f"{url}/v1/chat/completions", content=body, headers={"content-type": "application/json"}, timeout=600)
+    r = httpx.post(
+        f"{url}/v1/chat/completions", content=body, headers={"content-type": "application/json"}, timeout=600
+    )
     out.append((r.status_code, time.perf_counter() - started))
 
 
@@ -61,7 +63,9 @@ async def round_(url: str, big: int, body: bytes, small: bytes) -> dict:
 
 async def main(args: argparse.Namespace) -> list[dict]:
     cfg = load_config(args.config, ["engines.count=1", "logging.level=warning", *args.override])
-    body = msgspec.json.encode({"messages": [{"role": "user", "content": "x" * int(args.mib * 2**20)}], "max_tokens": 4})
+    body = msgspec.json.encode(
+        {"messages": [{"role": "user", "content": "x" * int(args.mib * 2**20)}], "max_tokens": 4}
+    )
     small = msgspec.json.encode({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
     async with RolloutEngine(cfg) as engine:
         server = await engine.serve(port=0)
@@ -78,7 +82,11 @@ if __name__ == "__main__":
     parser.add_argument("--json", default="serve_stall.json")
     args = parser.parse_args()
     rows = anyio.run(main, args)
-    print(f"{'big bodies':>10} {'worst loop stall s':>19} {'big answered at s':>24} {'status':>7} {'small request s':>16}")
+    print(
+        f"{'big bodies':>10} {'worst loop stall s':>19} {'big answered at s':>24} {'status':>7} {'small request s':>16}"
+    )
     for r in rows:
-        print(f"{r['big']:>10} {r['worst_stall_s']:>19} {str(r['big_answered_s']):>24} {str(r['big_status']):>7} {r['small_s']:>16}")
+        print(
+            f"{r['big']:>10} {r['worst_stall_s']:>19} {str(r['big_answered_s']):>24} {str(r['big_status']):>7} {r['small_s']:>16}"
+        )
     Path(args.json).write_text(json.dumps({"mib": args.mib, "rows": rows}, indent=1))

@@ -33,7 +33,6 @@ import msgspec
 
 from policies.group_calls import GroupCalls
 from rollout.epochs import append_run, kv_runs
-from rollout.errors import EngineDeadError
 from rollout.packed import Logprobs, TokenIds, encode
 from rollout.types import EngineStats, Request, Trajectory
 
@@ -65,10 +64,16 @@ class LengthDist:
             raise ValueError(f"{spec!r}: parameters must be numbers") from None
         want = {"fixed": 1, "uniform": 2, "lognormal": 2, "pareto": 2}
         if kind not in want:
-            raise ValueError(f"{spec!r}: unknown distribution {kind!r} (fixed:N, uniform:A:B, lognormal:MEDIAN:SIGMA, pareto:MIN:ALPHA)")
+            raise ValueError(
+                f"{spec!r}: unknown distribution {kind!r} (fixed:N, uniform:A:B, lognormal:MEDIAN:SIGMA, pareto:MIN:ALPHA)"
+            )
         if len(args) != want[kind] or any(not math.isfinite(a) for a in args):
             raise ValueError(f"{spec!r}: {kind} takes {want[kind]} finite number(s)")
-        if args[0] < 1 or (kind == "uniform" and args[1] < args[0]) or (kind != "fixed" and kind != "uniform" and args[1] <= 0):
+        if (
+            args[0] < 1
+            or (kind == "uniform" and args[1] < args[0])
+            or (kind != "fixed" and kind != "uniform" and args[1] <= 0)
+        ):
             raise ValueError(f"{spec!r}: lengths must be >= 1 and the spread > 0 (uniform: A <= B)")
         self.kind, self.args = kind, args
 

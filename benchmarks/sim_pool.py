@@ -140,7 +140,14 @@ class SimPool:
     """The `EnginePool` protocol over `count` simulated engines on `hosts` hosts (Ray actors, or
     plain objects in this process with `local`). Build it with `SimPool.start`."""
 
-    def __init__(self, hosts: list[Any], count: int, local: bool, objects: list[SimHost] | None = None, address: str = "127.0.0.1"):
+    def __init__(
+        self,
+        hosts: list[Any],
+        count: int,
+        local: bool,
+        objects: list[SimHost] | None = None,
+        address: str = "127.0.0.1",
+    ):
         self.hosts, self.local, self.objects = hosts, local, objects or []
         self.per_host = math.ceil(count / len(hosts))
         self.channel = Channel(address)

@@ -150,18 +150,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-o", "--override", action="append", default=[], help="dotted override, e.g. sampling.n=8")
     ap.add_argument("--groups", type=int, default=16, help="groups per learner step")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per run")
-    ap.add_argument("--warmup", type=int, default=4, help="untimed steps per run (auto's step time: the median wait of all but the first)")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=4,
+        help="untimed steps per run (auto's step time: the median wait of all but the first)",
+    )
     ap.add_argument("--step-time", default="auto", help="seconds per learner step, or auto (= batch generation time)")
     ap.add_argument("--max-lag", type=int, default=1, help="staleness.max_lag of the async run")
-    ap.add_argument("--transfer", nargs="?", const="gloo", choices=TRANSFERS, help="push through vLLM's trainer API (gloo; or shm), not Ray's object store")
-    ap.add_argument("--wait", action="store_true", help="the async learner's push waits until every engine serves the new epoch")
+    ap.add_argument(
+        "--transfer",
+        nargs="?",
+        const="gloo",
+        choices=TRANSFERS,
+        help="push through vLLM's trainer API (gloo; or shm), not Ray's object store",
+    )
+    ap.add_argument(
+        "--wait", action="store_true", help="the async learner's push waits until every engine serves the new epoch"
+    )
     ap.add_argument("--report", default="simulated_learner.json")
     args = ap.parse_args(argv)
     if args.warmup < 1 and args.step_time == "auto":
         ap.error("--step-time auto needs --warmup >= 1")
     cfg = load_config(args.config, ["logging.level=warning", *args.override])
     step_time = None if args.step_time == "auto" else float(args.step_time)
-    sync = asyncio.run(learner_loop(configured(cfg, 0, "drain", args.groups), args.groups, args.warmup, args.steps, step_time, args.transfer))
+    sync = asyncio.run(
+        learner_loop(
+            configured(cfg, 0, "drain", args.groups), args.groups, args.warmup, args.steps, step_time, args.transfer
+        )
+    )
     print(f"sync: {sync['samples_per_s']:.2f} samples/s, step {sync['step_time_s']:.2f} s", flush=True)
     async_ = asyncio.run(learner_loop(configured(cfg, args.max_lag, "keep", args.groups), args.groups, args.warmup, args.steps, sync["step_time_s"],
                                     args.transfer, args.wait))  # fmt: skip

@@ -39,7 +39,14 @@ from rollout.engine import RolloutEngine  # noqa: E402
 from rollout.metrics.specdecode import SpecDecodeMeter, window  # noqa: E402
 from rollout.types import Prompt  # noqa: E402
 
-MEDIUM = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4, init_std=0.02)
+MEDIUM = dict(
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=8,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    init_std=0.02,
+)
 DEFAULT_SPEC = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=4)
 
 
@@ -99,7 +106,9 @@ def table(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("config", nargs="?", default=str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"))
-    ap.add_argument("-o", "--override", action="append", default=[], help="dotted override, e.g. sampling.max_tokens=256")
+    ap.add_argument(
+        "-o", "--override", action="append", default=[], help="dotted override, e.g. sampling.max_tokens=256"
+    )
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--rounds", type=int, default=2)

@@ -44,7 +44,9 @@ def random_model(directory: Path, gib: float) -> Path:
     """`gib` GiB of bf16 4096 x 4096 matrices (32 MiB each) in two shards."""
     count = max(2, round(gib * 1024 / 32))
     g = torch.Generator().manual_seed(0)
-    tensors = {f"model.layers.{i}.weight": torch.randn(4096, 4096, generator=g).to(torch.bfloat16) for i in range(count)}
+    tensors = {
+        f"model.layers.{i}.weight": torch.randn(4096, 4096, generator=g).to(torch.bfloat16) for i in range(count)
+    }
     names = sorted(tensors)
     directory.mkdir(parents=True, exist_ok=True)
     for k, part in enumerate((names[: count // 2], names[count // 2 :])):
@@ -86,7 +88,9 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=1.0, help="size of the random bf16 model (0: tiny only)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where to write the random model (default: a temp dir)")
-    ap.add_argument("--engine", action="store_true", help="also time update_weights(directory) on the tiny model's engines")
+    ap.add_argument(
+        "--engine", action="store_true", help="also time update_weights(directory) on the tiny model's engines"
+    )
     ap.add_argument("--out", default="weight_check_report")
     args = ap.parse_args()
 
@@ -94,7 +98,9 @@ def main() -> None:
     rows = [measure("tiny", tiny, args.repeat)]
     if args.gib > 0:
         with tempfile.TemporaryDirectory(dir=args.dir) as d:
-            rows.append(measure(f"random bf16 {args.gib:g} GiB", random_model(Path(d) / "model", args.gib), args.repeat))
+            rows.append(
+                measure(f"random bf16 {args.gib:g} GiB", random_model(Path(d) / "model", args.gib), args.repeat)
+            )
     if args.engine:
         rows[0]["update_weights_ms"] = asyncio.run(engine_update_ms(tiny, args.repeat))
 

@@ -81,7 +81,9 @@ def build_model(size: str, root: Path) -> Path:
         shapes = {n: p.shape for n, p in LlamaForCausalLM(cfg).state_dict().items()}
     g = torch.Generator().manual_seed(0)
     weights = {
-        n: torch.ones(s, dtype=torch.bfloat16) if n.endswith("norm.weight") else (torch.randn(s, generator=g) * 0.02).to(torch.bfloat16)
+        n: torch.ones(s, dtype=torch.bfloat16)
+        if n.endswith("norm.weight")
+        else (torch.randn(s, generator=g) * 0.02).to(torch.bfloat16)
         for n, s in shapes.items()
     }
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -116,7 +118,9 @@ class ShmPeak:
         return self.peak, self.peak_shmem
 
 
-async def transfer_update(engine: RolloutEngine, weights: dict[str, Any], method: str, bucket_bytes: int = 64 << 20) -> Any:
+async def transfer_update(
+    engine: RolloutEngine, weights: dict[str, Any], method: str, bucket_bytes: int = 64 << 20
+) -> Any:
     """An update function sending through vLLM's trainer API: its trainer factory builds our `gloo`
     (`policies.gloo_transfer`) or `shm` (`policies.shm_transfer`) engine over
     `engine.weight_sync_client()`; returns the new epoch."""
@@ -130,7 +134,9 @@ async def transfer_update(engine: RolloutEngine, weights: dict[str, Any], method
     world = 1 + client.world_size()
     init = (GlooTrainerInitInfo(world_size=world, rank=0, bucket_bytes=bucket_bytes, timeout_s=600) if method == "gloo"
             else ShmTrainerInitInfo(world_size=world, rank=0, slot_bytes=bucket_bytes, timeout_s=600))  # fmt: skip
-    trainer = await anyio.to_thread.run_sync(lambda: WeightTransferTrainerFactory.trainer_init(init, client=client, source=source))
+    trainer = await anyio.to_thread.run_sync(
+        lambda: WeightTransferTrainerFactory.trainer_init(init, client=client, source=source)
+    )
 
     async def update(w: dict[str, Any]) -> int:
         source.update(w)
@@ -184,7 +190,12 @@ async def bench_size(size: str, methods: list[str], repeats: int, args: argparse
     path = build_model(size, Path(args.cache))
     weights = load_file(str(path / "model.safetensors"))
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-    out: dict[str, Any] = {"size": size, "params": sum(t.numel() for t in weights.values()), "bytes": nbytes, "methods": {}}
+    out: dict[str, Any] = {
+        "size": size,
+        "params": sum(t.numel() for t in weights.values()),
+        "bytes": nbytes,
+        "methods": {},
+    }
     # engines start with one weight-transfer backend: one start per backend, the object store on the first
     backends = [m for m in methods if m != "store"] or ["shm"]
     for backend in backends:
@@ -196,7 +207,11 @@ async def bench_size(size: str, methods: list[str], repeats: int, args: argparse
         here = [m for m in methods if m == backend or (m == "store" and backend == backends[0])]
         async with RolloutEngine(load_config(args.config, overrides)) as engine:
             for method in here:
-                update = engine.update_weights if method == "store" else await transfer_update(engine, weights, method, args.bucket_mb << 20)
+                update = (
+                    engine.update_weights
+                    if method == "store"
+                    else await transfer_update(engine, weights, method, args.bucket_mb << 20)
+                )
                 await update(weights)  # warm-up: first-use costs (groups, ring, staging) are not the figure
                 runs = []
                 for _ in range(repeats):
@@ -229,7 +244,11 @@ def floor(size: str, args: argparse.Namespace) -> dict[str, float]:
 
 
 def row(size: str, nbytes: int, method: str, m: dict[str, float], fl: dict[str, float] | None = None) -> str:
-    ratios = f"{m['update_s'] / fl['together_s']:>8.2f} {m['stall_s'] / fl['together_s']:>8.2f}" if fl else f"{'':>8} {'':>8}"
+    ratios = (
+        f"{m['update_s'] / fl['together_s']:>8.2f} {m['stall_s'] / fl['together_s']:>8.2f}"
+        if fl
+        else f"{'':>8} {'':>8}"
+    )
     return (
         f"{size:>5} {nbytes / 2**30:>6.2f} {method:>6} {m['update_s']:>8.3f} {m['prepare_s']:>8.3f} {m['load_phase_s']:>8.3f} "
         f"{m['stall_s']:>8.3f} {m['memcpy_s']:>8.3f} {ratios} "
@@ -247,7 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("config", nargs="?", default=str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"))
     ap.add_argument("--sizes", default="0.5B", help=f"comma-separated, of {', '.join(SIZES)}")
-    ap.add_argument("--methods", default="shm,gloo,store", help="shm, gloo (vLLM's trainer API through that backend), store (Ray's object store)")
+    ap.add_argument(
+        "--methods",
+        default="shm,gloo,store",
+        help="shm, gloo (vLLM's trainer API through that backend), store (Ray's object store)",
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--bucket-mb", type=int, default=64, help="gloo's bucket, shm's slot (4 slots)")

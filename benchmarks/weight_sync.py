@@ -51,7 +51,9 @@ MODES = ("keep", "recompute", "abort_resume", "drain")
 TRANSFERS = ("gloo", "shm")  # vLLM's trainer API over our CPU weight-transfer engines
 
 
-async def one_round(engine: RolloutEngine, prompts: PromptsConfig, weights: Any, interval: float | None, update: Any = None) -> dict[str, Any]:
+async def one_round(
+    engine: RolloutEngine, prompts: PromptsConfig, weights: Any, interval: float | None, update: Any = None
+) -> dict[str, Any]:
     """Run the configured prompts once; with `interval`, push `weights` every `interval` s meanwhile."""
     tokens = 0
     first_update = len(engine.weight_updates)
@@ -68,13 +70,15 @@ async def one_round(engine: RolloutEngine, prompts: PromptsConfig, weights: Any,
             try:
                 await asyncio.wait_for(done.wait(), interval)
                 return
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 call, until = await timed(engine, update or engine.update_weights, weights)
                 calls.append(call)
                 loaded.append(until)
                 phases.append(dict(getattr(update, "calls", {})))
 
-    lags: list[float] = []  # the driver's event loop: how late a 10 ms sleep wakes (every call of the learner's waits on it)
+    lags: list[
+        float
+    ] = []  # the driver's event loop: how late a 10 ms sleep wakes (every call of the learner's waits on it)
 
     async def lag() -> None:
         while not done.is_set():
@@ -82,7 +86,9 @@ async def one_round(engine: RolloutEngine, prompts: PromptsConfig, weights: Any,
             await asyncio.sleep(0.01)
             lags.append(time.perf_counter() - t - 0.01)
 
-    pauses: list[float] = []  # the driver's garbage collections (each holds every thread of the driver, the update's too)
+    pauses: list[
+        float
+    ] = []  # the driver's garbage collections (each holds every thread of the driver, the update's too)
     began = [0.0]
 
     def collected(phase: str, info: dict[str, Any]) -> None:
@@ -126,7 +132,9 @@ async def loaded(engine: RolloutEngine, update: Any) -> None:
     await engine.weights_loaded()
 
 
-async def learner_update(engine: RolloutEngine, weights: dict[str, Any], transfer: str | None, wait: bool = True) -> Any:
+async def learner_update(
+    engine: RolloutEngine, weights: dict[str, Any], transfer: str | None, wait: bool = True
+) -> Any:
     """The learner's update call, `update(weights) -> epoch`: `engine.update_weights` (Ray's object
     store), or with `transfer` (`gloo`, `shm`) vLLM's trainer API: its trainer factory builds that
     engine (`policies.gloo_transfer`, `policies.shm_transfer`) over `engine.weight_sync_client()`,
@@ -148,7 +156,9 @@ async def learner_update(engine: RolloutEngine, weights: dict[str, Any], transfe
         init: Any = ShmTrainerInitInfo(world_size=1 + client.world_size(), rank=0, timeout_s=600)
     else:
         init = GlooTrainerInitInfo(world_size=1 + client.world_size(), rank=0, timeout_s=600, hand_off=not wait)
-    trainer = await anyio.to_thread.run_sync(lambda: WeightTransferTrainerFactory.trainer_init(init, client=client, source=source))
+    trainer = await anyio.to_thread.run_sync(
+        lambda: WeightTransferTrainerFactory.trainer_init(init, client=client, source=source)
+    )
 
     async def update(w: dict[str, Any]) -> int:
         source.update(w)
@@ -159,7 +169,9 @@ async def learner_update(engine: RolloutEngine, weights: dict[str, Any], transfe
     return update
 
 
-async def bench_mode(cfg: Config, mode: str, rounds: int, interval: float, transfer: str | None = None, wait: bool = True) -> dict[str, Any]:
+async def bench_mode(
+    cfg: Config, mode: str, rounds: int, interval: float, transfer: str | None = None, wait: bool = True
+) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     cfg = msgspec.structs.replace(cfg, weight_sync=msgspec.structs.replace(cfg.weight_sync, mode=mode))
@@ -202,12 +214,25 @@ async def bench_mode(cfg: Config, mode: str, rounds: int, interval: float, trans
         "load_s": {"median": _median(loads), "max": max(loads, default=float("nan"))},
         "phases_s": {"prepare_median": _median(prepare), "commit_median": _median(commit)},
         "wait": wait,
-        "loop_lag_s": {"median": _median(lag), "p90": lag[int(0.9 * len(lag))] if lag else float("nan"), "max": max(lag, default=float("nan"))},
+        "loop_lag_s": {
+            "median": _median(lag),
+            "p90": lag[int(0.9 * len(lag))] if lag else float("nan"),
+            "max": max(lag, default=float("nan")),
+        },
         "gc_s": {"count": len(collections), "max": max(collections, default=0.0), "total": sum(collections)},
-        "update_s": {"idle": [c for c, _ in idle], "generating": busy, "idle_median": _median([c for c, _ in idle]), "generating_median": _median(busy),
-                     "calls_generating_median": {k: _median([p[k] for p in phases]) for k in (phases[0] if phases else {})}},
-        "loaded_s": {"idle": [t for _, t in idle], "generating": busy_loaded, "idle_median": _median([t for _, t in idle]),
-                     "generating_median": _median(busy_loaded)},  # fmt: skip
+        "update_s": {
+            "idle": [c for c, _ in idle],
+            "generating": busy,
+            "idle_median": _median([c for c, _ in idle]),
+            "generating_median": _median(busy),
+            "calls_generating_median": {k: _median([p[k] for p in phases]) for k in (phases[0] if phases else {})},
+        },
+        "loaded_s": {
+            "idle": [t for _, t in idle],
+            "generating": busy_loaded,
+            "idle_median": _median([t for _, t in idle]),
+            "generating_median": _median(busy_loaded),
+        },  # fmt: skip
         "tokens_per_s_plain": [r["tokens_per_s"] for r in plain],
         "tokens_per_s_updating": [r["tokens_per_s"] for r in updated],
         "ratio": _median(ratios),
@@ -260,11 +285,16 @@ def table(results: list[dict[str, Any]], interval: float) -> str:
             lines.append(f"{r['mode']}: the call does not wait; until every engine serves the epoch (median): generating "
                          f"{u['generating_median'] * 1e3:.1f}ms, idle {u['idle_median'] * 1e3:.1f}ms")  # fmt: skip
     for r in results:
-        lines.append(f"{r['mode']}: each update while generating (median), the driver's view: checks, object store and staging "
-                     f"{r['phases_s']['prepare_median'] * 1e3:.1f}ms, then every engine's pause..resume {r['phases_s']['commit_median'] * 1e3:.1f}ms")
+        lines.append(
+            f"{r['mode']}: each update while generating (median), the driver's view: checks, object store and staging "
+            f"{r['phases_s']['prepare_median'] * 1e3:.1f}ms, then every engine's pause..resume {r['phases_s']['commit_median'] * 1e3:.1f}ms"
+        )
     for r in results:
         if calls := r["update_s"]["calls_generating_median"]:
-            lines.append(f"{r['mode']}: vLLM's calls while generating (median): " + ", ".join(f"{k} {v * 1e3:.1f}ms" for k, v in calls.items()))
+            lines.append(
+                f"{r['mode']}: vLLM's calls while generating (median): "
+                + ", ".join(f"{k} {v * 1e3:.1f}ms" for k, v in calls.items())
+            )
     for r in results:
         if r["collapses"]:
             lines.append(
@@ -283,8 +313,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--interval", type=float, default=2.0, help="seconds between updates")
     ap.add_argument("--report", default="weight_sync_report.json")
-    ap.add_argument("--transfer", nargs="?", const="gloo", choices=TRANSFERS, help="updates through vLLM's trainer API (gloo; or shm)")
-    ap.add_argument("--no-wait", action="store_true", help="the learner's call returns before the engines load (wait=False)")
+    ap.add_argument(
+        "--transfer",
+        nargs="?",
+        const="gloo",
+        choices=TRANSFERS,
+        help="updates through vLLM's trainer API (gloo; or shm)",
+    )
+    ap.add_argument(
+        "--no-wait", action="store_true", help="the learner's call returns before the engines load (wait=False)"
+    )
     ap.add_argument("--plot", metavar="FILE.png", help="also draw the ratios and stalls per mode (needs matplotlib)")
     args = ap.parse_args(argv)
     if args.plot:
@@ -297,7 +335,14 @@ def main(argv: list[str] | None = None) -> int:
         results.append(asyncio.run(bench_mode(cfg, mode, args.rounds, args.interval, args.transfer, not args.no_wait)))
         print(table(results[-1:], args.interval).splitlines()[-1], flush=True)
     print(table(results, args.interval))
-    report = {"interval_s": args.interval, "config": args.config, "overrides": args.override, "transfer": args.transfer, "wait": not args.no_wait, "results": results}
+    report = {
+        "interval_s": args.interval,
+        "config": args.config,
+        "overrides": args.override,
+        "transfer": args.transfer,
+        "wait": not args.no_wait,
+        "results": results,
+    }
     Path(args.report).write_text(msgspec.json.encode(report).decode())
     print(f"report: {args.report}")
     if args.plot:

@@ -42,7 +42,7 @@ def _autogroup() -> str:
 
 
 def _session(autogroup: str) -> str:
-    """"host:/autogroup-N" of a /proc/PID/autogroup text ("" for "")."""
+    """ "host:/autogroup-N" of a /proc/PID/autogroup text ("" for "")."""
     return f"{socket.gethostname()}:{autogroup.split()[0]}" if autogroup else ""
 
 

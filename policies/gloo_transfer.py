@@ -94,10 +94,14 @@ class GlooTrainerInitInfo(TrainerInitInfo):
     master_port: int = 0
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     timeout_s: float = 300.0
-    hand_off: bool = False  # send_weights returns once every engine receives and the weights are copied (`send_weights`)
+    hand_off: bool = (
+        False  # send_weights returns once every engine receives and the weights are copied (`send_weights`)
+    )
 
 
-def buckets(names: list[str], dtypes: list[str], shapes: list[list[int]], bucket_bytes: int) -> list[list[tuple[str, torch.dtype, list[int], int]]]:
+def buckets(
+    names: list[str], dtypes: list[str], shapes: list[list[int]], bucket_bytes: int
+) -> list[list[tuple[str, torch.dtype, list[int], int]]]:
     """The round's tensors cut into buckets of at most `bucket_bytes` (a larger tensor alone):
     (name, dtype, shape, bytes) each. Both sides cut alike from the same metadata."""
     out: list[list[Any]] = [[]]
@@ -132,7 +136,9 @@ def _slices(buf: torch.Tensor, bucket: list[tuple[str, torch.dtype, list[int], i
 def tcp_store(address: str, port: int, timeout_s: float, master: bool = False) -> Any:
     import torch.distributed as dist
 
-    return dist.TCPStore(address, port, None, master, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    return dist.TCPStore(
+        address, port, None, master, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+    )
 
 
 def pair_group(store: Any, session: str, worker: int, timeout_s: float, *, trainer: bool) -> Any:
@@ -184,7 +190,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.store: Any = None
         self.pg: Any = None
         self.rank = 0
-        self.staged: list[tuple[str, list[tuple[str, torch.dtype, list[int], int]], list[torch.Tensor], list[Any]]] = []  # (what, bucket, its tensors' bytes, works)
+        self.staged: list[
+            tuple[str, list[tuple[str, torch.dtype, list[int], int]], list[torch.Tensor], list[Any]]
+        ] = []  # (what, bucket, its tensors' bytes, works)
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         self.shutdown()
@@ -205,7 +213,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             buf = torch.empty(_offsets(bucket)[1], dtype=torch.uint8)
             names = bucket[0][0] if len(bucket) == 1 else f"{bucket[0][0]} .. {bucket[-1][0]}"
             parts = _slices(buf, bucket)
-            self.staged.append((f"bucket {k + 1}/{len(cut)} ({names})", bucket, parts, [broadcast(self.pg, part) for part in parts]))
+            self.staged.append(
+                (f"bucket {k + 1}/{len(cut)} ({names})", bucket, parts, [broadcast(self.pg, part) for part in parts])
+            )
         self.store.set(f"{self.info.session}/ready/{update_info.round}/{self.rank}", b"")
 
     def finish_weight_update(self) -> None:
@@ -269,7 +279,14 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
     init_info_cls = GlooTrainerInitInfo
 
-    def __init__(self, *, client: Any, source: WeightSource | None = None, is_sender: bool = True, info: GlooTrainerInitInfo | None = None):
+    def __init__(
+        self,
+        *,
+        client: Any,
+        source: WeightSource | None = None,
+        is_sender: bool = True,
+        info: GlooTrainerInitInfo | None = None,
+    ):
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.info = info
         self.store: Any = None
@@ -280,7 +297,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gloo-send")
 
     @classmethod
-    def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client: Any, source: WeightSource | None = None) -> GlooTrainerWeightTransferEngine:
+    def trainer_init(
+        cls, init_info: GlooTrainerInitInfo, *, client: Any, source: WeightSource | None = None
+    ) -> GlooTrainerWeightTransferEngine:
         if source is None:
             raise ValueError("gloo trainer weight transfer requires a WeightSource")
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info)
@@ -292,7 +311,11 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                               session=engine.session, bucket_bytes=i.bucket_bytes, timeout_s=i.timeout_s)  # fmt: skip
         exe = ThreadPoolExecutor(max_workers=1)
         try:  # the workers wait inside init for the group's rendezvous, and so does rank 0
-            joined = exe.submit(lambda: [pair_group(store, engine.session, r, i.timeout_s, trainer=True) for r in range(1, i.world_size)])
+            joined = exe.submit(
+                lambda: [
+                    pair_group(store, engine.session, r, i.timeout_s, trainer=True) for r in range(1, i.world_size)
+                ]
+            )
             client.init_weight_transfer_engine(asdict(worker))
             engine.pgs = joined.result()
         finally:
@@ -312,13 +335,22 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 pass
             return
         self.round += 1
-        info = GlooUpdateInfo([m.name for m in meta], [str(m.dtype).removeprefix("torch.") for m in meta], [list(m.shape) for m in meta], self.round)
+        info = GlooUpdateInfo(
+            [m.name for m in meta],
+            [str(m.dtype).removeprefix("torch.") for m in meta],
+            [list(m.shape) for m in meta],
+            self.round,
+        )
         self.client.start_weight_update()
-        self.client.update_weights(asdict(info))  # checked, and every worker's receives posted (the engines keep serving)
+        self.client.update_weights(
+            asdict(info)
+        )  # checked, and every worker's receives posted (the engines keep serving)
         if not self.info.hand_off:
             self._send(iter(self.source), info)
             return
-        copied = [(name, t.detach().to("cpu", copy=True)) for name, t in self.source]  # gathers run here, on the learner's thread
+        copied = [
+            (name, t.detach().to("cpu", copy=True)) for name, t in self.source
+        ]  # gathers run here, on the learner's thread
         self._sending = self._sender.submit(self._send, iter(copied), info)
 
     def _send(self, pairs: Iterator[tuple[str, torch.Tensor]], info: GlooUpdateInfo) -> None:
@@ -349,7 +381,13 @@ def wait_ready(store: Any, session: str, round: int, ranks: Any, timeout_s: floa
         raise TimeoutError(f"gloo transfer: workers not receiving round {round} within {timeout_s:g} s: {e}") from e
 
 
-def send(pgs: list[Any], pairs: Iterator[tuple[str, torch.Tensor]], info: GlooUpdateInfo, bucket_bytes: int, inflight: int = 2) -> None:
+def send(
+    pgs: list[Any],
+    pairs: Iterator[tuple[str, torch.Tensor]],
+    info: GlooUpdateInfo,
+    bucket_bytes: int,
+    inflight: int = 2,
+) -> None:
     """Broadcast the round's tensors to every worker's pair group, in the buckets the workers cut,
     each tensor on its own (no packing copy: on a busy learner process, concatenating buckets
     cost more than the transfer), `inflight` buckets on their way at a time; each tensor checked
@@ -378,8 +416,12 @@ def send(pgs: list[Any], pairs: Iterator[tuple[str, torch.Tensor]], info: GlooUp
         for name, dtype, shape, _ in bucket:
             got, t = next(pairs)
             if got != name or t.dtype != dtype or list(t.shape) != shape:
-                raise ValueError(f"WeightSource yielded {got!r} {t.dtype} {list(t.shape)}, metadata() declared {name!r} {dtype} {shape}")
-            flat = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)  # a view of a contiguous CPU tensor: no copy
+                raise ValueError(
+                    f"WeightSource yielded {got!r} {t.dtype} {list(t.shape)}, metadata() declared {name!r} {dtype} {shape}"
+                )
+            flat = (
+                t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+            )  # a view of a contiguous CPU tensor: no copy
             works += [(pg, broadcast(pg, flat)) for pg in live]
         sending.append(works)
     while sending:
@@ -397,7 +439,11 @@ class GlooCollective:
         self.rank, self.workers_from, self.world_size, self.session = rank, train_world_size, world_size, session
         self.bucket_bytes, self.timeout_s, self.round = bucket_bytes, timeout_s, 0
         self.store = tcp_store(ip, port, timeout_s, master=rank == 0)
-        self.pgs = [pair_group(self.store, session, r, timeout_s, trainer=True) for r in range(train_world_size, world_size)] if rank == 0 else []
+        self.pgs = (
+            [pair_group(self.store, session, r, timeout_s, trainer=True) for r in range(train_world_size, world_size)]
+            if rank == 0
+            else []
+        )
 
     def broadcast(self, weights: Mapping[str, torch.Tensor]) -> None:
         """This round's tensors (HF name -> tensor) to every engine; ranks other than 0 return."""

@@ -203,7 +203,11 @@ class GroupCalls:
             groups = msgspec.msgpack.decode(batch, type=list[tuple[str, list[Request]]])
         except Exception as e:
             for key in _keys(batch):
-                self._post(GroupResult(key=key, error=f"engine {self.engine_id}: the group did not decode: {type(e).__name__}: {e}"))
+                self._post(
+                    GroupResult(
+                        key=key, error=f"engine {self.engine_id}: the group did not decode: {type(e).__name__}: {e}"
+                    )
+                )
             return
         for key, requests in groups:
             self._groups[key] = asyncio.ensure_future(self._run_group(key, requests))

@@ -83,8 +83,15 @@ def merge_piece(traj: Trajectory, spans: Spans, ids: list[int], lps: list[float]
 
 
 def settle(
-    traj: Trajectory, piece: Piece, spans: Spans, ids: list[int], lps: list[float], reason: str, evicted: bool,
-    cached: int, mode: str,
+    traj: Trajectory,
+    piece: Piece,
+    spans: Spans,
+    ids: list[int],
+    lps: list[float],
+    reason: str,
+    evicted: bool,
+    cached: int,
+    mode: str,
 ) -> Verdict:
     """Fold a finished piece into `traj`; say whether the sample is done, goes on, or reruns it.
 
@@ -109,7 +116,9 @@ def settle(
     return Verdict.DONE
 
 
-def snapshot(traj: Trajectory, piece: Piece | None, so_far: tuple[list[int], list[float], Spans, int] | None, mode: str) -> Trajectory:
+def snapshot(
+    traj: Trajectory, piece: Piece | None, so_far: tuple[list[int], list[float], Spans, int] | None, mode: str
+) -> Trajectory:
     """`traj` as far as its epochs are exact, for a progress report: a copy, plus what vLLM has
     produced of its running `piece` so far (`so_far`), unless that piece would be rerun."""
     t = msgspec.structs.replace(

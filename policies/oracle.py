@@ -32,6 +32,8 @@ from rollout.epochs import expand_runs
 from rollout.types import Trajectory
 
 WeightsSource = Mapping[str, Any] | str | Path  # param name -> torch.Tensor, or a safetensors dir
+
+
 class Oracle:
     """Float32 reference replays of one model architecture under several weight epochs."""
 
@@ -92,7 +94,9 @@ class Oracle:
         out, alt, _ = self._replay(prompt_token_ids, token_ids, policy_epochs, kv_recomputes, processing)
         return out, alt
 
-    def replay_episode(self, turns: Sequence[Trajectory], processing: Processing = Processing()) -> list[tuple[list[float], list[list[float]]]]:
+    def replay_episode(
+        self, turns: Sequence[Trajectory], processing: Processing = Processing()
+    ) -> list[tuple[list[float], list[list[float]]]]:
         """`replay_both` of each turn of an episode, the KV cache carried from turn to turn: a turn's
         first `kv_reused` prompt positions keep the KV the turns before computed, the rest is
         computed by its first step (each turn's prompt is the one before + its tokens + the
@@ -234,7 +238,11 @@ def compare(
     for traj in trajectories:
         report.trajectories += 1
         if short := [t for t in (traj.turns or [traj]) if len(t.logprobs) != len(t.token_ids)]:
-            fail(TrajectoryFailure(traj.request_id, f"{len(short[0].logprobs)} logprobs for {len(short[0].token_ids)} tokens"))
+            fail(
+                TrajectoryFailure(
+                    traj.request_id, f"{len(short[0].logprobs)} logprobs for {len(short[0].token_ids)} tokens"
+                )
+            )
             continue
         how = processing(traj) if callable(processing) else processing
         if traj.turns:  # an episode: its model turns, the KV carried from turn to turn
@@ -242,12 +250,16 @@ def compare(
             exact, moved = [x for lp, _ in replays for x in lp], [x for _, alt in replays for x in alt]
             behaviour = [x for turn in traj.turns for x in turn.logprobs]
         else:
-            exact, moved = oracle.replay_both(traj.prompt_token_ids, traj.token_ids, traj.policy_epochs, traj.kv_recomputes, how)
+            exact, moved = oracle.replay_both(
+                traj.prompt_token_ids, traj.token_ids, traj.policy_epochs, traj.kv_recomputes, how
+            )
             behaviour = traj.logprobs
         errors = []
         for x, alts, y in zip(exact, moved, behaviour):
             e = abs(x - y)
-            if alts and (other := min(abs(a - y) for a in alts)) < e:  # a cut within float error of a token: either side will do
+            if (
+                alts and (other := min(abs(a - y) for a in alts)) < e
+            ):  # a cut within float error of a token: either side will do
                 report.ambiguous += 1
                 e = other
             errors.append(math.inf if math.isnan(e) else e)
@@ -260,7 +272,11 @@ def compare(
             report.mismatched += len(bad)
             i = bad[0]
             token = [x for turn in (traj.turns or [traj]) for x in turn.token_ids][i]
-            fail(TrajectoryFailure(traj.request_id, "logprob mismatch", len(bad), i, max(errors), int(token), exact[i], behaviour[i]))
+            fail(
+                TrajectoryFailure(
+                    traj.request_id, "logprob mismatch", len(bad), i, max(errors), int(token), exact[i], behaviour[i]
+                )
+            )
     return report
 
 
@@ -274,7 +290,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--weights", action="append", required=True, metavar="EPOCH=DIR", help="safetensors dir of one epoch"
     )
     parser.add_argument("--atol", type=float, default=1e-3)
-    parser.add_argument("--logprobs", choices=("processed", "raw"), default="processed", help="sampling.logprobs of the run")
+    parser.add_argument(
+        "--logprobs", choices=("processed", "raw"), default="processed", help="sampling.logprobs of the run"
+    )
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)

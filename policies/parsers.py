@@ -69,7 +69,9 @@ class ChatParsers:
 
         fields = {k: data[k] for k in ("tools", "tool_choice", "include_reasoning") if data.get(k) is not None}
         try:
-            return ChatCompletionRequest.model_validate({"model": "", "messages": [{"role": "user", "content": ""}], **fields})
+            return ChatCompletionRequest.model_validate(
+                {"model": "", "messages": [{"role": "user", "content": ""}], **fields}
+            )
         except ValidationError as e:
             err = e.errors()[0]
             where = ".".join(str(p) for p in err.get("loc", ())) or "tools"
@@ -93,14 +95,18 @@ class ChatParsers:
 
         parser = self._parser(request)
         parser.set_prompt_token_ids(prompt_ids)
-        reasoning, content, calls = parser.parse(text, request, enable_auto_tools=True, model_output_token_ids=token_ids)
+        reasoning, content, calls = parser.parse(
+            text, request, enable_auto_tools=True, model_output_token_ids=token_ids
+        )
         if not request.include_reasoning:
             reasoning = None
         tool_calls = [{"id": c.id or make_tool_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                       for c in (calls or [])]  # fmt: skip
         return {"reasoning": reasoning, "content": content, "tool_calls": tool_calls}
 
-    def stream(self, request: Any, steps: list[list[int]], prompt_ids: list[int], decode: Callable[[list[int]], str]) -> list[dict[str, Any]]:
+    def stream(
+        self, request: Any, steps: list[list[int]], prompt_ids: list[int], decode: Callable[[list[int]], str]
+    ) -> list[dict[str, Any]]:
         """The deltas vLLM's streaming chat path sends for a turn whose tokens came in `steps`
         (the server: one step, the whole turn, as the engine hands it over; one token per step is
         vLLM's usual stream): `parse_delta` per step with the text it adds (a step that ends inside

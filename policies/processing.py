@@ -73,7 +73,9 @@ class Processing(msgspec.Struct, frozen=True):
         lp = torch.log_softmax(cut, dim=-1).gather(-1, tokens[:, None])[:, 0]
         for r in ambiguous.nonzero().flatten().tolist():
             alts[r] = [torch.log_softmax(v, dim=-1)[tokens[r]].item() for v in self._variants(x[r], int(tokens[r]))]
-        if cut is not x:  # the sampled token within float error of another's logit: the engine may order them the other way
+        if (
+            cut is not x
+        ):  # the sampled token within float error of another's logit: the engine may order them the other way
             rows = torch.arange(x.shape[0])
             for shift in (TIE_EPS, -TIE_EPS):
                 nudged = x.clone()
@@ -118,7 +120,11 @@ class Processing(msgspec.Struct, frozen=True):
             order = sorted(band.nonzero().flatten().tolist(), key=lambda i: (i != token, -row[i].item()))
             exact = sure.clone()
             exact[order[: self.top_k - int(sure.sum())]] = True
-            kept = [row.masked_fill(row < kth, -math.inf), row.masked_fill(~exact, -math.inf), row.masked_fill(~(sure | band), -math.inf)]
+            kept = [
+                row.masked_fill(row < kth, -math.inf),
+                row.masked_fill(~exact, -math.inf),
+                row.masked_fill(~(sure | band), -math.inf),
+            ]
         if self.top_p >= 1.0:
             return kept
         return [_top_p(k[None], self.top_p, flip_near=flip)[0][0] for k in kept for flip in (False, True)]

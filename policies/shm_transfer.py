@@ -93,7 +93,9 @@ class ShmTrainerInitInfo(TrainerInitInfo):
 
     def __post_init__(self) -> None:
         if self.slots < 2 or self.slot_bytes < ALIGN:
-            raise ValueError(f"shm transfer: slots {self.slots} (at least 2, to fill one while another drains), slot_bytes {self.slot_bytes} (at least {ALIGN})")
+            raise ValueError(
+                f"shm transfer: slots {self.slots} (at least 2, to fill one while another drains), slot_bytes {self.slot_bytes} (at least {ALIGN})"
+            )
 
 
 def layout(info: ShmUpdateInfo) -> tuple[list[tuple[str, torch.dtype, list[int], int, int]], int]:
@@ -183,7 +185,9 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
                 os.close(fds[0])
         except Exception as e:
             sock.close()
-            raise RuntimeError(f"shm transfer: worker rank {rank} could not join the learner at {init_info.address}: {type(e).__name__}: {e}") from e
+            raise RuntimeError(
+                f"shm transfer: worker rank {rank} could not join the learner at {init_info.address}: {type(e).__name__}: {e}"
+            ) from e
         self.sock, self.info = sock, init_info
 
     def start_weight_update(self) -> None:
@@ -201,12 +205,16 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         if self.sock is None or self.info is None:
             raise RuntimeError("shm weight transfer not initialized: call init_weight_transfer_engine first")
         if self.pending is not None:
-            raise RuntimeError("shm transfer: update_weights called twice in one round (or without start_weight_update)")
+            raise RuntimeError(
+                "shm transfer: update_weights called twice in one round (or without start_weight_update)"
+            )
         tensors, total = layout(update_info)
         if self.staging.numel() != total:
             self.staging = torch.empty(total, dtype=torch.uint8)
         errors: list[Any] = []
-        thread = threading.Thread(target=self._drain, args=(update_info.round, tensors, total, errors), daemon=True, name="shm-drain")
+        thread = threading.Thread(
+            target=self._drain, args=(update_info.round, tensors, total, errors), daemon=True, name="shm-drain"
+        )
         thread.start()
         self.pending = (thread, errors, update_info)
 
@@ -221,13 +229,19 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
                     errors.append(f"chunk {chunk + 1}/{chunks}: the learner ended the round (an error of its own)")
                     return
                 if (got_round, got) != (round, chunk):
-                    raise RuntimeError(f"expected round {round} chunk {chunk}, the learner sent round {got_round} chunk {got}")
+                    raise RuntimeError(
+                        f"expected round {round} chunk {chunk}, the learner sent round {got_round} chunk {got}"
+                    )
                 lo, n, slot = chunk * size, min(size, total - chunk * size), (chunk % self.info.slots) * size
                 self.staging[lo : lo + n].copy_(self.ring[slot : slot + n])
                 self.sock.sendall(MSG.pack(round, chunk))
         except Exception as e:
             lo = chunk * size
-            why = f"the learner is gone ({type(e).__name__}: {e})" if isinstance(e, ConnectionError) else f"{type(e).__name__}: {e}"
+            why = (
+                f"the learner is gone ({type(e).__name__}: {e})"
+                if isinstance(e, ConnectionError)
+                else f"{type(e).__name__}: {e}"
+            )
             errors.append(f"chunk {chunk + 1}/{chunks} ({_spanning(tensors, lo, lo + size)}): {why}")
             self._close()  # the stream is out of step: this worker needs init_weight_transfer_engine again
 
@@ -243,7 +257,9 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         if errors:
             raise RuntimeError(f"shm transfer: {errors[0]}; the model is unchanged")
         tensors, _ = layout(info)
-        self._reload([(name, self.staging[at : at + n].view(dtype).view(shape)) for name, dtype, shape, at, n in tensors])
+        self._reload(
+            [(name, self.staging[at : at + n].view(dtype).view(shape)) for name, dtype, shape, at, n in tensors]
+        )
 
     def _reload(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
         """vLLM's layerwise reload of `pairs` (what its NCCL backend does across its calls)."""
@@ -283,7 +299,14 @@ class ShmTrainerWeightTransferEngine(TrainerWeightTransferEngine[ShmTrainerInitI
 
     init_info_cls = ShmTrainerInitInfo
 
-    def __init__(self, *, client: Any, source: WeightSource | None = None, is_sender: bool = True, info: ShmTrainerInitInfo | None = None):
+    def __init__(
+        self,
+        *,
+        client: Any,
+        source: WeightSource | None = None,
+        is_sender: bool = True,
+        info: ShmTrainerInitInfo | None = None,
+    ):
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.info = info
         self.ring: torch.Tensor | None = None
@@ -291,7 +314,9 @@ class ShmTrainerWeightTransferEngine(TrainerWeightTransferEngine[ShmTrainerInitI
         self.round = 0
 
     @classmethod
-    def trainer_init(cls, init_info: ShmTrainerInitInfo, *, client: Any, source: WeightSource | None = None) -> ShmTrainerWeightTransferEngine:
+    def trainer_init(
+        cls, init_info: ShmTrainerInitInfo, *, client: Any, source: WeightSource | None = None
+    ) -> ShmTrainerWeightTransferEngine:
         if source is None:
             raise ValueError("shm trainer weight transfer requires a WeightSource")
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info)
@@ -336,7 +361,12 @@ class ShmTrainerWeightTransferEngine(TrainerWeightTransferEngine[ShmTrainerInitI
                 pass
             return
         self.round += 1
-        info = ShmUpdateInfo([m.name for m in meta], [str(m.dtype).removeprefix("torch.") for m in meta], [list(m.shape) for m in meta], self.round)
+        info = ShmUpdateInfo(
+            [m.name for m in meta],
+            [str(m.dtype).removeprefix("torch.") for m in meta],
+            [list(m.shape) for m in meta],
+            self.round,
+        )
         self.client.start_weight_update()
         self.client.update_weights(asdict(info))  # checked, and every worker draining (the engines keep serving)
         self._send(info)
@@ -379,7 +409,9 @@ class ShmTrainerWeightTransferEngine(TrainerWeightTransferEngine[ShmTrainerInitI
             for name, dtype, shape, at, nbytes in tensors:
                 got, t = next(pairs)
                 if got != name or t.dtype != dtype or list(t.shape) != shape:
-                    raise ValueError(f"WeightSource yielded {got!r} {t.dtype} {list(t.shape)}, metadata() declared {name!r} {dtype} {shape}")
+                    raise ValueError(
+                        f"WeightSource yielded {got!r} {t.dtype} {list(t.shape)}, metadata() declared {name!r} {dtype} {shape}"
+                    )
                 flat = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
                 done = 0
                 while done < nbytes:

@@ -30,7 +30,9 @@ def speculative_config(cfg: Config) -> dict[str, Any]:
 
     spec = cfg.speculative
     if spec.method not in flat(SpeculativeMethod):
-        raise InvalidConfigError(f"speculative.method: {spec.method!r} is not a speculative method of the installed vLLM")
+        raise InvalidConfigError(
+            f"speculative.method: {spec.method!r} is not a speculative method of the installed vLLM"
+        )
     internal = {"target_model_config", "target_parallel_config", "draft_model_config", "draft_parallel_config"}
     known = {f.name for f in dataclasses.fields(SpeculativeConfig)} - internal
     for key in spec.options:
@@ -64,7 +66,9 @@ class SpecStatLogger:
     def __init__(self, counters: SpecCounters):
         self._counters = counters
 
-    def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+    def record(
+        self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
+    ) -> None:
         s = scheduler_stats.spec_decoding_stats if scheduler_stats is not None else None
         if s is not None:
             self._counters.add(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, s.num_accepted_tokens_per_pos)

@@ -28,7 +28,9 @@ CPU_KV_CACHE_GIB = 1
 _OURS_ELSEWHERE = {"logprobs_mode": "sampling.logprobs (processed | raw)"}
 
 
-def engine_env(engine_index: int, cpus_per_engine: int, gpus_per_engine: float, log_level: str = "info") -> dict[str, str]:
+def engine_env(
+    engine_index: int, cpus_per_engine: int, gpus_per_engine: float, log_level: str = "info"
+) -> dict[str, str]:
     """Environment for engine `engine_index`: on CPU, the cores it runs on; vLLM's log level.
 
     vLLM's automatic binding would put every engine's OpenMP threads on the same cores of NUMA
@@ -67,7 +69,9 @@ def engine_args(cfg: Config, model_path: str) -> Any:
         if key not in known and key not in _OUR_ENGINE_KEYS:
             raise InvalidConfigError(f"engines.vllm.{key}: unknown vLLM engine argument")
         if key in _OURS_ELSEWHERE:
-            raise InvalidConfigError(f"engines.vllm.{key}: set by rollout from {_OURS_ELSEWHERE[key]}; configure it there")
+            raise InvalidConfigError(
+                f"engines.vllm.{key}: set by rollout from {_OURS_ELSEWHERE[key]}; configure it there"
+            )
     gpu = cfg.engines.gpus_per_engine
     kv_gib = extra.pop("kv_cache_gib", None)
     if kv_gib is None and not gpu and "kv_cache_memory_bytes" not in extra:
@@ -75,7 +79,9 @@ def engine_args(cfg: Config, model_path: str) -> Any:
     if 0 < gpu < 1 and "gpu_memory_utilization" not in extra:
         extra["gpu_memory_utilization"] = round(0.9 * gpu, 3)  # engines sharing a GPU: each its share of vLLM's 0.9
     if kv_gib is not None:
-        if isinstance(kv_gib, bool) or not isinstance(kv_gib, (int, float)) or not 0 < kv_gib < 2**33:  # finite; in bytes, an int64
+        if (
+            isinstance(kv_gib, bool) or not isinstance(kv_gib, (int, float)) or not 0 < kv_gib < 2**33
+        ):  # finite; in bytes, an int64
             raise InvalidConfigError(f"engines.vllm.kv_cache_gib: expected a number > 0, got {kv_gib!r}")
         extra.setdefault("kv_cache_memory_bytes", int(kv_gib * 2**30))
     args = dict(
@@ -120,7 +126,10 @@ def checked_engine_args(cfg: Config, model_path: str) -> Any:
         args.create_model_config()
     except Exception as e:  # pydantic's ValidationError, ValueError, OSError for a model dir it cannot read
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        reason = next((line.split("Value error, ", 1)[1] for line in lines if "Value error, " in line), lines[0] if lines else type(e).__name__)
+        reason = next(
+            (line.split("Value error, ", 1)[1] for line in lines if "Value error, " in line),
+            lines[0] if lines else type(e).__name__,
+        )
         raise InvalidConfigError(f"{_key_of(reason, cfg)}: vLLM refuses it: {reason}") from e
     return args
 
@@ -172,4 +181,3 @@ def request_seed(req: Request, attempt: int = 1) -> int | None:
         return None
     key = msgspec.msgpack.encode((req.sampling.seed, req.prompt_id, req.sample_index, attempt))
     return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little")
-

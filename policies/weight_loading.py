@@ -106,7 +106,12 @@ class WeightLoading:
         two wait for one step of a generating engine, not two). Others (vLLM's `nccl`,
         `ipc`: the layerwise reload takes the parameters off here) pause first, as
         `weight_sync.mode` says. On failure the engine resumes as it was and this raises."""
-        mode, self._transfer_t0, self._transfer_t1, self._recomputed = self.cfg.weight_sync.mode, time.perf_counter(), None, 0
+        mode, self._transfer_t0, self._transfer_t1, self._recomputed = (
+            self.cfg.weight_sync.mode,
+            time.perf_counter(),
+            None,
+            0,
+        )
         self._staging, self._start = _stages(self.cfg), None
         if self._staging:  # sent with the transfer: both in one gap between the engine's steps, not two
             return
@@ -176,7 +181,13 @@ class WeightLoading:
             return {"pause_s": t2 - self._transfer_t0, "load_s": t3 - t2, "stall_s": t3 - self._transfer_t0,
                     "recomputed_tokens": self._recomputed, "received": self._transfer_t0 - (self._transfer_t1 or t2)}  # fmt: skip
         t0, t1 = self._transfer_t0, self._transfer_t1 or t2
-        return {"pause_s": t1 - t0, "load_s": t3 - t1, "stall_s": t3 - t0, "recomputed_tokens": self._recomputed, "received": t2 - t1}
+        return {
+            "pause_s": t1 - t0,
+            "load_s": t3 - t1,
+            "stall_s": t3 - t0,
+            "recomputed_tokens": self._recomputed,
+            "received": t2 - t1,
+        }
 
     async def _break(self, why: str) -> None:
         self._broken = f"engine {self.engine_id}: {why}"

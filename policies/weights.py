@@ -57,7 +57,9 @@ def read_manifest(model_dir: str | Path) -> Manifest:
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():
                 sl = st.get_slice(name)
-                manifest[name] = TensorSpec(_ST_TO_TORCH.get(sl.get_dtype(), sl.get_dtype().lower()), tuple(sl.get_shape()))
+                manifest[name] = TensorSpec(
+                    _ST_TO_TORCH.get(sl.get_dtype(), sl.get_dtype().lower()), tuple(sl.get_shape())
+                )
     return manifest
 
 
@@ -159,7 +161,9 @@ def check_finite(name: str, t: Any, data: Any = None) -> None:
         data = t.contiguous().reshape(-1).view(torch.uint8).numpy()
     ok = finite_bits(str(t.dtype).removeprefix("torch."), data) if data is not None else None
     if ok is None:  # on an accelerator, or a float8 without IEEE's patterns: the min and max are NaN if any element is
-        low, high = torch.aminmax(t.to(torch.float16) if t.element_size() == 1 else t)  # float16 holds every float8 value
+        low, high = torch.aminmax(
+            t.to(torch.float16) if t.element_size() == 1 else t
+        )  # float16 holds every float8 value
         ok = math.isfinite(float(low)) and math.isfinite(float(high))
     if not ok:
         raise InvalidWeightsError(f"weights[{name!r}]: contains NaN or inf")
@@ -219,7 +223,11 @@ def unpack(packed: Packed) -> dict[str, Any]:
 
     out = {}
     for name, spec in packed.specs.items():
-        buf = torch.frombuffer(bytearray(packed.data[name]), dtype=torch.uint8) if packed.data[name].size else torch.empty(0, dtype=torch.uint8)
+        buf = (
+            torch.frombuffer(bytearray(packed.data[name]), dtype=torch.uint8)
+            if packed.data[name].size
+            else torch.empty(0, dtype=torch.uint8)
+        )
         out[name] = buf.view(getattr(torch, spec.dtype)).reshape(spec.shape)
     return out
 

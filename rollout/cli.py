@@ -28,7 +28,9 @@ from rollout.packed import json_hook
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rollout", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="rollout", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_ in (
         ("bench", "measure throughput and latency against raw vLLM; prints a table, writes a JSON report"),
@@ -37,13 +39,24 @@ def main(argv: list[str] | None = None) -> int:
         ("serve", "serve the engines over an OpenAI-compatible HTTP API (chat, completions, token in/out)"),
     ):
         p = sub.add_parser(name, help=help_)
-        p.add_argument("config", nargs="?", help="YAML experiment file (default: the packaged tiny.yaml, the embedded model)")
-        p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE", help="dotted override, repeatable")
+        p.add_argument(
+            "config", nargs="?", help="YAML experiment file (default: the packaged tiny.yaml, the embedded model)"
+        )
+        p.add_argument(
+            "-o", "--override", action="append", default=[], metavar="KEY=VALUE", help="dotted override, repeatable"
+        )
         p.add_argument("--log-json", action="store_true", help="log JSON lines instead of console text")
         if name == "bench":
             p.add_argument("--report", help="JSON report path (default: bench.report from the config)")
-            p.add_argument("--rounds", type=int, metavar="N", help="rounds of both sides (default: bench.rounds, 4); 12 for a tight interval")
-            p.add_argument("--plot", metavar="FILE.png", help="also draw throughput per round, latency and time to first token")
+            p.add_argument(
+                "--rounds",
+                type=int,
+                metavar="N",
+                help="rounds of both sides (default: bench.rounds, 4); 12 for a tight interval",
+            )
+            p.add_argument(
+                "--plot", metavar="FILE.png", help="also draw throughput per round, latency and time to first token"
+            )
             p.add_argument("--no-progress", action="store_true")
         if name == "run":
             p.add_argument("--out", required=True, help="output JSONL, one trajectory per line")
@@ -52,7 +65,12 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--host", help="address to listen on (default: serve.host, 127.0.0.1)")
             p.add_argument("--port", type=int, help="port (default: serve.port, 8000; 0: a free one)")
             p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every request")
-            p.add_argument("--api-servers", type=int, metavar="N", help="HTTP front-end processes sharing the port (default: serve.api_servers, 1)")
+            p.add_argument(
+                "--api-servers",
+                type=int,
+                metavar="N",
+                help="HTTP front-end processes sharing the port (default: serve.api_servers, 1)",
+            )
     args = parser.parse_args(argv)
     args.config = args.config or str(packaged_config("tiny.yaml"))  # a str: the bench report names it in JSON
     try:
@@ -150,7 +168,10 @@ def _run(cfg: Config, args: argparse.Namespace) -> int:
         failed = anyio.run(go)
     except BaseException:
         if writer.written:  # what a crash, a signal or a full disk kept
-            print(f"rollout: {writer.written} trajectories were written to {args.out} before the run stopped", file=sys.stderr)
+            print(
+                f"rollout: {writer.written} trajectories were written to {args.out} before the run stopped",
+                file=sys.stderr,
+            )
         raise
     finally:
         with contextlib.suppress(OSError):  # a full disk refuses the close's flush too: already reported
@@ -179,7 +200,9 @@ class _Writer:
                 self.out.write(self.encoder.encode(t) + b"\n")
             self.out.flush()
         except OSError as e:
-            raise RolloutError(f"--out {self.path}: writing failed after {self.written} trajectories: {e.strerror or e}") from e
+            raise RolloutError(
+                f"--out {self.path}: writing failed after {self.written} trajectories: {e.strerror or e}"
+            ) from e
         self.written += len(trajectories)
 
 

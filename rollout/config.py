@@ -25,7 +25,9 @@ class ModelConfig(Struct, frozen=True, forbid_unknown_fields=True):
     path: str = "tiny"  # "tiny": the embedded random-weight Llama; else a local HF model dir
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "bfloat16"
     max_model_len: PositiveInt = 2048
-    seed: Annotated[int, Meta(ge=0, le=2**32 - 1)] = 0  # seeds the tiny model's weights and vLLM's sampler (numpy: 32 bits)
+    seed: Annotated[int, Meta(ge=0, le=2**32 - 1)] = (
+        0  # seeds the tiny model's weights and vLLM's sampler (numpy: 32 bits)
+    )
 
 
 class EnginesConfig(Struct, frozen=True, forbid_unknown_fields=True):
@@ -170,7 +172,9 @@ class MetricsConfig(Struct, frozen=True, forbid_unknown_fields=True):
     # `engine.metrics()` needs nothing here; this is the Prometheus exporter (rollout.metrics.figures).
     port: Annotated[int, Meta(ge=0, le=65535)] | None = None  # serve /metrics on it; None: off; 0: any free port
     host: str = "127.0.0.1"  # loopback only; "0.0.0.0" lets other machines scrape it
-    refresh_s: PositiveFloat = 5.0  # how often the exporter reads each engine's own counters (preemptions, spec decoding)
+    refresh_s: PositiveFloat = (
+        5.0  # how often the exporter reads each engine's own counters (preemptions, spec decoding)
+    )
 
 
 _BENCH_ROUNDS = 4
@@ -188,7 +192,9 @@ class BenchConfig(Struct, frozen=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if self.repeats is not None:
             if self.rounds != _BENCH_ROUNDS and self.rounds != self.repeats:
-                raise ValueError(f"repeats: the old name of rounds; give one of them, not repeats {self.repeats} and rounds {self.rounds}")
+                raise ValueError(
+                    f"repeats: the old name of rounds; give one of them, not repeats {self.repeats} and rounds {self.rounds}"
+                )
             msgspec.structs.force_setattr(self, "rounds", self.repeats)
 
 
@@ -228,7 +234,13 @@ class SpeculativeConfig(Struct, frozen=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         m = self.method
         if m is None:
-            if self.num_speculative_tokens or self.prompt_lookup_min or self.prompt_lookup_max or self.model or self.options:
+            if (
+                self.num_speculative_tokens
+                or self.prompt_lookup_min
+                or self.prompt_lookup_max
+                or self.model
+                or self.options
+            ):
                 raise ValueError("method: required when any other speculative key is set (null turns speculation off)")
             return
         if m not in SPECULATIVE_METHODS:
@@ -240,7 +252,9 @@ class SpeculativeConfig(Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"model: required for method {m!r} (the draft model or head directory)")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if (lo or hi) and m not in _NGRAM_METHODS:
-            raise ValueError(f"{'prompt_lookup_min' if lo else 'prompt_lookup_max'}: only for the ngram methods, not {m!r}")
+            raise ValueError(
+                f"{'prompt_lookup_min' if lo else 'prompt_lookup_max'}: only for the ngram methods, not {m!r}"
+            )
         if lo and hi and lo > hi:
             raise ValueError(f"prompt_lookup_min: {lo} exceeds prompt_lookup_max {hi}")
         for key in ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"):
@@ -255,7 +269,10 @@ class SpeculativeConfig(Struct, frozen=True, forbid_unknown_fields=True):
         """vLLM's `speculative_config` engine arg, or None when speculation is off."""
         if self.method is None:
             return None
-        typed = {k: getattr(self, k) for k in ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")}
+        typed = {
+            k: getattr(self, k)
+            for k in ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
+        }
         return {**{k: v for k, v in typed.items() if v is not None}, **self.options}
 
 

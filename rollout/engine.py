@@ -110,9 +110,15 @@ class RolloutEngine:
 
         path = await anyio.to_thread.run_sync(resolve_model_path, self.cfg.model.path, self.cfg.model.seed)
         self.model_path = str(path)
-        limits = ModelLimits.from_model_dir(path, self.cfg.model.max_model_len, self.cfg.engines.max_inflight_per_engine)
+        limits = ModelLimits.from_model_dir(
+            path, self.cfg.model.max_model_len, self.cfg.engines.max_inflight_per_engine
+        )
         serve = self.cfg.serve  # the model's tool-call and reasoning formats, for episodes' actions too
-        chat = await anyio.to_thread.run_sync(chat_renderer, path, serve.tool_parser, serve.reasoning_parser) if env is not None else None
+        chat = (
+            await anyio.to_thread.run_sync(chat_renderer, path, serve.tool_parser, serve.reasoning_parser)
+            if env is not None
+            else None
+        )
         q = self.cfg.queue
         try:
             if (bad := sampling_problem(self.cfg.sampling, limits.vocab_size)) is not None:  # as `rollout validate`
@@ -218,8 +224,14 @@ class RolloutEngine:
             prompts = [prompts]
         if isinstance(prompts, (list, tuple)):
             prompts = check_all(prompts, self.cfg.sampling, scheduler.limits)
-        elif prompts is None or isinstance(prompts, (bytes, int, float)) or not isinstance(prompts, (Iterable, AsyncIterable)):
-            raise InvalidPromptError(f"feed: expected prompts (a list, an iterator, a prompt), got {type(prompts).__name__}")
+        elif (
+            prompts is None
+            or isinstance(prompts, (bytes, int, float))
+            or not isinstance(prompts, (Iterable, AsyncIterable))
+        ):
+            raise InvalidPromptError(
+                f"feed: expected prompts (a list, an iterator, a prompt), got {type(prompts).__name__}"
+            )
         scheduler.add_source(as_async(prompts))
 
     def submit(self, prompts: Prompt | str | dict | Iterable[Any], *, train: bool = True) -> Submission:
@@ -234,12 +246,22 @@ class RolloutEngine:
         if prompts is None or isinstance(prompts, (bytes, int, float)) or not isinstance(prompts, Iterable):
             raise InvalidPromptError(f"submit: expected prompts (a list, a prompt), got {type(prompts).__name__}")
         items = check_all(list(prompts), self.cfg.sampling, scheduler.limits)
-        take = (lambda g: hand_out(g, self._updates.learner_epoch, self._staleness, scheduler.admission, keep_dropped=True)) if train else None
+        take = (
+            (
+                lambda g: hand_out(
+                    g, self._updates.learner_epoch, self._staleness, scheduler.admission, keep_dropped=True
+                )
+            )
+            if train
+            else None
+        )
         submission = Submission(items, train, take)
         scheduler.submit(submission)
         return submission
 
-    async def serve(self, host: str | None = None, port: int | None = None, api_key: str | None = None) -> Server | FrontEnds:
+    async def serve(
+        self, host: str | None = None, port: int | None = None, api_key: str | None = None
+    ) -> Server | FrontEnds:
         """Start the OpenAI-compatible HTTP server (`rollout.serve`, `serve:` config) next to a learner
         using the engine: in this process, on this engine's loop, or in `serve.api_servers`
         front-end processes; stopped when the engine exits. Its URL is `server.url`. Raises OSError
@@ -413,11 +435,12 @@ class RolloutEngine:
         if self._closed:
             raise EngineClosedError("the engine was shut down: its `async with` block has exited")
         if self._scheduler is None:
-            raise EngineClosedError("the engine is not running: use it inside `async with RolloutEngine(cfg) as engine:`")
+            raise EngineClosedError(
+                "the engine is not running: use it inside `async with RolloutEngine(cfg) as engine:`"
+            )
         return self._scheduler
 
     def _hand_out(self) -> HandOut:
         self._live_scheduler()
         assert self._hand is not None
         return self._hand
-

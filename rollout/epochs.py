@@ -44,8 +44,12 @@ def fill_runs(row: Any, runs: list[tuple[int, int]]) -> None:
 
 
 def kv_runs(
-    prompt_len: int, num_tokens: int, policy_epochs: list[tuple[int, int]], kv_recomputes: list[tuple[int, int]],
-    reused: int = 0, before: list[tuple[int, int]] | tuple = (),
+    prompt_len: int,
+    num_tokens: int,
+    policy_epochs: list[tuple[int, int]],
+    kv_recomputes: list[tuple[int, int]],
+    reused: int = 0,
+    before: list[tuple[int, int]] | tuple = (),
 ) -> list[tuple[int, int]]:
     """`kv_epochs` implied by the policy epochs and recompute points.
 

@@ -46,7 +46,14 @@ if TYPE_CHECKING:
     from rollout.metrics.figures import MetricsWindow
     from rollout.weights.transfer import WeightSyncClient, WeightTransfer
 
-__all__ = ["GenerationError", "RolloutGeneration", "output_tensors", "pad_id_from_model_dir", "prompts_from_batch", "verify_right_padding"]
+__all__ = [
+    "GenerationError",
+    "RolloutGeneration",
+    "output_tensors",
+    "pad_id_from_model_dir",
+    "prompts_from_batch",
+    "verify_right_padding",
+]
 
 T = TypeVar("T")
 log = get_logger(__name__)
@@ -93,7 +100,9 @@ class RolloutGeneration:
         self._lock = threading.Lock()  # guards the call counter: callers' threads use it
         self._calls = itertools.count()
         self._tag = next(_instances)
-        self._client: WeightSyncClient | None = None  # vLLM's weight-transfer calls, once init_collective joined the trainer's group
+        self._client: WeightSyncClient | None = (
+            None  # vLLM's weight-transfer calls, once init_collective joined the trainer's group
+        )
         self._refit: dict[str, Any] | None = None  # prepare_refit_info's: each refit's update info
         self._refit_round = 0
         self._metrics: MetricsWindow | None = None  # get_logger_metrics' window
@@ -259,7 +268,9 @@ class RolloutGeneration:
             return self.engine.weight_transfer()
 
         client = WeightSyncClient(self._blocking(transfer), self._blocking)
-        client.init_weight_transfer_engine({"master_address": ip, "master_port": port, "rank_offset": train_world_size, "world_size": world_size})
+        client.init_weight_transfer_engine(
+            {"master_address": ip, "master_port": port, "rank_offset": train_world_size, "world_size": world_size}
+        )
         self._client, self._refit_round = client, 0
         return []
 
@@ -269,9 +280,16 @@ class RolloutGeneration:
         refit's update info; every update checks them again before any engine changes."""
         from policies.weights import TensorSpec, check_specs, read_manifest
 
-        got = {n: TensorSpec(str(dtype).removeprefix("torch."), tuple(shape)) for n, (shape, dtype) in state_dict_info.items()}
+        got = {
+            n: TensorSpec(str(dtype).removeprefix("torch."), tuple(shape))
+            for n, (shape, dtype) in state_dict_info.items()
+        }
         check_specs(got, read_manifest(self.engine.model_path), "prepare_refit_info's state_dict_info")
-        self._refit = {"names": list(got), "dtype_names": [s.dtype for s in got.values()], "shapes": [list(s.shape) for s in got.values()]}
+        self._refit = {
+            "names": list(got),
+            "dtype_names": [s.dtype for s in got.values()],
+            "shapes": [list(s.shape) for s in got.values()],
+        }
 
     def update_weights_from_collective(self) -> list[Any]:
         """One refit while the trainer's rank 0 broadcasts: vLLM's start / update / finish calls on
@@ -287,7 +305,9 @@ class RolloutGeneration:
             raise RuntimeError("update_weights_from_collective before prepare_refit_info")
         before = self.engine.epoch
         self._refit_round += 1
-        info = {**self._refit, "round": self._refit_round} if not self.engine.cfg.engines.gpus_per_engine else self._refit
+        info = (
+            {**self._refit, "round": self._refit_round} if not self.engine.cfg.engines.gpus_per_engine else self._refit
+        )
         try:
             self._client.start_weight_update()
             self._client.update_weights(info)
@@ -295,7 +315,11 @@ class RolloutGeneration:
         except WeightSyncError as e:
             if self.engine.epoch == before:
                 raise
-            log.error("weight refit: engines left rotation; the others serve the new epoch", epoch=self.engine.epoch, failed=e.failed)
+            log.error(
+                "weight refit: engines left rotation; the others serve the new epoch",
+                epoch=self.engine.epoch,
+                failed=e.failed,
+            )
         return [self.engine.pool.share(True)]
 
     def update_weights(self, weights: Any) -> int:
@@ -382,7 +406,9 @@ class _Call:
                 continue
             s = effective_sampling(base, p)
             if s.max_tokens > room:  # near the context limit: generate what fits, finish reason length
-                p = msgspec.structs.replace(p, sampling={**p.sampling, "max_tokens": room, "min_tokens": min(s.min_tokens, room)})
+                p = msgspec.structs.replace(
+                    p, sampling={**p.sampling, "max_tokens": room, "min_tokens": min(s.min_tokens, room)}
+                )
             self.rows.append(i)
             self.submitted.append(p)
 
@@ -392,7 +418,9 @@ class _Call:
         by_row = {self.rows[k]: g for k, g in groups.items()}
         for i in self.full:  # the prompt alone fills the context: returned as is
             p = self.prompts[i]
-            by_row[i] = Group(p.id, p, [Trajectory(prompt_id=p.id, prompt_token_ids=list(p.token_ids or ()), finish_reason="length")])
+            by_row[i] = Group(
+                p.id, p, [Trajectory(prompt_id=p.id, prompt_token_ids=list(p.token_ids or ()), finish_reason="length")]
+            )
         wanted = sorted(by_row) if rows is None else rows
         return output_tensors(_successes({i: by_row[i] for i in wanted}), self.width, pad_value, self.dtype)
 

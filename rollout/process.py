@@ -32,7 +32,10 @@ def catch_sigterm() -> Any:
     a SystemExit for that code's own (user code's `sys.exit` fails its group,
     `rollout.inputs.usercode`): one group failed, the signal lost, and a busy driver never stopped.
     Returns what `restore_sigterm` takes, or None when nothing was installed."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
         return None
     try:
         loop = asyncio.get_running_loop()

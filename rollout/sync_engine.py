@@ -20,9 +20,9 @@ from rollout.types import EngineStats, Group
 class SyncRolloutEngine:
     """Blocking facade: the async engine runs on an event loop in a thread this object owns.
 
-        with SyncRolloutEngine("configs/tiny.yaml") as engine:
-            engine.feed(prompts)
-            for group in engine.groups(): ...
+    with SyncRolloutEngine("configs/tiny.yaml") as engine:
+        engine.feed(prompts)
+        for group in engine.groups(): ...
     """
 
     def __init__(self, cfg: Config | str | Path, **kwargs: Any):

@@ -284,7 +284,10 @@ class SpecCounters(Struct):
         self.draft_tokens += draft_tokens
         self.accepted_tokens += accepted_tokens
         mine, step = self.accepted_per_pos, accepted_per_pos
-        self.accepted_per_pos = [(mine[i] if i < len(mine) else 0) + (step[i] if i < len(step) else 0) for i in range(max(len(mine), len(step)))]
+        self.accepted_per_pos = [
+            (mine[i] if i < len(mine) else 0) + (step[i] if i < len(step) else 0)
+            for i in range(max(len(mine), len(step)))
+        ]
 
 
 class UpdateStats(Struct):

@@ -49,7 +49,9 @@ def _checked_close(self: socket.socket) -> None:
     except RuntimeError:  # no loop runs in this thread
         polled = False
     if polled:
-        _leaked.append(f"socket fd {fd} closed while its loop still polls it, at:\n{''.join(traceback.format_stack(limit=12))}")
+        _leaked.append(
+            f"socket fd {fd} closed while its loop still polls it, at:\n{''.join(traceback.format_stack(limit=12))}"
+        )
     _close(self)
 
 
@@ -65,4 +67,6 @@ def no_transport_left_to_the_garbage_collector():
         _created[0] = 0
         gc.collect()
     leaked, _leaked[:] = list(_leaked), []
-    assert not leaked, f"transports closed by the garbage collector, not by their owner (close the client): {leaked[:4]}"
+    assert not leaked, (
+        f"transports closed by the garbage collector, not by their owner (close the client): {leaked[:4]}"
+    )

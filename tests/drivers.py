@@ -16,5 +16,9 @@ CTRL_C = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler
 def start_python(code: str, *args: str) -> subprocess.Popen:
     """`python -c code args` in the repository root, pipes on, SIGINT raising KeyboardInterrupt."""
     return subprocess.Popen(
-        [sys.executable, "-c", CTRL_C + code, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-c", CTRL_C + code, *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )

@@ -89,8 +89,17 @@ class _Params:
 
 
 class _Finished:
-    def __init__(self, ids: list[int], lps: list[float], reason: str, evicted: bool, spans: list[tuple[int, int]], cached: int):
-        self.ids, self.logprobs, self.reason, self.evicted, self.spans, self.cached = ids, lps, reason, evicted, spans, cached
+    def __init__(
+        self, ids: list[int], lps: list[float], reason: str, evicted: bool, spans: list[tuple[int, int]], cached: int
+    ):
+        self.ids, self.logprobs, self.reason, self.evicted, self.spans, self.cached = (
+            ids,
+            lps,
+            reason,
+            evicted,
+            spans,
+            cached,
+        )
 
 
 class FakeVllm:

@@ -238,7 +238,11 @@ class FakeEngine:
             "start": start,
             "end": time.time(),
         }
-        return {**result, "outputs": [(t.token_ids, t.logprobs, t.finish_reason) for t in trajectories]} if outputs else result
+        return (
+            {**result, "outputs": [(t.token_ids, t.logprobs, t.finish_reason) for t in trajectories]}
+            if outputs
+            else result
+        )
 
     async def spec_counters(self) -> SpecCounters:
         if self.dead:
@@ -351,4 +355,3 @@ def transfer_worker(engine_id: int) -> object:
     parallel = types.SimpleNamespace(data_parallel_index=0, world_size=1, rank=0)
     cfg = types.SimpleNamespace(parallel_config=parallel, model_config=None)
     return Worker(types.SimpleNamespace(backend="gloo"), cfg, torch.device("cpu"), Model())
-

@@ -29,7 +29,9 @@ def bench_config(*overrides: str):
 
 async def test_rounds_alternate_which_side_goes_first_and_the_ratio_is_their_median():
     pool = FakePool(2)
-    report = await run_bench(bench_config("bench.repeats=4", "bench.warmup_prompts=2"), "tiny", progress=False, pool=pool)
+    report = await run_bench(
+        bench_config("bench.repeats=4", "bench.warmup_prompts=2"), "tiny", progress=False, pool=pool
+    )
 
     assert [r["order"] for r in report["rounds"]] == ["engine first", "raw vLLM first"] * 2
     assert report["ratio_tokens_per_s"] == statistics.median(r["ratio"] for r in report["rounds"])
@@ -42,7 +44,12 @@ async def test_rounds_alternate_which_side_goes_first_and_the_ratio_is_their_med
         assert engine.prefix_cache_resets == 8  # before every timed run
     assert report["engine"]["trajectories"] == report["raw_vllm"]["trajectories"] == 12
     ratios = sorted(r["ratio"] for r in report["rounds"])
-    assert report["ratio_interval"] == {"low": ratios[0], "high": ratios[-1], "coverage": 0.875, "width": ratios[-1] - ratios[0]}
+    assert report["ratio_interval"] == {
+        "low": ratios[0],
+        "high": ratios[-1],
+        "coverage": 0.875,
+        "width": ratios[-1] - ratios[0],
+    }
 
 
 def test_median_interval_is_the_sign_test_interval():
@@ -87,21 +94,29 @@ async def test_every_round_runs_the_same_jsonl_prompts():
 def test_rounds_default_to_4_and_the_old_repeats_key_still_counts():
     assert bench_config().bench.rounds == 4
     assert bench_config("bench.repeats=6").bench.rounds == 6  # configs written before the rename
-    assert bench_config("bench.repeats=6", "bench.rounds=12", "bench.repeats=null").bench.rounds == 12  # what --rounds 12 sends
+    assert (
+        bench_config("bench.repeats=6", "bench.rounds=12", "bench.repeats=null").bench.rounds == 12
+    )  # what --rounds 12 sends
     with pytest.raises(InvalidConfigError, match="bench.repeats: the old name of rounds"):
         bench_config("bench.repeats=6", "bench.rounds=12")
 
 
 async def test_the_table_leads_with_the_median_ratio_and_pools_latency_over_rounds():
-    report = await run_bench(bench_config("bench.rounds=4", "bench.warmup_prompts=2"), "tiny", progress=False, pool=FakePool(2))
+    report = await run_bench(
+        bench_config("bench.rounds=4", "bench.warmup_prompts=2"), "tiny", progress=False, pool=FakePool(2)
+    )
     lines = format_table(report).splitlines()
     median, ci = report["ratio_tokens_per_s"], report["ratio_interval"]
     assert lines[1].startswith(f"this engine / raw vLLM, generated tokens/s: {median:.3f}, median of 4 rounds")
     assert lines[2].strip().startswith(f"87.5% interval {ci['low']:.3f}-{ci['high']:.3f}, width {ci['width']:.3f}")
     rows = [line.split() for line in lines if line.split() and line.split()[0] in "1234"]
-    assert [r[0] for r in rows] == ["1", "2", "3", "4"] and [float(r[-2]) for r in rows] == [round(r["ratio"], 3) for r in report["rounds"]]
+    assert [r[0] for r in rows] == ["1", "2", "3", "4"] and [float(r[-2]) for r in rows] == [
+        round(r["ratio"], 3) for r in report["rounds"]
+    ]
     assert [r[-1] for r in rows] == [f"{r['engine_batch']:.1f}/{r['raw_vllm_batch']:.1f}" for r in report["rounds"]]
-    assert lines.index(next(line for line in lines if line.lstrip().startswith("1 "))) > 2  # rounds come after the median
+    assert (
+        lines.index(next(line for line in lines if line.lstrip().startswith("1 "))) > 2
+    )  # rounds come after the median
     assert len(report["engine"]["samples"]["latency_s"]) == 4 * 12  # every trajectory of every round, not round 1's
     assert report["engine"]["runs"] == report["raw_vllm"]["runs"] == report["rounds_used"] == 4
 
@@ -111,11 +126,16 @@ async def test_speculative_figures_are_summed_over_every_run_of_each_side():
     for e in pool.engines:
         e.spec.num_speculative_tokens = 3
         e.spec_per_request = (1, 3, 2, [1, 1, 0])  # per finished request: 1 draft of 3 tokens, 2 accepted
-    cfg = bench_config("bench.rounds=2", "bench.warmup_prompts=2", "speculative.method=ngram", "speculative.num_speculative_tokens=3")
+    cfg = bench_config(
+        "bench.rounds=2", "bench.warmup_prompts=2", "speculative.method=ngram", "speculative.num_speculative_tokens=3"
+    )
     report = await run_bench(cfg, "tiny", progress=False, pool=pool)
     for side in ("engine", "raw_vllm"):
         total = report[side]["spec_decode"]["total"]
-        assert (total["drafts"], total["accepted_tokens"]) == (2 * 12, 2 * 12 * 2)  # rounds x trajectories: not warm-up, not the other side
+        assert (total["drafts"], total["accepted_tokens"]) == (
+            2 * 12,
+            2 * 12 * 2,
+        )  # rounds x trajectories: not warm-up, not the other side
         assert total["acceptance_rate"] == 2 / 3 and total["accepted_per_pos"] == [24, 24, 0]
     assert "speculative decoding: ngram, 3 draft tokens per step" in format_table(report)
 
@@ -129,9 +149,11 @@ async def test_multiturn_bench_plays_the_same_episodes_against_a_careful_raw_vll
     pool = FakePool(2)
     calls: list[tuple[int, list[str]]] = []
     for e in pool.engines:
+
         def recording(requests, outputs=False, e=e, run=e.run_raw):
             calls.append((e.engine_id, [r.request_id for r in requests]))
             return run(requests, outputs)
+
         e.run_raw = recording
     cfg = load_config("configs/multiturn.yaml", ["prompts.count=4", "bench.rounds=2", "logging.level=error"])
     with anyio.fail_after(30):
@@ -148,13 +170,17 @@ async def test_multiturn_bench_plays_the_same_episodes_against_a_careful_raw_vll
         assert sorted(i.split(".")[0] for i in ids) == [f"raw{k}" for k in (engine, engine + 2)]
         assert len({i.split(".")[1] for i in ids}) == 1  # the same turn of each
     assert "this engine / raw vLLM" in multiturn_table(m)
-    assert all(0 <= row["engine"]["kv_reused_fraction"] <= 1 for row in m["rounds"]) and "reused the KV" in multiturn_table(m)
+    assert all(
+        0 <= row["engine"]["kv_reused_fraction"] <= 1 for row in m["rounds"]
+    ) and "reused the KV" in multiturn_table(m)
 
 
 async def test_both_sides_report_their_mean_running_batch():
     """Issue 29: the running batch sampled over each run, per side, so a gap in the ratio shows
     whether an engine's batch ran empty. Fake engines run every request in flight at once."""
-    report = await run_bench(bench_config("bench.rounds=2", "bench.warmup_prompts=2"), "tiny", progress=False, pool=FakePool(2))
+    report = await run_bench(
+        bench_config("bench.rounds=2", "bench.warmup_prompts=2"), "tiny", progress=False, pool=FakePool(2)
+    )
     for side in ("engine", "raw_vllm"):
         runs = report[side]["per_run"]
         assert all(r["mean_running"] > 0 and r["mean_waiting"] == 0 for r in runs)

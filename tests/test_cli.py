@@ -4,10 +4,8 @@ that survives whatever stops the run (`rollout.engine.start_pool` replaced by a 
 from __future__ import annotations
 
 import json
-
 import sys
 
-import anyio
 import pytest
 import structlog
 
@@ -105,9 +103,11 @@ def test_run_stopped_midway_keeps_what_was_written_and_says_so(tmp_path, run_arg
 
 @pytest.mark.parametrize(
     "override, key",
-    [("reward=no_such_module:score", "reward: cannot import module 'no_such_module'"),
-     ("reward=json:no_such_function", "reward: module 'json' has no attribute"),
-     ("env=no_such_module:Env", "env: cannot import module 'no_such_module'")],
+    [
+        ("reward=no_such_module:score", "reward: cannot import module 'no_such_module'"),
+        ("reward=json:no_such_function", "reward: module 'json' has no attribute"),
+        ("env=no_such_module:Env", "env: cannot import module 'no_such_module'"),
+    ],
 )
 def test_validate_imports_the_reward_and_the_environment(override, key, capsys):
     assert main(["validate", "configs/tiny.yaml", "-o", override]) == 2  # before: "ok"

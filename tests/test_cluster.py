@@ -57,9 +57,21 @@ def test_an_address_that_answers_passes():
 @pytest.mark.parametrize(
     "overrides, cluster, words",
     [
-        (["engines.gpus_per_engine=1"], {"CPU": 8.0}, "engines.count=2 x engines.gpus_per_engine=1.0 need 2 GPU, the Ray cluster has 0"),
-        (["engines.cpus_per_engine=3"], {"CPU": 4.0}, "engines.count=2 x engines.cpus_per_engine=3 need 6 CPU, the Ray cluster has 4 (or ray.num_cpus"),
-        (["engines.count=3", "engines.gpus_per_engine=0.5"], {"CPU": 8.0, "GPU": 1.0}, "need 1.5 GPU, the Ray cluster has 1"),
+        (
+            ["engines.gpus_per_engine=1"],
+            {"CPU": 8.0},
+            "engines.count=2 x engines.gpus_per_engine=1.0 need 2 GPU, the Ray cluster has 0",
+        ),
+        (
+            ["engines.cpus_per_engine=3"],
+            {"CPU": 4.0},
+            "engines.count=2 x engines.cpus_per_engine=3 need 6 CPU, the Ray cluster has 4 (or ray.num_cpus",
+        ),
+        (
+            ["engines.count=3", "engines.gpus_per_engine=0.5"],
+            {"CPU": 8.0, "GPU": 1.0},
+            "need 1.5 GPU, the Ray cluster has 1",
+        ),
     ],
 )
 def test_resources_the_cluster_lacks_are_named_with_their_keys(overrides, cluster, words):
@@ -90,7 +102,9 @@ RuntimeError: Engine core initialization failed. See root cause above. Failed co
 def test_the_cause_of_a_failed_start_is_the_engine_cores_last_exception(tmp_path):
     log = tmp_path / "worker.err"
     log.write_text(VLLM_LOG)
-    assert cause_from_stderr(str(log)).startswith("ValueError: To serve at least one request with the models's max seq len (2048)")
+    assert cause_from_stderr(str(log)).startswith(
+        "ValueError: To serve at least one request with the models's max seq len (2048)"
+    )
     log.write_text("nothing but chatter\n")
     assert cause_from_stderr(str(log)) is None
 

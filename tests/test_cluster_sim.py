@@ -23,7 +23,17 @@ TIMEOUT = 30  # seconds; only reached when a test is about to fail
 
 def options(**kw) -> Options:
     spec = SimSpec(**{"tokens_per_s": 4000, "ttft_s": 0, "capacity": 8, "length": "fixed:10", **kw.pop("spec", {})})
-    base = {"engines": [2], "queued": 8, "max_tokens": 16, "prompt_len": 4, "n": 2, "batch": 1, "hosts": 2, "update_every": 0, "local": True}
+    base = {
+        "engines": [2],
+        "queued": 8,
+        "max_tokens": 16,
+        "prompt_len": 4,
+        "n": 2,
+        "batch": 1,
+        "hosts": 2,
+        "update_every": 0,
+        "local": True,
+    }
     return Options(spec=spec, **{**base, **kw})
 
 
@@ -47,9 +57,17 @@ def prompts(count: int) -> list[Prompt]:
 
 async def test_every_prompt_comes_out_once_with_consistent_epochs():
     # ~1.5 s of generation (0.4 s a sample) with an update every 50 ms: a slower machine only adds updates
-    o = options(spec={"preempt": 0.5, "length": "lognormal:40:0.8", "tokens_per_s": 800}, max_tokens=100, update_every=0.05)
+    o = options(
+        spec={"preempt": 0.5, "length": "lognormal:40:0.8", "tokens_per_s": 800}, max_tokens=100, update_every=0.05
+    )
     result = await asyncio.wait_for(run_one(o, 3, prompts(40)), TIMEOUT)
-    assert (result["fed"], result["out"], result["lost"], result["duplicated"], result["failed_trajectories"]) == (40, 40, 0, 0, 0)
+    assert (result["fed"], result["out"], result["lost"], result["duplicated"], result["failed_trajectories"]) == (
+        40,
+        40,
+        0,
+        0,
+        0,
+    )
     assert result["epoch"] >= 1
     for runs, length in result["epochs"]:
         expand_runs(runs, length)  # raises on runs that do not cover the tokens
@@ -77,7 +95,9 @@ async def test_an_update_lands_inside_every_held_sample(tmp_path):
         groups = [g async for g in engine.groups()]
     trajectories = [t for g in groups for t in g.trajectories]
     assert len(trajectories) == 8 and all(t.ok for t in trajectories)
-    assert {tuple(map(tuple, t.policy_epochs)) for t in trajectories} == {((0, 0), (9, 1))}  # 9 tokens at 0, the last at 1
+    assert {tuple(map(tuple, t.policy_epochs)) for t in trajectories} == {
+        ((0, 0), (9, 1))
+    }  # 9 tokens at 0, the last at 1
 
 
 async def test_a_killed_engine_loses_nothing(tmp_path):
@@ -104,7 +124,9 @@ async def test_a_stalled_engine_is_killed_by_the_health_watch_and_loses_nothing(
     for e in engines(pool):
         e.hold = True
     cfg = config(o, 3, model_dir(str(tmp_path), o.spec.vocab))
-    cfg = msgspec.structs.replace(cfg, engines=msgspec.structs.replace(cfg.engines, health_interval_s=0.05, health_timeout_s=0.2))
+    cfg = msgspec.structs.replace(
+        cfg, engines=msgspec.structs.replace(cfg.engines, health_interval_s=0.05, health_timeout_s=0.2)
+    )
     async with RolloutEngine(cfg, pool=pool) as engine:
         engine.feed(prompts(6))
         await until(pool, lambda: sum(len(e.parked) for e in engines(pool)) == 12)
@@ -164,7 +186,9 @@ async def test_progress_reports_cross_the_data_path_once_the_engine_is_connected
             raise EngineDeadError("vLLM's engine core died")
 
         host.engines[0].progress = broken
-        with pytest.raises(EngineDeadError, match="engine 0: health report failed: EngineDeadError: vLLM's engine core died"):
+        with pytest.raises(
+            EngineDeadError, match="engine 0: health report failed: EngineDeadError: vLLM's engine core died"
+        ):
             await handle.progress()
         for e in engines(pool):
             e.release()

@@ -31,7 +31,7 @@ def test_yaml_file(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(
         "engines:\n  count: 3\n  max_inflight_per_engine: 16\n"
-        "sampling:\n  n: 2\n  temperature: 0.5\n  stop: [\"\\n\"]\n"
+        'sampling:\n  n: 2\n  temperature: 0.5\n  stop: ["\\n"]\n'
         "queue:\n  max_groups: 8\n"
     )
     cfg = load_config(path)
@@ -87,7 +87,10 @@ def test_dump_round_trips():
             ["sampling.n=8", "engines.max_inflight_per_engine=4"],
             "sampling.n: 8 exceeds engines.max_inflight_per_engine 4",
         ),
-        (["engines.queued_per_engine=0"], "engines.queued_per_engine: expected `int` >= 1"),  # issue 29: nothing ever waits in vLLM
+        (
+            ["engines.queued_per_engine=0"],
+            "engines.queued_per_engine: expected `int` >= 1",
+        ),  # issue 29: nothing ever waits in vLLM
         (["engines.queued_per_engine=-4"], "engines.queued_per_engine: expected `int` >= 1"),
         (
             ["engines.max_inflight_per_engine=8", "engines.queued_per_engine=9"],
@@ -159,10 +162,22 @@ def test_repo_configs_all_load():
 
 def test_speculative_is_off_by_default_and_translates_to_vllm():
     assert not Config().speculative.enabled and Config().speculative.vllm_config() is None
-    cfg = load_config(None, ["speculative.method=ngram", "speculative.num_speculative_tokens=3", "speculative.prompt_lookup_max=4"])
+    cfg = load_config(
+        None, ["speculative.method=ngram", "speculative.num_speculative_tokens=3", "speculative.prompt_lookup_max=4"]
+    )
     assert cfg.speculative.vllm_config() == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
-    gpu = load_config(None, ["speculative={method: eagle3, model: /m/head, num_speculative_tokens: 2, options: {draft_tensor_parallel_size: 1}}"])
-    assert gpu.speculative.vllm_config() == {"method": "eagle3", "model": "/m/head", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}
+    gpu = load_config(
+        None,
+        [
+            "speculative={method: eagle3, model: /m/head, num_speculative_tokens: 2, options: {draft_tensor_parallel_size: 1}}"
+        ],
+    )
+    assert gpu.speculative.vllm_config() == {
+        "method": "eagle3",
+        "model": "/m/head",
+        "num_speculative_tokens": 2,
+        "draft_tensor_parallel_size": 1,
+    }
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,6 @@ left the driver's session level with every engine together (issue 29: the driver
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +19,9 @@ HAS_AUTOGROUP = Path(AUTOGROUP).exists()
 def in_own_session(code: str) -> str:
     """Run `code` in a Python process leading a session of its own (an autogroup of its own where
     the kernel has them), so that nothing it lowers is this test's."""
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, start_new_session=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, start_new_session=True
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 

@@ -77,7 +77,9 @@ async def test_an_update_s_calls_cross_the_data_path_once_the_engine_is_connecte
         await pool.shutdown()
     assert actor.made == ["serve"]  # before: stage_weights, commit_weights, stage_weights, drop_weights as well
     assert policy.epoch == 1 and not policy._staged
-    assert {"pause_s", "load_s", "stall_s", "recomputed_tokens"} <= set(stats) and stats["stall_s"] >= stats["load_s"] >= 0
+    assert {"pause_s", "load_s", "stall_s", "recomputed_tokens"} <= set(stats) and stats["stall_s"] >= stats[
+        "load_s"
+    ] >= 0
 
 
 async def test_what_msgpack_does_not_carry_as_sent_goes_through_ray(cfg):

@@ -108,7 +108,9 @@ def test_a_zero_filled_tail_is_a_torn_write(tmp_path):
     again.close()
 
 
-@pytest.mark.parametrize("kept", [-5, 0, 1, 30], ids=["header-tail", "payload-all-zeros", "one-byte-kept", "30-bytes-kept"])
+@pytest.mark.parametrize(
+    "kept", [-5, 0, 1, 30], ids=["header-tail", "payload-all-zeros", "one-byte-kept", "30-bytes-kept"]
+)
 @pytest.mark.parametrize("extra", [0, 4096], ids=["at-eof", "zeros-after"])
 def test_a_zero_filled_payload_tail_of_the_last_record_is_a_torn_write(tmp_path, kept, extra):
     """A power cut between the size update and the data write: the last record reached the disk

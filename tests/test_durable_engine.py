@@ -18,8 +18,8 @@ from rollout.handoff.durable import DurableLog, DurableLogError
 from rollout.sync_engine import SyncRolloutEngine
 from rollout.types import Prompt
 from tests.fakes import FakeEngine, FakePool
-from tests.test_durable import fill_the_disk, read_only
 from tests.on_fakes import settled
+from tests.test_durable import fill_the_disk, read_only
 
 TIMEOUT = 5  # seconds; only reached when a test is about to fail
 STATE = {"embed.weight": torch.ones(4, 3)}
@@ -301,7 +301,9 @@ async def test_metadata_the_log_cannot_hold_fails_that_group_only(make_cfg):
     bad = [Prompt(token_ids=[10], id="obj", metadata={"x": object()})]
     with anyio.fail_after(TIMEOUT):
         async with RolloutEngine(make_cfg(), pool=FakePool(2)) as engine:
-            with pytest.raises(InvalidPromptError, match="metadata"):  # not a Prompt's type (dict[str, Any]): refused at feed
+            with pytest.raises(
+                InvalidPromptError, match="metadata"
+            ):  # not a Prompt's type (dict[str, Any]): refused at feed
                 engine.feed([Prompt(token_ids=[11], id="int-key", metadata={1: "x"})])
             engine.feed([*bad, Prompt(token_ids=[12], id="fine")])
             out = {g.prompt_id: g async for g in engine.groups()}

@@ -62,7 +62,9 @@ def test_what_a_crash_leaves_at_the_end_is_cut_off(sizes, where, zeros, extra):
 
 
 @FUZZ
-@given(sizes=SIZES.filter(lambda s: len(s) >= 2), which=st.floats(0, 1), start=st.floats(0, 1), length=st.integers(1, 64))
+@given(
+    sizes=SIZES.filter(lambda s: len(s) >= 2), which=st.floats(0, 1), start=st.floats(0, 1), length=st.integers(1, 64)
+)
 def test_the_same_zeros_before_another_record_are_damage(sizes, which, start, length):
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)

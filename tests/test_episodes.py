@@ -59,7 +59,9 @@ async def test_turns_are_token_exact_and_the_episode_is_one_masked_sample():
         assert t0.prompt_token_ids == chat.render([{"role": "user", "content": "hi"}])
         # turn k+1's prompt: turn k's prompt + its tokens (+ <eos> if it did not end its turn) + the observation
         for a, b, k in ((t0, t1, 0), (t1, t2, 1)):
-            obs = ([] if a.token_ids[-1:] == [EOS_ID] else [EOS_ID]) + chat.append([{"role": "user", "content": f"turn {k}"}])
+            obs = ([] if a.token_ids[-1:] == [EOS_ID] else [EOS_ID]) + chat.append(
+                [{"role": "user", "content": f"turn {k}"}]
+            )
             assert b.prompt_token_ids == a.prompt_token_ids + a.token_ids + obs
             assert a.cache_salt == "" or b.kv_reused >= 0
         assert ep.prompt_token_ids == t0.prompt_token_ids

@@ -136,7 +136,9 @@ def test_nemo_gym_has_one_inner_list_per_turn():
 
 
 def test_an_episode_exports_one_inner_list_per_turn():
-    t0 = Trajectory(prompt_token_ids=[1, 2, 3], token_ids=[4, 5], logprobs=[-1.0, -1.0], policy_epochs=[(0, 1)], kv_epochs=[(0, 1)])
+    t0 = Trajectory(
+        prompt_token_ids=[1, 2, 3], token_ids=[4, 5], logprobs=[-1.0, -1.0], policy_epochs=[(0, 1)], kv_epochs=[(0, 1)]
+    )
     t1 = Trajectory(prompt_token_ids=[1, 2, 3, 4, 5, 9], token_ids=[6, 7, 8], logprobs=[-1.0] * 3,
                     policy_epochs=[(0, 1), (2, 2)], kv_epochs=[(0, 1), (7, 2)], kv_reused=3)  # fmt: skip
     ep = Trajectory(prompt_token_ids=[1, 2, 3], token_ids=[4, 5, 9, 6, 7, 8], turns=[t0, t1])

@@ -75,7 +75,9 @@ async def test_a_conversation_and_an_episode_served_by_two_front_ends_are_one():
     async with two_front_ends() as (engine, pool, (a, b)):
         messages, turns = [user("first")], []
         for k, front in enumerate((a, b, a)):  # each turn through the other front end
-            r = await front.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 4, "episode_id": "ep"})
+            r = await front.post(
+                "/v1/chat/completions", json={"messages": messages, "max_tokens": 4, "episode_id": "ep"}
+            )
             assert r.status_code == 200, r.text
             m = r.json()["choices"][0]["message"]
             turns.append(m)
@@ -88,8 +90,12 @@ async def test_a_conversation_and_an_episode_served_by_two_front_ends_are_one():
         done = await b.post("/v1/episodes/ep/reward", json={"reward": 0.5})
         assert done.status_code == 200 and done.json()["turns"] == 3, done.text
         (episode,) = (await engine.next_group()).trajectories
-        assert episode.reward == 0.5 and [t.token_ids for t in episode.turns] == [t["generation_token_ids"] for t in turns]
-        assert (await a.post("/v1/episodes/ep/reward", json={"reward": 1})).status_code == 404  # rewarded once, wherever
+        assert episode.reward == 0.5 and [t.token_ids for t in episode.turns] == [
+            t["generation_token_ids"] for t in turns
+        ]
+        assert (
+            await a.post("/v1/episodes/ep/reward", json={"reward": 1})
+        ).status_code == 404  # rewarded once, wherever
         metrics = (await b.get("/metrics")).text
         assert 'rollout_http_requests_total{path="/v1/chat/completions",status="200"} 3.0' in metrics
 
@@ -107,8 +113,14 @@ async def test_abort_on_one_front_end_and_a_client_gone_from_the_other_reach_the
             tg.start_soon(call, "x")
             while sum(e.inflight for e in pool.engines) < 1:
                 await anyio.sleep(0.01)
-            assert (await b.post("/abort_requests", json={"request_ids": ["x"]})).json() == {"status": "aborted", "aborted": 1}
-        assert answers["x"].status_code == 499 and answers["x"].json()["error"]["message"] == "aborted by POST /abort_requests"
+            assert (await b.post("/abort_requests", json={"request_ids": ["x"]})).json() == {
+                "status": "aborted",
+                "aborted": 1,
+            }
+        assert (
+            answers["x"].status_code == 499
+            and answers["x"].json()["error"]["message"] == "aborted by POST /abort_requests"
+        )
         async with anyio.create_task_group() as tg:  # a client of `b` goes away while the engine holds its request
             tg.start_soon(lambda: b.post("/v1/chat/completions", json={"messages": [user("x")]}))
             while sum(len(e.requests) for e in pool.engines) < 2:  # it reached an engine
@@ -123,9 +135,19 @@ async def test_abort_on_one_front_end_and_a_client_gone_from_the_other_reach_the
 @pytest.mark.parametrize(
     "path, body, status, param",
     [
-        ("/v1/chat/completions", {"messages": [user("x")], "top_k": 2**40}, 400, "top_k"),  # the engine's InvalidPromptError
+        (
+            "/v1/chat/completions",
+            {"messages": [user("x")], "top_k": 2**40},
+            400,
+            "top_k",
+        ),  # the engine's InvalidPromptError
         ("/v1/chat/completions", {"messages": [user("x")], "seed": 2**70}, 400, "seed"),  # no int msgpack carries
-        ("/inference/v1/generate", {"token_ids": [5], "sampling_params": {"top_k": -(2**64)}}, 400, "sampling_params.top_k"),
+        (
+            "/inference/v1/generate",
+            {"token_ids": [5], "sampling_params": {"top_k": -(2**64)}},
+            400,
+            "sampling_params.top_k",
+        ),
         ("/v1/episodes/none/reward", {"reward": 1}, 404, None),  # the desk's ApiError
         ("/v1/episodes/none/reward", {"reward": "high"}, 400, "reward"),
         ("/update_weight_version", {}, 400, "new_version"),
@@ -152,7 +174,9 @@ async def test_pause_through_one_front_end_is_seen_through_the_other():
 async def test_the_engine_busy_crosses_as_429_with_retry_after():
     async with two_front_ends("queue.max_groups=1") as (engine, pool, (a, b)):
         for episode in ("e1", "e2"):
-            await a.post("/v1/chat/completions", json={"messages": [user(episode)], "max_tokens": 2, "episode_id": episode})
+            await a.post(
+                "/v1/chat/completions", json={"messages": [user(episode)], "max_tokens": 2, "episode_id": episode}
+            )
         assert (await b.post("/v1/episodes/e1/reward", json={"reward": 1})).status_code == 200
         full = await b.post("/v1/episodes/e2/reward", json={"reward": 1})
         assert full.status_code == 429 and full.headers["retry-after"] == "1", full.text
@@ -166,7 +190,9 @@ async def test_api_servers_processes_serve_one_engine_and_one_restarts_when_kill
             assert sorted(pids) == [0, 1] and len(set(pids.values())) == 2 and os.getpid() not in pids.values()
             async with httpx.AsyncClient(base_url=front.url, timeout=TIMEOUT) as http:  # the key, in every process
                 assert (await http.get("/v1/models")).status_code == 401
-                assert (await http.get("/v1/models", headers={"Authorization": "Bearer k3y"})).json()["data"][0]["id"] == "tiny"
+                assert (await http.get("/v1/models", headers={"Authorization": "Bearer k3y"})).json()["data"][0][
+                    "id"
+                ] == "tiny"
             async with openai.AsyncOpenAI(base_url=f"{front.url}/v1", api_key="k3y", max_retries=0) as client:
 
                 async def ask(i: int) -> str:
@@ -215,7 +241,9 @@ def test_front_ends_exit_when_the_driver_is_killed(tmp_path):
         "        await anyio.sleep_forever()\n"
         "anyio.run(main)\n"
     )
-    driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    driver = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
     try:
         pids = [int(p) for p in driver.stdout.readline().split()]
         assert len(pids) == 2, "the driver did not start its front ends"
@@ -235,7 +263,9 @@ def test_front_ends_exit_when_the_driver_is_killed(tmp_path):
 
 def test_a_remote_desk_answers_to_every_desk_call_and_hides_none():
     """Each call the desk serves is a call over the socket: no name of the proxy's own shadows one."""
-    assert frontends.CALLS | {"record"} <= {name for name in dir(Desk) if not name.startswith("_")}  # "ready": the service's
+    assert frontends.CALLS | {"record"} <= {
+        name for name in dir(Desk) if not name.startswith("_")
+    }  # "ready": the service's
     assert not [name for name in vars(RemoteDesk) if not name.startswith("_")]
 
 

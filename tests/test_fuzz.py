@@ -50,12 +50,36 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=not os.environ
 
 EDGE_INTS = [0, 1, 2, 259, 260, 2**31 - 1, 2**31, 2**32, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -1, -(2**63), -(2**63) - 1]
 INTS = st.one_of(st.integers(-3, 300), st.sampled_from(EDGE_INTS), st.integers(-(2**80), 2**80), st.booleans())
-FLOATS = st.one_of(st.floats(), st.sampled_from([0.0, 1e-6, 0.5, 1.0, 2.0, 2.0000001, -0.0, 1e308, float("nan"), float("inf"), -float("inf")]))
+FLOATS = st.one_of(
+    st.floats(),
+    st.sampled_from([0.0, 1e-6, 0.5, 1.0, 2.0, 2.0000001, -0.0, 1e308, float("nan"), float("inf"), -float("inf")]),
+)
 TEXT = st.text(alphabet=st.characters(categories=["L", "N", "P", "Zs", "Cc", "Cs"]), max_size=12)  # Cs: lone surrogates
 SCALARS = st.one_of(INTS, FLOATS, TEXT, st.none())
-VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3), max_leaves=5)
-SAMPLING_FIELDS = ["n", "temperature", "top_p", "top_k", "max_tokens", "min_tokens", "stop_token_ids", "stop", "seed", "logprobs"]
-SAMPLING_VALUES = st.one_of(st.sampled_from([float("nan"), float("inf"), True, 2**64, -1, None, [], "\ud800"]), INTS, FLOATS, TEXT, st.lists(INTS, max_size=3), st.lists(TEXT, max_size=3), st.sampled_from(["processed", "raw"]))
+VALUES = st.recursive(
+    SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3), max_leaves=5
+)
+SAMPLING_FIELDS = [
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_tokens",
+    "min_tokens",
+    "stop_token_ids",
+    "stop",
+    "seed",
+    "logprobs",
+]
+SAMPLING_VALUES = st.one_of(
+    st.sampled_from([float("nan"), float("inf"), True, 2**64, -1, None, [], "\ud800"]),
+    INTS,
+    FLOATS,
+    TEXT,
+    st.lists(INTS, max_size=3),
+    st.lists(TEXT, max_size=3),
+    st.sampled_from(["processed", "raw"]),
+)
 OVERRIDES = st.dictionaries(st.sampled_from(SAMPLING_FIELDS) | TEXT, SAMPLING_VALUES, max_size=4)
 TOKEN_IDS = st.lists(INTS, max_size=10)
 PROMPT_DICTS = st.fixed_dictionaries(
@@ -68,7 +92,11 @@ PROMPT_OBJECTS = st.builds(
 )  # a Prompt made in code: its constructor checks no types
 GOOD_IDS = st.lists(st.integers(0, 259), min_size=1, max_size=10)
 GOOD_TEXT = st.text(alphabet=st.characters(categories=["L", "N", "P", "Zs"]), min_size=1, max_size=12)
-GOOD = st.one_of(GOOD_IDS, GOOD_TEXT, st.fixed_dictionaries({"token_ids": GOOD_IDS}, optional={"sampling": OVERRIDES, "id": GOOD_TEXT}))
+GOOD = st.one_of(
+    GOOD_IDS,
+    GOOD_TEXT,
+    st.fixed_dictionaries({"token_ids": GOOD_IDS}, optional={"sampling": OVERRIDES, "id": GOOD_TEXT}),
+)
 PROMPTS = st.one_of(GOOD, TOKEN_IDS, TEXT, PROMPT_DICTS, PROMPT_OBJECTS, SCALARS)  # well-formed ones too: both outcomes
 
 
@@ -76,7 +104,10 @@ PROMPTS = st.one_of(GOOD, TOKEN_IDS, TEXT, PROMPT_DICTS, PROMPT_OBJECTS, SCALARS
 def model_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("model")
     (d / "config.json").write_text('{"vocab_size": 260}')
-    save_file({"embed.weight": torch.zeros(4, 3), "norm.weight": torch.ones(3, dtype=torch.bfloat16)}, str(d / "model.safetensors"))
+    save_file(
+        {"embed.weight": torch.zeros(4, 3), "norm.weight": torch.ones(3, dtype=torch.bfloat16)},
+        str(d / "model.safetensors"),
+    )
     return d
 
 
@@ -133,7 +164,9 @@ def test_sampling_values_the_validator_accepts_cross_the_wire(raw):
     except InvalidPromptError:
         return
     request = Request("r", "p", 0, sampling, token_ids=[5, 6])
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode([("0", [request])]), type=list[tuple[str, list[Request]]]) == [("0", [request])]
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode([("0", [request])]), type=list[tuple[str, list[Request]]]) == [
+        ("0", [request])
+    ]
 
 
 # -- config overrides -------------------------------------------------------------------------
@@ -163,7 +196,9 @@ def test_a_config_override_loads_or_names_the_problem(model_dir, pairs):
         event("refused")
         return
     event("loaded")
-    sampling = msgspec.msgpack.decode(msgspec.msgpack.encode(cfg.sampling), type=Sampling)  # it crosses the wire in every request
+    sampling = msgspec.msgpack.decode(
+        msgspec.msgpack.encode(cfg.sampling), type=Sampling
+    )  # it crosses the wire in every request
     assert sampling == cfg.sampling
     if vllm_args is not None:
         try:  # vLLM's engine arguments: built, or refused naming the key
@@ -173,12 +208,25 @@ def test_a_config_override_loads_or_names_the_problem(model_dir, pairs):
 
 
 EDGES = [float("nan"), float("inf"), -float("inf"), True, False, 0, -1, 1e300, 2**64, "1", None, [], {}]
-VLLM_KEYS = ["kv_cache_gib", "max_num_seqs", "gpu_memory_utilization", "enforce_eager", "seed", "max_model_len", "not_an_arg", "\ud800"]
+VLLM_KEYS = [
+    "kv_cache_gib",
+    "max_num_seqs",
+    "gpu_memory_utilization",
+    "enforce_eager",
+    "seed",
+    "max_model_len",
+    "not_an_arg",
+    "\ud800",
+]
 
 
 @pytest.mark.skipif(vllm_args is None, reason="needs vLLM's argument classes")
 @FUZZ
-@given(extra=st.fixed_dictionaries({}, optional={k: st.one_of(st.sampled_from(EDGES), FLOATS, INTS, TEXT, VALUES) for k in VLLM_KEYS}))
+@given(
+    extra=st.fixed_dictionaries(
+        {}, optional={k: st.one_of(st.sampled_from(EDGES), FLOATS, INTS, TEXT, VALUES) for k in VLLM_KEYS}
+    )
+)
 def test_vllm_engine_args_are_built_or_refused_naming_the_key(model_dir, extra):
     try:
         cfg = config_from_dict({"engines": {"vllm": extra}})
@@ -189,9 +237,21 @@ def test_vllm_engine_args_are_built_or_refused_naming_the_key(model_dir, extra):
 
 # -- weights ----------------------------------------------------------------------------------
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int8, torch.uint8, torch.bool, torch.complex64]
+DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int64,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+]
 NAMES = st.sampled_from(["embed.weight", "norm.weight"]) | TEXT
-SHAPES = st.sampled_from([(4, 3), (3,), (), (0,), (3, 4), (1, 4, 3)]) | st.lists(st.integers(0, 4), max_size=3).map(tuple)
+SHAPES = st.sampled_from([(4, 3), (3,), (), (0,), (3, 4), (1, 4, 3)]) | st.lists(st.integers(0, 4), max_size=3).map(
+    tuple
+)
 FILLS = st.sampled_from([0.0, 1.0, float("nan"), float("inf"), -1e30])
 
 
@@ -205,7 +265,10 @@ def tensors(draw):
 
 
 FITTING = st.fixed_dictionaries(  # the model's names, dtypes and shapes; only the values vary (NaN, inf)
-    {"embed.weight": FILLS.map(lambda f: torch.full((4, 3), f)), "norm.weight": FILLS.map(lambda f: torch.full((3,), f, dtype=torch.bfloat16))}
+    {
+        "embed.weight": FILLS.map(lambda f: torch.full((4, 3), f)),
+        "norm.weight": FILLS.map(lambda f: torch.full((3,), f, dtype=torch.bfloat16)),
+    }
 )
 WEIGHTS = st.one_of(
     FITTING,

@@ -37,29 +37,56 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=not os.environ
 # -- inputs -----------------------------------------------------------------------------------
 
 TEXT = st.text(alphabet=st.characters(categories=["L", "N", "P", "Zs", "Cc", "Cs"]), max_size=8)  # Cs: lone surrogates
-NUMBERS = st.one_of(st.floats(), st.integers(-(2**70), 2**70), st.sampled_from([10**400, -(10**400), float("nan"), float("inf"), 1.0, 0]))
+NUMBERS = st.one_of(
+    st.floats(),
+    st.integers(-(2**70), 2**70),
+    st.sampled_from([10**400, -(10**400), float("nan"), float("inf"), 1.0, 0]),
+)
 ODD = st.sampled_from([object(), {1, 2}, b"bytes", 1j, Ellipsis])  # nothing JSON can carry
 SCALARS = st.one_of(NUMBERS, st.booleans(), TEXT, st.none(), ODD)
-VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3), max_leaves=6)
+VALUES = st.recursive(
+    SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3), max_leaves=6
+)
 ROLES = st.sampled_from(["user", "tool", "system", "assistant", "robot", "", "\ud800"]) | VALUES
-FUNCTION = st.fixed_dictionaries({}, optional={"name": TEXT | VALUES, "arguments": TEXT | st.dictionaries(TEXT, VALUES, max_size=2) | VALUES})
-TOOL_CALL = st.fixed_dictionaries({}, optional={"type": st.just("function") | VALUES, "id": TEXT | VALUES, "function": FUNCTION | VALUES})
+FUNCTION = st.fixed_dictionaries(
+    {}, optional={"name": TEXT | VALUES, "arguments": TEXT | st.dictionaries(TEXT, VALUES, max_size=2) | VALUES}
+)
+TOOL_CALL = st.fixed_dictionaries(
+    {}, optional={"type": st.just("function") | VALUES, "id": TEXT | VALUES, "function": FUNCTION | VALUES}
+)
 TOOL_CALLS = st.lists(TOOL_CALL, max_size=2) | VALUES
 MESSAGE = st.fixed_dictionaries(
     {"role": ROLES},
     optional={"content": TEXT | VALUES, "tool_calls": TOOL_CALLS, "name": TEXT | VALUES, "tool_call_id": TEXT | VALUES, "odd": VALUES},
 )  # fmt: skip
-TOOL_MESSAGE = st.fixed_dictionaries({"role": st.just("assistant"), "content": st.text(max_size=4), "tool_calls": TOOL_CALLS})
-GOOD_MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "tool", "system"]), "content": st.text(max_size=8)})
+TOOL_MESSAGE = st.fixed_dictionaries(
+    {"role": st.just("assistant"), "content": st.text(max_size=4), "tool_calls": TOOL_CALLS}
+)
+GOOD_MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "tool", "system"]), "content": st.text(max_size=8)}
+)
 TOKEN_IDS = st.lists(st.integers(-3, 300) | st.sampled_from([2**63, True]), min_size=1, max_size=6)
-OBSERVATIONS = st.one_of(st.none(), TEXT, TOKEN_IDS, MESSAGE, GOOD_MESSAGE, TOOL_MESSAGE, st.lists(MESSAGE | GOOD_MESSAGE | TOOL_MESSAGE, max_size=3), VALUES)
+OBSERVATIONS = st.one_of(
+    st.none(),
+    TEXT,
+    TOKEN_IDS,
+    MESSAGE,
+    GOOD_MESSAGE,
+    TOOL_MESSAGE,
+    st.lists(MESSAGE | GOOD_MESSAGE | TOOL_MESSAGE, max_size=3),
+    VALUES,
+)
 REWARDS = NUMBERS | st.booleans() | VALUES
 DONES = st.booleans() | VALUES
-RAISES = st.sampled_from([ValueError("bad action"), SystemExit(2), asyncio.CancelledError(), KeyboardInterrupt(), GeneratorExit()])
+RAISES = st.sampled_from(
+    [ValueError("bad action"), SystemExit(2), asyncio.CancelledError(), KeyboardInterrupt(), GeneratorExit()]
+)
 GOOD_OBSERVATIONS = st.one_of(st.text(max_size=8), st.lists(st.integers(0, 259), min_size=1, max_size=4), GOOD_MESSAGE,
                               st.lists(GOOD_MESSAGE, min_size=1, max_size=2))  # fmt: skip
 ANSWERS = st.one_of(
-    st.builds(Step, observation=GOOD_OBSERVATIONS, reward=st.floats(-1e6, 1e6), done=st.booleans()),  # well-formed: both outcomes
+    st.builds(
+        Step, observation=GOOD_OBSERVATIONS, reward=st.floats(-1e6, 1e6), done=st.booleans()
+    ),  # well-formed: both outcomes
     st.builds(Step, observation=OBSERVATIONS, reward=REWARDS, done=DONES),  # a Struct checks nothing when built
     st.tuples(OBSERVATIONS, REWARDS, DONES),
     RAISES,
@@ -142,11 +169,21 @@ def test_a_generated_step_fails_its_episode_only_naming_the_field(portal_engine,
     group = portal.call(play, engine)
     assert not group.error and len(group.trajectories) == 3
     failed = [t for t in group.trajectories if not t.ok]
-    event(next((f"failed: {m}" for m in OUTCOMES if failed and m in failed[0].error), "failed: other") if failed else "finished")
+    event(
+        next((f"failed: {m}" for m in OUTCOMES if failed and m in failed[0].error), "failed: other")
+        if failed
+        else "finished"
+    )
     assert len(failed) <= 1, [t.error for t in failed]
     others = [t for t in group.trajectories if t.ok and t.reward == 3.0 and len(t.turns) == 3]
     assert len(others) >= 2, [(t.error, t.reward) for t in group.trajectories]  # Echo's episodes all finish
-    fields = answer if isinstance(answer, tuple) else (answer.observation, answer.reward, answer.done) if isinstance(answer, Step) else None
+    fields = (
+        answer
+        if isinstance(answer, tuple)
+        else (answer.observation, answer.reward, answer.done)
+        if isinstance(answer, Step)
+        else None
+    )
     if isinstance(answer, BaseException):
         (ep,) = failed
         assert f"environment step of turn 0 raised {type(answer).__name__}" in ep.error
@@ -162,7 +199,9 @@ def test_a_generated_step_fails_its_episode_only_naming_the_field(portal_engine,
     elif failed:  # the observation: a field named, or one of the documented outcomes
         (ep,) = failed
         assert ep.error.startswith(f"episode {ep.request_id}: ")
-        assert any(s in ep.error for s in ("Step.observation", "outside the vocabulary", "returned no observation")), ep.error
+        assert any(s in ep.error for s in ("Step.observation", "outside the vocabulary", "returned no observation")), (
+            ep.error
+        )
     for ep in group.trajectories:
         assert ep.ok or ep.finish_reason == "error"
         assert not ep.ok or (ep.reward is not None and math.isfinite(ep.reward))  # never a NaN for the learner

@@ -29,18 +29,32 @@ BOUND_S = 5.0  # every example is answered within this, or it hangs: a failure
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=not os.environ.get("ROLLOUT_FUZZ_RANDOM"), database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture])  # fmt: skip
 
-POST_ROUTES = ["/v1/chat/completions", "/v1/completions", "/inference/v1/generate", "/tokenize", "/v1/episodes/ep/reward"]
+POST_ROUTES = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/inference/v1/generate",
+    "/tokenize",
+    "/v1/episodes/ep/reward",
+]
 GET_ROUTES = ["/v1/models", "/health", "/metrics"]
 ROUTES = POST_ROUTES + GET_ROUTES + ["/v1/nothing", "/v1/episodes/%F0%9F%98%80/reward", "/v1/episodes//reward"]
 
 EDGE_INTS = [0, 1, 2, 5, 259, 260, -1, 2**31 - 1, 2**31, 2**63 - 1, 2**63, 2**64, 2**80, -(2**63) - 1]
 INTS = st.one_of(st.integers(-3, 300), st.sampled_from(EDGE_INTS), st.booleans())
-FLOATS = st.one_of(st.floats(allow_nan=False, allow_infinity=False), st.sampled_from([0.0, 0.5, 1.0, 2.0, 2.5, -0.0, 1e308]))
-TEXT = st.text(alphabet=st.characters(categories=["L", "N", "P", "Zs", "Cc", "Cs"]), max_size=10)  # Cs: lone surrogates, sent as \ud800
+FLOATS = st.one_of(
+    st.floats(allow_nan=False, allow_infinity=False), st.sampled_from([0.0, 0.5, 1.0, 2.0, 2.5, -0.0, 1e308])
+)
+TEXT = st.text(
+    alphabet=st.characters(categories=["L", "N", "P", "Zs", "Cc", "Cs"]), max_size=10
+)  # Cs: lone surrogates, sent as \ud800
 SCALARS = st.one_of(INTS, FLOATS, TEXT, st.none())
-VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3), max_leaves=6)
+VALUES = st.recursive(
+    SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3), max_leaves=6
+)
 IDS = st.lists(INTS, max_size=6) | VALUES
-PARTS = st.lists(st.fixed_dictionaries({}, optional={"type": st.just("text") | TEXT, "text": TEXT | VALUES}), max_size=2)
+PARTS = st.lists(
+    st.fixed_dictionaries({}, optional={"type": st.just("text") | TEXT, "text": TEXT | VALUES}), max_size=2
+)
 MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(ROLES) | TEXT},
     optional={"content": TEXT | PARTS | VALUES, "tool_calls": VALUES | st.lists(st.fixed_dictionaries({"function": VALUES}), max_size=2),
@@ -66,16 +80,22 @@ WELL_FORMED = {  # a body each route serves; a variant with one or two fields ch
 }
 DEEP = st.builds(lambda n, key: (f'{{"{key}": ' + "[" * n + "]" * n + "}").encode(), st.integers(50, 3000),
                  st.sampled_from(["messages", "tools", "prompt", "sampling_params", "x"]))  # fmt: skip
-RAW = st.one_of(st.binary(max_size=40), DEEP, st.sampled_from([b"", b"{", b"null", b"[]", b'"x"', b"\xff\xfe{}", b'{"a": NaN}']))
+RAW = st.one_of(
+    st.binary(max_size=40), DEEP, st.sampled_from([b"", b"{", b"null", b"[]", b'"x"', b"\xff\xfe{}", b'{"a": NaN}'])
+)
 CHANGES = st.dictionaries(st.sampled_from(sorted(FIELDS)), st.one_of(*FIELDS.values()), max_size=2)
 
 
 def bodies(route: str) -> st.SearchStrategy[bytes]:
     base = WELL_FORMED.get(route, {})
-    return st.one_of(BODY.map(lambda b: json.dumps(b).encode()), RAW, CHANGES.map(lambda c: json.dumps({**base, **c}).encode()))
+    return st.one_of(
+        BODY.map(lambda b: json.dumps(b).encode()), RAW, CHANGES.map(lambda c: json.dumps({**base, **c}).encode())
+    )
 
 
-REQUESTS = st.sampled_from(ROUTES).flatmap(lambda route: st.tuples(st.just(route), st.sampled_from(["POST", "POST", "POST", "GET"]), bodies(route)))
+REQUESTS = st.sampled_from(ROUTES).flatmap(
+    lambda route: st.tuples(st.just(route), st.sampled_from(["POST", "POST", "POST", "GET"]), bodies(route))
+)
 
 
 @contextlib.asynccontextmanager
@@ -100,10 +120,14 @@ async def exchange(url: str, method: str, route: str, body: bytes) -> tuple[http
         out: dict[str, httpx.Response] = {}
 
         async def fuzzed() -> None:
-            out["fuzzed"] = await http.request(method, route, content=body, headers={"content-type": "application/json"})
+            out["fuzzed"] = await http.request(
+                method, route, content=body, headers={"content-type": "application/json"}
+            )
 
         async def good() -> None:
-            out["good"] = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+            out["good"] = await http.post(
+                "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            )
 
         with anyio.fail_after(BOUND_S):
             async with anyio.create_task_group() as tg:
@@ -114,9 +138,23 @@ async def exchange(url: str, method: str, route: str, body: bytes) -> tuple[http
 
 @FUZZ
 @given(request=REQUESTS)
-@example(request=("/v1/chat/completions", "POST", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}'))
-@example(request=("/v1/chat/completions", "POST", b'{"messages": [{"role": "user", "content": "x"}], "required_prefix_token_ids": [%d]}' % 2**80))
-@example(request=("/v1/chat/completions", "POST", b'{"messages": [{"role": "user", "content": "x"}], "top_k": %d}' % 2**70))
+@example(
+    request=(
+        "/v1/chat/completions",
+        "POST",
+        b'{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}',
+    )
+)
+@example(
+    request=(
+        "/v1/chat/completions",
+        "POST",
+        b'{"messages": [{"role": "user", "content": "x"}], "required_prefix_token_ids": [%d]}' % 2**80,
+    )
+)
+@example(
+    request=("/v1/chat/completions", "POST", b'{"messages": [{"role": "user", "content": "x"}], "top_k": %d}' % 2**70)
+)
 # found by hand (all three were 500s; the last through front-end processes only: msgpack carries
 # no such int), and a GET on a POST route (FastAPI's own shape before)
 @example(request=("/v1/chat/completions", "GET", b"{}"))
@@ -127,5 +165,7 @@ def test_every_route_answers_any_body_without_a_500(server, request):
     assert r.status_code < 500, f"{method} {route} {body[:200]!r}: {r.status_code} {r.text[:500]}"
     if r.status_code >= 400:
         error = r.json()["error"]
-        assert set(error) == {"message", "type", "param", "code"} and error["code"] == r.status_code and error["message"], r.text
+        assert (
+            set(error) == {"message", "type", "param", "code"} and error["code"] == r.status_code and error["message"]
+        ), r.text
     assert good.status_code == 200, f"a well-formed request sent meanwhile: {good.status_code} {good.text[:300]}"

@@ -77,7 +77,11 @@ def test_refit_through_vllms_transfer_calls_as_grpo_makes_them(cfg):  # noqa: F8
         port = s.getsockname()[1]
     with RolloutGenerationOwned(cfg, pool) as gen:
         trainer: list[GlooCollective] = []  # the policy's init_collective: rank 0 hosts the store
-        joining = threading.Thread(target=lambda: trainer.append(GlooCollective("127.0.0.1", port, 1 + 2, rank=0, train_world_size=1, timeout_s=10)))
+        joining = threading.Thread(
+            target=lambda: trainer.append(
+                GlooCollective("127.0.0.1", port, 1 + 2, rank=0, train_world_size=1, timeout_s=10)
+            )
+        )
         joining.start()
         assert gen.init_collective("127.0.0.1", port, 1 + 2, train_world_size=1) == []
         joining.join(10)
@@ -85,7 +89,9 @@ def test_refit_through_vllms_transfer_calls_as_grpo_makes_them(cfg):  # noqa: F8
             gen.prepare_refit_info({})
         gen.prepare_refit_info(info)
         for step in (1, 2):
-            broadcast = threading.Thread(target=trainer[0].broadcast, args=(new,))  # policy.broadcast_weights_for_collective()
+            broadcast = threading.Thread(
+                target=trainer[0].broadcast, args=(new,)
+            )  # policy.broadcast_weights_for_collective()
             broadcast.start()
             results = gen.update_weights_from_collective()
             broadcast.join(10)

@@ -23,7 +23,9 @@ class Worker(GlooWeightTransferEngine):
 
 
 def worker(rank: int, weights) -> Worker:
-    cfg = types.SimpleNamespace(parallel_config=types.SimpleNamespace(data_parallel_index=0, world_size=1, rank=0), model_config=None)
+    cfg = types.SimpleNamespace(
+        parallel_config=types.SimpleNamespace(data_parallel_index=0, world_size=1, rank=0), model_config=None
+    )
     return Worker(types.SimpleNamespace(backend="gloo"), cfg, torch.device("cpu"), Module(weights))
 
 
@@ -70,10 +72,16 @@ def test_tensors_of_odd_byte_sizes_and_mixed_dtypes_share_a_bucket():
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     g = torch.Generator().manual_seed(3)
-    w = {"a": torch.randn(31, 31, generator=g).to(torch.bfloat16), "b": torch.randn(7, generator=g), "c": torch.randn(3, generator=g).double()}
+    w = {
+        "a": torch.randn(31, 31, generator=g).to(torch.bfloat16),
+        "b": torch.randn(7, generator=g),
+        "c": torch.randn(3, generator=g).double(),
+    }
     client = Client([worker(r, w) for r in range(2)])
     source = StateDictSource(w)
-    trainer = WeightTransferTrainerFactory.trainer_init(GlooTrainerInitInfo(world_size=3, rank=0, bucket_bytes=1 << 20, timeout_s=30), client=client, source=source)
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        GlooTrainerInitInfo(world_size=3, rank=0, bucket_bytes=1 << 20, timeout_s=30), client=client, source=source
+    )
     trainer.send_weights()
     for wk in client.workers:
         assert wk.model.loaded == list(w) and all(torch.equal(wk.model.w[k], v) for k, v in w.items())
@@ -89,7 +97,9 @@ def test_bytes_are_staged_while_the_model_serves_and_loaded_only_at_finish():
     trainer, client, source = setup(timeout_s=3)
     w = weights(1)
     source.update(w)
-    info = GlooUpdateInfo(list(w), [str(v.dtype).removeprefix("torch.") for v in w.values()], [list(v.shape) for v in w.values()], 1)
+    info = GlooUpdateInfo(
+        list(w), [str(v.dtype).removeprefix("torch.") for v in w.values()], [list(v.shape) for v in w.values()], 1
+    )
     client.start_weight_update()
     client.update_weights(vars(info))  # returns at once: nothing was sent yet
     send(trainer.pgs, iter(w.items()), info, trainer.info.bucket_bytes)
@@ -176,21 +186,29 @@ def test_a_learner_gone_mid_transfer_fails_the_worker_naming_the_bucket():
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)  # stands for the learner's
     w = weights(0)
     names = list(w)
-    cut = buckets(names, [str(v.dtype).removeprefix("torch.") for v in w.values()], [list(v.shape) for v in w.values()], 3000)
+    cut = buckets(
+        names, [str(v.dtype).removeprefix("torch.") for v in w.values()], [list(v.shape) for v in w.values()], 3000
+    )
     assert len(cut) >= 2
     child = subprocess.Popen([sys.executable, "-c", TRAINER, str(store.port), str(sum(x[3] for x in cut[0]))])
     wk = worker(0, w)
     wk.init_transfer_engine(GlooInitInfo(master_address="127.0.0.1", master_port=store.port, rank_offset=1, world_size=2, session="t",
                                          bucket_bytes=3000, timeout_s=600.0))  # fmt: skip
     wk.start_weight_update()
-    info = {"names": names, "dtype_names": [str(v.dtype).removeprefix("torch.") for v in w.values()], "shapes": [list(v.shape) for v in w.values()]}
+    info = {
+        "names": names,
+        "dtype_names": [str(v.dtype).removeprefix("torch.") for v in w.values()],
+        "shapes": [list(v.shape) for v in w.values()],
+    }
     wk.update_weights(info)  # posts the receives
     # The closed socket ends it (a read error), not the timeout: nothing waits it out. The timeout
     # is long so that a slow start of the learner's process on a busy machine fails nothing.
     gone = r"gloo transfer: bucket 2/\d+ \(model.layers.0.w.*: RuntimeError: .*(Read error|Connection reset|Connection closed).*the model is unchanged"
     with pytest.raises(RuntimeError, match=gone):
         wk.finish_weight_update()
-    assert wk.model.loaded == [] and all(not t.any() for t in wk.model.w.values())  # nothing of the torn round was loaded
+    assert wk.model.loaded == [] and all(
+        not t.any() for t in wk.model.w.values()
+    )  # nothing of the torn round was loaded
     assert child.wait(30) == 1
     wk.shutdown()
 
@@ -204,14 +222,22 @@ def test_a_transfer_that_hangs_fails_the_worker_at_its_timeout():
     w = weights(0)
     wk = worker(0, w)
     host: list = []
-    t = threading.Thread(target=lambda: host.append(pair_group(tcp_store("127.0.0.1", port, 3.0, master=True), "h", 1, 3.0, trainer=True)))
+    t = threading.Thread(
+        target=lambda: host.append(
+            pair_group(tcp_store("127.0.0.1", port, 3.0, master=True), "h", 1, 3.0, trainer=True)
+        )
+    )
     import socket
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     t.start()
-    wk.init_transfer_engine(GlooInitInfo(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2, session="h", timeout_s=3.0))
+    wk.init_transfer_engine(
+        GlooInitInfo(
+            master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2, session="h", timeout_s=3.0
+        )
+    )
     t.join()
     t0 = time.monotonic()
     wk.update_weights({"names": list(w), "dtype_names": [str(v.dtype).removeprefix("torch.") for v in w.values()],

@@ -58,8 +58,16 @@ def raises(error):
     return how
 
 
-ARGS_NOT_JSON = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": '{"x": '}}]}
-NOT_JSON = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"x": {1, 2}}}}]}
+ARGS_NOT_JSON = {
+    "role": "assistant",
+    "content": "",
+    "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": '{"x": '}}],
+}
+NOT_JSON = {
+    "role": "assistant",
+    "content": "",
+    "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"x": {1, 2}}}}],
+}
 
 
 @pytest.mark.parametrize(
@@ -123,7 +131,9 @@ async def test_a_step_timeout_times_the_step_not_the_wait_for_a_worker_thread(mo
     limiter = anyio.to_thread.current_default_thread_limiter()
     loop = asyncio.get_running_loop()
     with anyio.fail_after(120):
-        async with RolloutEngine(config, pool=FakePool(2), env=lambda: SyncEcho() if next(built) % 2 else Echo()) as engine:
+        async with RolloutEngine(
+            config, pool=FakePool(2), env=lambda: SyncEcho() if next(built) % 2 else Echo()
+        ) as engine:
             holders = [object() for _ in range(int(limiter.total_tokens))]
             for holder in holders:  # every worker thread busy
                 await limiter.acquire_on_behalf_of(holder)

@@ -22,7 +22,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = ("rollout", "actors", "policies", "benchmarks")
-FOUNDATION = {f"rollout.{m}" for m in ("aio", "batch", "config", "epochs", "errors", "log", "packed", "process", "types")}
+FOUNDATION = {
+    f"rollout.{m}" for m in ("aio", "batch", "config", "epochs", "errors", "log", "packed", "process", "types")
+}
 LOWER = ("rollout.scheduling", "rollout.handoff")
 ABOVE_THEM = ("rollout.serve", "rollout.weights", "rollout.bench.run", "rollout.learner", "benchmarks")
 
@@ -62,7 +64,11 @@ def imports(path: Path, source: str | None = None) -> Iterator[Import]:
                 module = ".".join([*base, child.module] if child.module else base)
                 for a in child.names:  # `from rollout import scheduling` imports the module rollout.scheduling
                     sub = f"{module}.{a.name}"
-                    if module.startswith(PROJECT) and (ROOT / sub.replace(".", "/")).with_suffix(".py").exists() or (ROOT / sub.replace(".", "/")).is_dir():
+                    if (
+                        module.startswith(PROJECT)
+                        and (ROOT / sub.replace(".", "/")).with_suffix(".py").exists()
+                        or (ROOT / sub.replace(".", "/")).is_dir()
+                    ):
                         yield Import(rel, child.lineno, sub, (), top)
                     else:
                         yield Import(rel, child.lineno, module, (a.name,), top)
@@ -98,7 +104,12 @@ def test_scheduling_and_hand_out_never_import_serving_weights_benchmarks_or_the_
 
 
 def test_only_the_engine_imports_actors():
-    found = [i for folder in ("rollout", "policies") for i in ALL[folder] if under(i.module, "actors") and i.path != "rollout/engine.py"]
+    found = [
+        i
+        for folder in ("rollout", "policies")
+        for i in ALL[folder]
+        if under(i.module, "actors") and i.path != "rollout/engine.py"
+    ]
     assert not found, broken(found)
 
 
@@ -108,7 +119,12 @@ def test_policies_import_only_the_foundation_of_rollout():
 
 
 def test_no_module_imports_another_modules_private_name():
-    found = [i for f in PROJECT for i in ALL[f] if under(i.module, *PROJECT) and any(n.startswith("_") and not n.startswith("__") for n in i.names)]
+    found = [
+        i
+        for f in PROJECT
+        for i in ALL[f]
+        if under(i.module, *PROJECT) and any(n.startswith("_") and not n.startswith("__") for n in i.names)
+    ]
     assert not found, broken(found)
 
 
@@ -142,18 +158,25 @@ def test_the_parts_of_rollout_import_each_other_without_circles():
     why: dict[tuple[str, str], Import] = {}
     for i in ALL["rollout"]:
         a, b = part(module_name(ROOT / i.path)), part(i.module)
-        if under(i.module, "rollout") and a != b and a != "rollout" and b != "rollout":  # `rollout` is the face: imports all
+        if (
+            under(i.module, "rollout") and a != b and a != "rollout" and b != "rollout"
+        ):  # `rollout` is the face: imports all
             edges.setdefault(a, set()).add(b)
             why.setdefault((a, b), i)
     found = cycle(edges)
-    assert found is None, "a circle: " + " -> ".join(found) + "\n" + broken([why[a, b] for a, b in zip(found, found[1:])])
+    assert found is None, (
+        "a circle: " + " -> ".join(found) + "\n" + broken([why[a, b] for a, b in zip(found, found[1:])])
+    )
 
 
 @pytest.mark.parametrize(
     "source, rule",
     [
         ("import ray\n", test_rollout_never_imports_ray_or_vllm_at_module_level),
-        ("from rollout.serve.server import Server\n", test_scheduling_and_hand_out_never_import_serving_weights_benchmarks_or_the_learner),
+        (
+            "from rollout.serve.server import Server\n",
+            test_scheduling_and_hand_out_never_import_serving_weights_benchmarks_or_the_learner,
+        ),
         ("def f():\n    from actors.pool import RayEnginePool\n", test_only_the_engine_imports_actors),
         ("from rollout.engine import _private\n", test_no_module_imports_another_modules_private_name),
     ],
@@ -170,7 +193,8 @@ def test_a_planted_circle_is_found(monkeypatch):
     assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert cycle({"a": {"b"}, "b": {"c"}}) is None
     planted = ROOT / "rollout" / "handoff" / "planted_for_test.py"  # hand-out -> scheduling -> hand-out
-    monkeypatch.setitem(ALL, "rollout", [*ALL["rollout"], *imports(planted, "from rollout.scheduling.scheduler import Scheduler\n")])
+    monkeypatch.setitem(
+        ALL, "rollout", [*ALL["rollout"], *imports(planted, "from rollout.scheduling.scheduler import Scheduler\n")]
+    )
     with pytest.raises(AssertionError, match="a circle: .*rollout.handoff"):
         test_the_parts_of_rollout_import_each_other_without_circles()
-

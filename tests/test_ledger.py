@@ -44,8 +44,12 @@ def check_record(t: Trajectory, where: str) -> None:
 
 async def run_case(seed: int, mode: str) -> tuple[list[Trajectory], FakeVllm, VLLMPolicy]:
     rng = random.Random(seed)
-    fake = FakeVllm(rng, evict_p=rng.choice([0.0, 0.01, 0.05]), chunk=rng.randrange(2, 12), capacity=rng.randrange(2, 12))
-    cfg = load_config(None, [f"weight_sync.mode={mode}", "engines.queued_per_engine=4", "engines.max_inflight_per_engine=8"])
+    fake = FakeVllm(
+        rng, evict_p=rng.choice([0.0, 0.01, 0.05]), chunk=rng.randrange(2, 12), capacity=rng.randrange(2, 12)
+    )
+    cfg = load_config(
+        None, [f"weight_sync.mode={mode}", "engines.queued_per_engine=4", "engines.max_inflight_per_engine=8"]
+    )
     policy = VLLMPolicy(cfg, "", 0, frontend=fake)
     await policy.ready()
     groups = []
@@ -104,7 +108,10 @@ async def test_progress_reports_taken_mid_run_replay_exactly() -> None:
         fake = FakeVllm(rng, evict_p=0.02, chunk=4, capacity=6)
         policy = VLLMPolicy(load_config(None, [f"weight_sync.mode={mode}"]), "", 0, frontend=fake)
         await policy.ready()
-        reqs = [Request(f"r{k}", "p", k, Sampling(n=3, max_tokens=30, stop_token_ids=[]), token_ids=[5, 6, 7, 8, 9]) for k in range(3)]
+        reqs = [
+            Request(f"r{k}", "p", k, Sampling(n=3, max_tokens=30, stop_token_ids=[]), token_ids=[5, 6, 7, 8, 9])
+            for k in range(3)
+        ]
         task = asyncio.ensure_future(policy.finish_group(reqs))
         epoch = 0
         while not task.done():
@@ -128,7 +135,10 @@ async def test_a_progress_report_leaves_out_samples_that_produced_nothing_yet() 
     fake = FakeVllm(random.Random(3), chunk=4, capacity=1)
     policy = VLLMPolicy(load_config(None), "", 0, frontend=fake)
     await policy.ready()
-    reqs = [Request(f"r{k}", "p", k, Sampling(n=2, max_tokens=400, stop_token_ids=[]), token_ids=[5, 6, 7, 8]) for k in range(2)]
+    reqs = [
+        Request(f"r{k}", "p", k, Sampling(n=2, max_tokens=400, stop_token_ids=[]), token_ids=[5, 6, 7, 8])
+        for k in range(2)
+    ]
     task = asyncio.ensure_future(policy.finish_group(reqs))
     while not (report := ProgressReport(policy.progress())):
         await asyncio.sleep(0)
@@ -148,7 +158,10 @@ async def test_a_progress_report_leaves_out_samples_that_finished() -> None:
     fake = FakeVllm(random.Random(3), chunk=4, capacity=2)
     policy = VLLMPolicy(load_config(None), "", 0, frontend=fake)
     await policy.ready()
-    reqs = [Request(f"r{k}", "p", k, Sampling(n=2, max_tokens=m, stop_token_ids=[]), token_ids=[5, 6, 7, 8]) for k, m in enumerate([2, 400])]
+    reqs = [
+        Request(f"r{k}", "p", k, Sampling(n=2, max_tokens=m, stop_token_ids=[]), token_ids=[5, 6, 7, 8])
+        for k, m in enumerate([2, 400])
+    ]
     stream = policy.stream_group(reqs)
     first = await anext(stream)
     assert first.request_id == "r0" and first.finished_at
@@ -166,7 +179,10 @@ async def test_once_vllm_died_a_progress_report_fails_instead_of_dropping_the_to
     fake = FakeVllm(random.Random(3), chunk=4, capacity=4)
     policy = VLLMPolicy(load_config(None), "", 0, frontend=fake)
     await policy.ready()
-    reqs = [Request(f"r{k}", "p", k, Sampling(n=2, max_tokens=400, stop_token_ids=[]), token_ids=[5, 6, 7, 8]) for k in range(2)]
+    reqs = [
+        Request(f"r{k}", "p", k, Sampling(n=2, max_tokens=400, stop_token_ids=[]), token_ids=[5, 6, 7, 8])
+        for k in range(2)
+    ]
     task = asyncio.ensure_future(policy.finish_group(reqs))
     while sum(len(t.token_ids) >= 3 for t in ProgressReport(policy.progress()).values()) < 2:
         await asyncio.sleep(0)
@@ -200,7 +216,9 @@ async def test_a_retry_on_the_same_engine_does_not_collide_with_its_cancelled_at
     fake = FakeVllm(rng, chunk=4, capacity=4)
     policy = VLLMPolicy(load_config(None), "", 0, frontend=fake)
     await policy.ready()
-    reqs = [Request(f"r1-{k}", "p", k, Sampling(n=2, max_tokens=400, stop_token_ids=[]), token_ids=[5, 6]) for k in range(2)]
+    reqs = [
+        Request(f"r1-{k}", "p", k, Sampling(n=2, max_tokens=400, stop_token_ids=[]), token_ids=[5, 6]) for k in range(2)
+    ]
     first = asyncio.ensure_future(policy.finish_group(reqs))
     while fake.steps < 5:
         await asyncio.sleep(0)
@@ -268,7 +286,14 @@ def test_a_span_that_covers_no_delivered_token_leaves_no_run():
     became a run at the very end, `[(0, 0), (200, 1)]` for 200 tokens, which no reader accepts."""
     from policies.ledger import merge_piece
 
-    traj = Trajectory(request_id="r", prompt_id="p", prompt_token_ids=[5, 6], token_ids=[7] * 200, logprobs=[-1.0] * 200, policy_epochs=[(0, 0)])
+    traj = Trajectory(
+        request_id="r",
+        prompt_id="p",
+        prompt_token_ids=[5, 6],
+        token_ids=[7] * 200,
+        logprobs=[-1.0] * 200,
+        policy_epochs=[(0, 0)],
+    )
     merge_piece(traj, [(0, 1)], [], [], "drain")  # a continuation that produced nothing
     merge_piece(traj, [(0, 0), (3, 1)], [8, 9, 10], [-1.0] * 3, "keep")  # its second span starts past its tokens
     assert traj.policy_epochs == [(0, 0)] and traj.kv_recomputes == [(200, 0)]
@@ -284,7 +309,9 @@ async def test_a_turn_moved_to_another_engine_keeps_the_kv_it_reused() -> None:
     first = VLLMPolicy(load_config(None), "", 0, frontend=FakeVllm(random.Random(7), chunk=2, capacity=4))
     await first.ready()
     context = list(range(4, 40))
-    (t0,) = await first.finish_group([Request("t0", "e", 0, msgspec.structs.replace(sampling, max_tokens=8), token_ids=context, cache_salt="ep")])
+    (t0,) = await first.finish_group(
+        [Request("t0", "e", 0, msgspec.structs.replace(sampling, max_tokens=8), token_ids=context, cache_salt="ep")]
+    )
     context = context + t0.token_ids + [9, 9]
     turn = Request("t1", "e", 0, sampling, token_ids=context, cache_salt=t0.cache_salt)
     running = asyncio.ensure_future(first.finish_group([turn]))

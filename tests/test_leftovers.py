@@ -4,7 +4,6 @@ no engine: stand-in processes holding a stand-in segment)."""
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import subprocess
 import sys
@@ -17,7 +16,9 @@ from structlog.testing import capture_logs
 from actors.leftovers import Record, reap, started
 from policies.shm import SHM, alive
 
-pytestmark = pytest.mark.skipif(not SHM.is_dir() or not Path("/proc/self/maps").exists(), reason="needs /dev/shm and /proc")
+pytestmark = pytest.mark.skipif(
+    not SHM.is_dir() or not Path("/proc/self/maps").exists(), reason="needs /dev/shm and /proc"
+)
 
 # A stand-in for an engine process: maps a segment, says so, and runs until ended.
 HOLDER = """
@@ -52,9 +53,16 @@ def dead_pid() -> tuple[int, int]:
     return proc.pid, start
 
 
-def record_of(tmp_path: Path, driver: tuple[int, int | None], procs: list[int], names: list[str], pids: list[int]) -> Path:
+def record_of(
+    tmp_path: Path, driver: tuple[int, int | None], procs: list[int], names: list[str], pids: list[int]
+) -> Path:
     path = tmp_path / f"{driver[0]}.json"
-    body = {"pid": driver[0], "start": driver[1], "processes": [[p, started(p)] for p in procs], "engines": {"0": [names, pids]}}
+    body = {
+        "pid": driver[0],
+        "start": driver[1],
+        "processes": [[p, started(p)] for p in procs],
+        "engines": {"0": [names, pids]},
+    }
     path.write_text(json.dumps(body))
     return path
 
@@ -88,7 +96,12 @@ def test_a_reused_pid_is_not_ended_and_a_mapped_segment_stays(tmp_path, segment)
     other = hold(segment)  # not the recorded process: same pid, another start time
     try:
         path = tmp_path / "r.json"
-        body = {"pid": dead_pid()[0], "start": 1, "processes": [[other.pid, started(other.pid) - 1]], "engines": {"0": [[segment.name], [other.pid]]}}
+        body = {
+            "pid": dead_pid()[0],
+            "start": 1,
+            "processes": [[other.pid, started(other.pid) - 1]],
+            "engines": {"0": [[segment.name], [other.pid]]},
+        }
         path.write_text(json.dumps(body))
         reap(tmp_path, grace_s=5)
         assert alive(other.pid) and segment.exists() and not path.exists()

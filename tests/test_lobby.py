@@ -35,7 +35,15 @@ class Group:
 def full_lobby(engines: int = 2) -> tuple[Runner, Lobby, list[tuple[str, int]], list[int]]:
     """A lobby whose `engines` engines are full (4 requests each), and 3 groups of 2 waiting.
     Returns the runner, the lobby, the groups started (name, engine) and the routes tried."""
-    cfg = load_config(None, [f"engines.count={engines}", "sampling.n=2", "engines.max_inflight_per_engine=2", "engines.queued_per_engine=2"])
+    cfg = load_config(
+        None,
+        [
+            f"engines.count={engines}",
+            "sampling.n=2",
+            "engines.max_inflight_per_engine=2",
+            "engines.queued_per_engine=2",
+        ],
+    )
     runner = Runner(cfg, [object()] * engines)
     lobby, started, routes = Lobby(runner), [], []
     take = runner.take
@@ -93,7 +101,6 @@ async def test_a_group_arriving_behind_a_head_without_room_routes_nothing_until_
     runner.release(0, 1, 10)
     await asyncio.sleep(0)
     assert started == [("longest", 0)] and len(routes) == 3  # then "long" found no room
-
 
 
 async def test_nothing_starts_once_the_scheduler_has_exited(make_cfg):

@@ -13,7 +13,9 @@ def test_a_tenth_of_the_prompts_generate_512_tokens_the_rest_32():
     prompts = long_tail(200, seed=3)
     lengths = [effective_sampling(load_config(None).sampling, p).max_tokens for p in prompts]
     assert lengths.count(512) == 20 and lengths.count(32) == 180
-    assert all(p.sampling["min_tokens"] == p.sampling["max_tokens"] for p in prompts)  # an early EOS cannot cut the tail
+    assert all(
+        p.sampling["min_tokens"] == p.sampling["max_tokens"] for p in prompts
+    )  # an early EOS cannot cut the tail
     assert long_tail(200, seed=3) == prompts and long_tail(200, seed=4) != prompts
 
 

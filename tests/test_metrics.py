@@ -20,8 +20,8 @@ from rollout.metrics.figures import BusyTime, Totals, figures
 from rollout.sync_engine import SyncRolloutEngine
 from rollout.types import Prompt, SpecCounters, UpdateStats
 from tests.fakes import FakePool
-from tests.test_weights import STATE
 from tests.on_fakes import settled
+from tests.test_weights import STATE
 
 TIMEOUT = 10
 ALWAYS = {
@@ -85,7 +85,10 @@ async def test_metrics_are_flat_numbers_over_the_window_since_the_previous_call(
     assert (second["rollout/stale_dropped"], second["rollout/stale_dropped_groups"]) == (8, 4)
     assert (second["rollout/weight_updates"], second["rollout/epoch"], second["rollout/preemptions"]) == (2, 2, 5)
     assert second["rollout/update_stall_ms_max"] == pytest.approx(3.0)  # the fake's stall_s: 0.003
-    assert (second["rollout/lag_mean"], second["rollout/lag_p99"]) == (2, 2)  # lags are seen at hand-out, dropped or not
+    assert (second["rollout/lag_mean"], second["rollout/lag_p99"]) == (
+        2,
+        2,
+    )  # lags are seen at hand-out, dropped or not
     assert 0 < second["rollout/engine_busy_fraction/e0"] <= 1 and 0 < second["rollout/engine_busy_fraction/e1"] <= 1
     assert (third["rollout/tokens"], third["rollout/stale_dropped"], third["rollout/preemptions"]) == (0, 0, 0)  # reset
     assert (third["rollout/weight_updates"], third["rollout/update_stall_ms_max"]) == (0, 0)
@@ -96,18 +99,34 @@ async def test_metrics_are_flat_numbers_over_the_window_since_the_previous_call(
 
 
 def test_window_figures_from_two_readings():
-    before = Totals(at=100.0, tokens=1000, staleness=StalenessStats(lag_tokens={0: 10}), busy_s=[1.0, 0.0], preemptions=3)
+    before = Totals(
+        at=100.0, tokens=1000, staleness=StalenessStats(lag_tokens={0: 10}), busy_s=[1.0, 0.0], preemptions=3
+    )
     after = Totals(
         at=110.0, tokens=3000, staleness=StalenessStats(lag_tokens={0: 10, 1: 90, 2: 10}, dropped_trajectories=4),
         busy_s=[3.0, 0.5], preemptions=3, queue_depth=7, queue_ready=2, epoch=5, weight_updates=2,
     )  # fmt: skip
-    updates = [UpdateStats(epoch=4, mode="keep", stall_s={0: 0.010, 1: 0.025}), UpdateStats(epoch=5, mode="keep", stall_s={0: 0.02})]
+    updates = [
+        UpdateStats(epoch=4, mode="keep", stall_s={0: 0.010, 1: 0.025}),
+        UpdateStats(epoch=5, mode="keep", stall_s={0: 0.02}),
+    ]
     m = figures(before, after, updates)
     assert m["rollout/tokens_per_s"] == 200.0 and m["rollout/window_s"] == 10.0
-    assert m["rollout/lag_mean"] == pytest.approx((90 * 1 + 10 * 2) / 100) and m["rollout/lag_p99"] == 2 and m["rollout/lag_max"] == 2
-    assert m["rollout/engine_busy_fraction/e0"] == pytest.approx(0.2) and m["rollout/engine_busy_fraction/e1"] == pytest.approx(0.05)
+    assert (
+        m["rollout/lag_mean"] == pytest.approx((90 * 1 + 10 * 2) / 100)
+        and m["rollout/lag_p99"] == 2
+        and m["rollout/lag_max"] == 2
+    )
+    assert m["rollout/engine_busy_fraction/e0"] == pytest.approx(0.2) and m[
+        "rollout/engine_busy_fraction/e1"
+    ] == pytest.approx(0.05)
     assert m["rollout/update_stall_ms_max"] == pytest.approx(25.0) and m["rollout/stale_dropped"] == 4
-    assert (m["rollout/queue_depth"], m["rollout/queue_ready"], m["rollout/epoch"], m["rollout/preemptions"]) == (7, 2, 5, 0)
+    assert (m["rollout/queue_depth"], m["rollout/queue_ready"], m["rollout/epoch"], m["rollout/preemptions"]) == (
+        7,
+        2,
+        5,
+        0,
+    )
     assert "rollout/spec_decode/acceptance_rate" not in m
 
 
@@ -115,7 +134,9 @@ def test_spec_decoding_figures_when_on():
     spec = SpecCounters(engine_id=-1, num_speculative_tokens=3)
     before, after = Totals(spec=spec), Totals(at=1.0, spec=msgspec.structs.replace(spec))
     m = figures(before, after, [], spec_decode=True)
-    assert m["rollout/spec_decode/drafts"] == 0 and "rollout/spec_decode/acceptance_rate" not in m  # nothing drafted: no rate
+    assert (
+        m["rollout/spec_decode/drafts"] == 0 and "rollout/spec_decode/acceptance_rate" not in m
+    )  # nothing drafted: no rate
     after.spec.add(10, 30, 15, [8, 5, 2])
     m = figures(before, after, [], spec_decode=True)
     assert m["rollout/spec_decode/acceptance_rate"] == 0.5 and m["rollout/spec_decode/mean_acceptance_length"] == 2.5
@@ -155,7 +176,11 @@ def test_busy_time_reads_the_clock_only_when_an_engine_turns_busy_or_idle():
 def scrape(url: str) -> dict[str, float]:
     with urllib.request.urlopen(url, timeout=5) as r:
         text = r.read().decode()
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line and not line.startswith("#")}
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
 
 
 async def test_prometheus_serves_cumulative_counters_and_stops_with_the_engine(make_cfg):
@@ -174,8 +199,13 @@ async def test_prometheus_serves_cumulative_counters_and_stops_with_the_engine(m
     assert got["rollout_generated_tokens_total"] == 3 * 2 * 6 and got["rollout_trajectories_total"] == 6
     assert got["rollout_groups_total"] == 3 and got["rollout_preemptions_total"] == 4
     assert got['rollout_token_lag_bucket{le="0"}'] == 36 and got["rollout_token_lag_count"] == 36
-    assert got['rollout_engine_busy_seconds_total{engine="0"}'] > 0 and 'rollout_engine_busy_seconds_total{engine="1"}' in got
-    assert got["rollout_queue_depth"] == 0 and got["rollout_epoch"] == 0 and got["rollout_update_stall_seconds_max"] == 0
+    assert (
+        got['rollout_engine_busy_seconds_total{engine="0"}'] > 0
+        and 'rollout_engine_busy_seconds_total{engine="1"}' in got
+    )
+    assert (
+        got["rollout_queue_depth"] == 0 and got["rollout_epoch"] == 0 and got["rollout_update_stall_seconds_max"] == 0
+    )
     with pytest.raises(urllib.error.URLError):
         await anyio.to_thread.run_sync(scrape, url)  # stopped with the engine
     left = [t for t in set(threading.enumerate()) - threads if t.name != "AnyIO worker thread"]  # anyio's pool stays

@@ -183,13 +183,17 @@ def test_processed_logprobs_follow_vllms_order_of_operations() -> None:
     got, alts = Processing(top_p=0.8).logprobs_of(logits, torch.tensor([0]), 0)
     assert got.item() == pytest.approx(expected) and alts == [[]]
     # greedy (temperature 0) reports log_softmax(logits): the temperature-1 distribution
-    assert Processing(temperature=0.0).logprobs_of(logits, token, 0)[0].item() == pytest.approx(torch.log_softmax(logits[0], -1)[1].item())
+    assert Processing(temperature=0.0).logprobs_of(logits, token, 0)[0].item() == pytest.approx(
+        torch.log_softmax(logits[0], -1)[1].item()
+    )
 
 
 def test_a_top_p_cut_on_a_token_accepts_either_side() -> None:
     logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4]]))  # ascending cumulative: 0.1, 0.3, 0.6, 1.0
     got, alts = Processing(top_p=0.7).logprobs_of(logits, torch.tensor([3]), 0)  # the cut (0.3) sits on id 1
-    assert sorted({round(x, 5) for x in [got.item(), *alts[0]]}) == pytest.approx(sorted([math.log(0.4 / 0.9), math.log(0.4 / 0.7)]), abs=1e-5)
+    assert sorted({round(x, 5) for x in [got.item(), *alts[0]]}) == pytest.approx(
+        sorted([math.log(0.4 / 0.9), math.log(0.4 / 0.7)]), abs=1e-5
+    )
 
 
 def test_a_top_k_cut_between_near_equal_logits_accepts_either_side() -> None:
@@ -220,7 +224,9 @@ def test_a_top_k_tie_the_engine_broke_accepts_exactly_k_and_the_top_p_cut_that_f
     assert got.item() == pytest.approx(kept([2, 3, 4]), abs=1e-6)
     # engine: exactly 3 kept (ids 2, 3, 4 or 1, 3, 4), then top-p drops the lowest (cumulative 0.113 <= 0.2) -> ids 3, 4
     assert any(a == pytest.approx(kept([3, 4]), abs=1e-6) for a in alts[0]), alts
-    _, clear = Processing(top_k=3, top_p=0.8).logprobs_of(torch.log(torch.tensor([[0.02, 0.08, 0.12, 0.13, 0.65]])), token, 0)
+    _, clear = Processing(top_k=3, top_p=0.8).logprobs_of(
+        torch.log(torch.tensor([[0.02, 0.08, 0.12, 0.13, 0.65]])), token, 0
+    )
     assert clear == [[]]
 
 
@@ -271,7 +277,9 @@ def test_compare_replays_processed_logprobs_and_fails_with_the_other_setting(ora
     assert compare(oracle, [t], processing=Processing(logprobs="raw")).mismatched == len(tokens)
 
 
-def test_an_episode_replays_with_the_kv_of_earlier_turns_kept_where_reused(oracle: Oracle, model_dir: Path, weights) -> None:
+def test_an_episode_replays_with_the_kv_of_earlier_turns_kept_where_reused(
+    oracle: Oracle, model_dir: Path, weights
+) -> None:
     """Turn 2 reuses 9 positions of turn 1's KV (epochs 0 then 1), computes the rest with epoch 2;
     a naive replay that keeps exactly those KV entries agrees, and claiming no reuse does not."""
     models = {e: hf_model(model_dir, weights[e]) for e in EPOCHS}

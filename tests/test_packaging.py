@@ -39,8 +39,13 @@ print("modules", len(names))
 
 def _export(dest: Path) -> None:
     """The files a clean export holds: tracked ones and new ones git does not ignore."""
-    listed = subprocess.run(["git", "ls-files", "-z", "-c", "-o", "--exclude-standard"], cwd=ROOT,
-                            check=True, capture_output=True).stdout.decode().split("\0")
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "-c", "-o", "--exclude-standard"], cwd=ROOT, check=True, capture_output=True
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for rel in filter(None, listed):
         src = ROOT / rel
         if src.is_file():
@@ -54,14 +59,20 @@ def test_a_wheel_from_a_clean_export_installs_every_module_and_the_default_confi
     export.mkdir()
     _export(export)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(dist), str(export)],
-                   check=True, cwd=tmp_path)
+    subprocess.run(
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(dist), str(export)], check=True, cwd=tmp_path
+    )
     (wheel,) = dist.glob("rollout-*.whl")
     subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True, cwd=tmp_path)
     source = {p.relative_to(export) for top in PACKAGES for p in (export / top).rglob("*.py")}
     installed = {p.relative_to(site) for top in PACKAGES for p in (site / top).rglob("*.py")}
     assert source <= installed, f"the wheel leaves out {sorted(map(str, source - installed))}"
-    done = subprocess.run([sys.executable, "-c", CHECK, str(site), *PACKAGES], cwd=tmp_path,
-                          env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", CHECK, str(site), *PACKAGES],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -23,7 +23,9 @@ def packed(prompt, tokens, epochs) -> Trajectory:
 
 
 def as_lists(t: Trajectory) -> Trajectory:
-    return msgspec.structs.replace(t, prompt_token_ids=list(t.prompt_token_ids), token_ids=list(t.token_ids), logprobs=list(t.logprobs))
+    return msgspec.structs.replace(
+        t, prompt_token_ids=list(t.prompt_token_ids), token_ids=list(t.token_ids), logprobs=list(t.logprobs)
+    )
 
 
 def test_token_ids_read_as_the_lists_they_replace():
@@ -82,7 +84,7 @@ def test_json_gives_lists_of_numbers():
 
 def test_a_request_fed_a_trajectorys_packed_ids_decodes_on_the_engine():
     req = Request("r0", "p", 0, Sampling(), token_ids=TokenIds([7, 8, 9]), resume=packed([7, 8, 9], [1], [(0, 0)]))
-    (key, (back,)), = msgspec.msgpack.decode(encode([("k", [req])]), type=list[tuple[str, list[Request]]])
+    ((key, (back,)),) = msgspec.msgpack.decode(encode([("k", [req])]), type=list[tuple[str, list[Request]]])
     assert key == "k" and type(back.token_ids) is TokenIds and back.token_ids == [7, 8, 9] and back.resume == req.resume
 
 
@@ -90,6 +92,7 @@ def test_to_tensors_reads_packed_data_as_the_lists_it_replaces():
     rows = [packed([5, 6, 7], [10, 11, 12], [(0, 3), (2, 4)]), packed([5, 6], [20], [(0, 1)]), packed([9], [], [])]
     rows[0].reward, rows[1].reward, rows[2].reward = 1.0, 0.0, 0.5
     rows[1].stale_tokens = 1
+
     def batch(ts):
         return Batch(groups=[Group(prompt_id="p", prompt=Prompt(token_ids=[5]), trajectories=ts)])
 

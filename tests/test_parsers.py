@@ -29,7 +29,11 @@ ARGS = {"a": 1, "b": 2}
 CASES = [
     ("hermes", None, 'Adding. <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'),
     ("llama3_json", None, '{"name": "add", "parameters": {"a": 1, "b": 2}}'),
-    ("qwen3_xml", None, "Adding.<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n2\n</parameter>\n</function>\n</tool_call>"),
+    (
+        "qwen3_xml",
+        None,
+        "Adding.<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n2\n</parameter>\n</function>\n</tool_call>",
+    ),
     (None, "qwen3", "<think>1 + 2, é</think>It is 3."),
     ("hermes", "qwen3", '<think>call add</think><tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'),
 ]
@@ -49,12 +53,19 @@ def vllm_extracts(tokenizer, tool, reasoning, text, request):
 
     content, thought = text, None
     if reasoning:
-        thought, content = ReasoningParserManager.get_reasoning_parser(reasoning)(tokenizer).extract_reasoning(text, request)
+        thought, content = ReasoningParserManager.get_reasoning_parser(reasoning)(tokenizer).extract_reasoning(
+            text, request
+        )
     calls = []
     if tool:
-        info = ToolParserManager.get_tool_parser(tool)(tokenizer, request.tools).extract_tool_calls(content or "", request)
+        info = ToolParserManager.get_tool_parser(tool)(tokenizer, request.tools).extract_tool_calls(
+            content or "", request
+        )
         if info.tools_called:
-            calls, content = [(c.function.name, json.loads(c.function.arguments)) for c in info.tool_calls], info.content
+            calls, content = (
+                [(c.function.name, json.loads(c.function.arguments)) for c in info.tool_calls],
+                info.content,
+            )
     return thought, content or None, calls
 
 
@@ -77,13 +88,20 @@ def test_the_adapter_extracts_what_vllms_parsers_do_whole_and_streamed_token_by_
     deltas = parsers.stream(request, [[t] for t in ids], [1], decode)  # one token per step, as vLLM streams
     assert len(deltas) > 1 and "".join(d.get("reasoning", "") for d in deltas) == (thought or "")
     assert ("".join(d.get("content", "") for d in deltas) or None) == content
-    names = [tc["function"]["name"] for d in deltas for tc in d.get("tool_calls", []) if tc.get("function", {}).get("name")]
-    args = "".join(tc["function"].get("arguments") or "" for d in deltas for tc in d.get("tool_calls", []) if tc.get("function"))
+    names = [
+        tc["function"]["name"] for d in deltas for tc in d.get("tool_calls", []) if tc.get("function", {}).get("name")
+    ]
+    args = "".join(
+        tc["function"].get("arguments") or "" for d in deltas for tc in d.get("tool_calls", []) if tc.get("function")
+    )
     assert [(n, json.loads(args)) for n in names] == calls
 
 
 def test_unknown_parser_names_are_refused_at_config_time_listing_the_valid_ones(tmp_path):
-    with pytest.raises(InvalidConfigError, match=r"serve\.tool_parser: 'json' is not a parser vLLM registers; one of: none, .*hermes.*llama3_json"):
+    with pytest.raises(
+        InvalidConfigError,
+        match=r"serve\.tool_parser: 'json' is not a parser vLLM registers; one of: none, .*hermes.*llama3_json",
+    ):
         load_config(None, ["serve.tool_parser=json"])
     with pytest.raises(InvalidConfigError, match=r"serve\.reasoning_parser: 'qwen4' is not .*deepseek_r1.*qwen3"):
         load_config(None, ["serve.reasoning_parser=qwen4"])
@@ -93,7 +111,9 @@ def test_unknown_parser_names_are_refused_at_config_time_listing_the_valid_ones(
     check_names(None, None)
     path = tmp_path / "c.yaml"
     path.write_text("serve:\n  tool_parser: nope\n")
-    done = subprocess.run([sys.executable, "-m", "rollout.cli", "validate", str(path)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "rollout.cli", "validate", str(path)], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 2 and "serve.tool_parser: 'nope' is not a parser vLLM registers" in done.stderr
 
 
@@ -102,11 +122,15 @@ def test_the_tiny_templates_tool_calls_are_read_back_by_vllms_hermes_parser():
     call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": json.dumps(ARGS)}}
     as_object = {**call, "function": {"name": "add", "arguments": ARGS}}
     for c in (call, as_object):  # arguments as the API's JSON string, or an object
-        ids = chat.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [c]}], TOOLS, False)
+        ids = chat.render(
+            [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [c]}], TOOLS, False
+        )
         turn = chat.decode(ids).split("<assistant>", 1)[1]
         parsers = ChatParsers(chat.tokenizer, "hermes", None)
         parsed = parsers.parse(parsers.request({"tools": TOOLS}), turn, chat.encode(turn), [])
-        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed["tool_calls"]] == [("add", ARGS)]
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed["tool_calls"]] == [
+            ("add", ARGS)
+        ]
 
 
 def test_a_chat_reply_carries_tool_calls_and_reasoning_as_vllms_server_does_streamed_too():
@@ -121,13 +145,27 @@ def test_a_chat_reply_carries_tool_calls_and_reasoning_as_vllms_server_does_stre
         call = api.chat(data, chat, None, parsers)
         body = api.chat_response(call, [traj], "tiny", chat, parsers)
         m, choice = body["choices"][0]["message"], body["choices"][0]
-        assert m["reasoning"] == m["reasoning_content"] == "call add" and m["content"] is None and choice["finish_reason"] == "tool_calls"
+        assert (
+            m["reasoning"] == m["reasoning_content"] == "call add"
+            and m["content"] is None
+            and choice["finish_reason"] == "tool_calls"
+        )
         assert m["tool_calls"][0]["function"] == {"name": "add", "arguments": json.dumps(ARGS)}
         if stream:
-            chunks = [json.loads(line[6:]) for line in api.events(body, False).decode().split("\n\n") if line.startswith("data: {")]
+            chunks = [
+                json.loads(line[6:])
+                for line in api.events(body, False).decode().split("\n\n")
+                if line.startswith("data: {")
+            ]
             delta = chunks[0]["choices"][0]["delta"]
-            assert delta["role"] == "assistant" and delta["reasoning"] == delta["reasoning_content"] == "call add" and "content" not in delta
-            assert [tc["function"].get("name") for tc in delta["tool_calls"]][0] == "add" and delta["generation_token_ids"] == ids
+            assert (
+                delta["role"] == "assistant"
+                and delta["reasoning"] == delta["reasoning_content"] == "call add"
+                and "content" not in delta
+            )
+            assert [tc["function"].get("name") for tc in delta["tool_calls"]][0] == "add" and delta[
+                "generation_token_ids"
+            ] == ids
             assert json.loads("".join(tc["function"].get("arguments") or "" for tc in delta["tool_calls"])) == ARGS
             assert chunks[1]["choices"][0]["finish_reason"] == "tool_calls" and "stream" not in chunks[0]["choices"][0]
         else:
@@ -147,11 +185,19 @@ async def test_an_episodes_action_carries_the_tool_calls_vllms_parser_reads_and_
     chat = chat_renderer(build_tiny(), "hermes", "qwen3")
     text = '<think>use the tool</think>Let me see. <tool_call>{"name": "calculator", "arguments": {"expression": "1 + 2"}}</tool_call>'
     ids = [*chat.encode(text), EOS_ID]
-    action = _action(Trajectory(request_id="r", prompt_id="p", prompt_token_ids=[5], token_ids=ids, finish_reason="stop"), chat, 0)
+    action = _action(
+        Trajectory(request_id="r", prompt_id="p", prompt_token_ids=[5], token_ids=ids, finish_reason="stop"), chat, 0
+    )
     assert action.text == text and action.reasoning == "use the tool" and action.content == "Let me see. "
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in action.tool_calls] == [("calculator", {"expression": "1 + 2"})]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in action.tool_calls] == [
+        ("calculator", {"expression": "1 + 2"})
+    ]
     assert (await Calculator().step(action)).observation == {"role": "tool", "content": "3"}
-    plain = _action(Trajectory(request_id="r", prompt_id="p", token_ids=[*chat.encode("2+2"), EOS_ID], finish_reason="stop"), chat_renderer(build_tiny()), 1)
+    plain = _action(
+        Trajectory(request_id="r", prompt_id="p", token_ids=[*chat.encode("2+2"), EOS_ID], finish_reason="stop"),
+        chat_renderer(build_tiny()),
+        1,
+    )
     assert plain.content == plain.text == "2+2" and plain.tool_calls == [] and plain.reasoning is None
 
 

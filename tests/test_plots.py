@@ -26,8 +26,18 @@ async def test_bench_figure_from_a_report(tmp_path, baseline):
 
 
 def test_weight_sync_figure_from_a_report(tmp_path):
-    result = {"mode": "keep", "ratio": 0.97, "ratios": [0.95, 0.99], "stall_s": {"median": 0.02, "max": 0.05}, "stalls_s": [0.01, 0.02, 0.05]}
-    report = {"interval_s": 2.0, "config": "configs/tiny.yaml", "results": [result, {**result, "mode": "drain", "ratio": 0.8}]}
+    result = {
+        "mode": "keep",
+        "ratio": 0.97,
+        "ratios": [0.95, 0.99],
+        "stall_s": {"median": 0.02, "max": 0.05},
+        "stalls_s": [0.01, 0.02, 0.05],
+    }
+    report = {
+        "interval_s": 2.0,
+        "config": "configs/tiny.yaml",
+        "results": [result, {**result, "mode": "drain", "ratio": 0.8}],
+    }
     path = tmp_path / "ws.png"
     weight_sync_figure(report, str(path))
     assert path.read_bytes().startswith(PNG)

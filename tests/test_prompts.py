@@ -56,7 +56,10 @@ def test_check_prompt_uses_the_given_sampling():
     check_prompt(prompt, Sampling(max_tokens=24), LIMITS)
     with pytest.raises(InvalidPromptError, match="max_tokens 25 exceed"):
         check_prompt(prompt, Sampling(max_tokens=25), LIMITS)
-    with pytest.raises(InvalidPromptError, match=r"^prompt 'a': sampling.stop_token_ids\[1\]: 260 outside the vocabulary \(vocab size 260\)"):
+    with pytest.raises(
+        InvalidPromptError,
+        match=r"^prompt 'a': sampling.stop_token_ids\[1\]: 260 outside the vocabulary \(vocab size 260\)",
+    ):
         check_prompt(prompt, Sampling(max_tokens=8, stop_token_ids=[2, 260]), LIMITS)
 
 

@@ -71,7 +71,9 @@ async def test_a_hung_engine_is_killed_by_the_health_check(make_cfg):
     hung.block()
     hung.hang_progress = True
     with anyio.fail_after(TIMEOUT):
-        async with RolloutEngine(make_cfg("engines.health_timeout_s=0.05", "engines.max_restarts=0"), pool=pool) as engine:
+        async with RolloutEngine(
+            make_cfg("engines.health_timeout_s=0.05", "engines.max_restarts=0"), pool=pool
+        ) as engine:
             engine.feed([PROMPT])
             group = await engine.next_group()
     assert hung.killed and group.ok and all(t.engine_id == 1 for t in group.trajectories)

@@ -73,7 +73,9 @@ def total_requests(pool: FakePool) -> int:
 
 async def test_sync_reward_from_config_and_grpo_advantages(cfg):
     with anyio.fail_after(5):
-        async with RolloutEngine(msgspec.structs.replace(cfg, reward="tests.test_rewards:length_reward"), pool=FakePool(2)) as engine:
+        async with RolloutEngine(
+            msgspec.structs.replace(cfg, reward="tests.test_rewards:length_reward"), pool=FakePool(2)
+        ) as engine:
             engine.feed([Prompt(token_ids=[5, 6], id="a"), Prompt(token_ids=[7], id="b")])
             batch = await engine.batches(groups=2)
     assert [t.reward for g in batch.groups for t in g.trajectories] == [4.0, 5.0, 6.0] * 2
@@ -99,7 +101,9 @@ async def test_reward_failures_mark_only_that_trajectory(cfg):
             groups = {g.prompt_id: g async for g in engine.groups()}
     assert groups["fine"].ok and [t.reward for t in groups["fine"].trajectories] == [2.0] * 3
     raised = groups["raise"].trajectories[0]
-    assert raised.finish_reason == "error" and "KeyError: 'no answer key'" in raised.error and "Traceback" in raised.error
+    assert (
+        raised.finish_reason == "error" and "KeyError: 'no answer key'" in raised.error and "Traceback" in raised.error
+    )
     assert "returned nan, expected a finite number" in groups["nan"].trajectories[0].error
     assert "returned '1.0'" in groups["text"].trajectories[0].error
     assert "returned True" in groups["bool"].trajectories[0].error

@@ -121,13 +121,23 @@ async def test_vllms_http_client_drives_a_round_between_pause_and_resume(cfg, ap
 async def test_calls_out_of_order_answer_409_naming_the_call_and_the_epoch_stays(cfg, api_servers):
     async with served(cfg, api_servers=api_servers) as (engine, server, pool, http):
         conflict(await http.post("/finish_weight_update"), "finish_weight_update called without start_weight_update")
-        conflict(await http.post("/update_weights", json={"update_info": {"names": []}}), "update_weights called without start_weight_update")
-        conflict(await http.post("/start_weight_update"), "start_weight_update called before init_weight_transfer_engine")
+        conflict(
+            await http.post("/update_weights", json={"update_info": {"names": []}}),
+            "update_weights called without start_weight_update",
+        )
+        conflict(
+            await http.post("/start_weight_update"), "start_weight_update called before init_weight_transfer_engine"
+        )
         t, source = await anyio.to_thread.run_sync(http_trainer, server.url, STATE)
         assert (await http.post("/start_weight_update")).json() == {"message": "Weight update started"}
         conflict(await http.post("/start_weight_update"), "start_weight_update called while a weight update is active")
-        conflict(await http.post("/init_weight_transfer_engine", json={"init_info": {}}), "init_weight_transfer_engine called during")
-        r = await http.post("/finish_weight_update", json={"weight_version": "nothing-sent"})  # ends the round, nothing loaded
+        conflict(
+            await http.post("/init_weight_transfer_engine", json={"init_info": {}}),
+            "init_weight_transfer_engine called during",
+        )
+        r = await http.post(
+            "/finish_weight_update", json={"weight_version": "nothing-sent"}
+        )  # ends the round, nothing loaded
         assert r.json() == {"message": "Weight update finished", "epoch": 0}
         assert engine.epoch == 0 and [e.commits for e in pool.engines] == [[], []]
         assert (await http.get("/weight_info")).json() == {"weight_version": "0", "epoch": 0}  # no label: no new epoch
@@ -171,14 +181,23 @@ async def test_abort_requests_ends_the_named_http_requests_with_499(cfg):
             answers: dict[str, httpx.Response] = {}
 
             async def call(rid: str) -> None:  # "a" by the body's request_id, "b" by X-Request-Id
-                body = {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 3}, **({"request_id": rid} if rid == "a" else {})}
-                answers[rid] = await http.post("/inference/v1/generate", json=body, headers={"X-Request-Id": rid} if rid == "b" else {})
+                body = {
+                    "token_ids": [5, 6, 7],
+                    "sampling_params": {"max_tokens": 3},
+                    **({"request_id": rid} if rid == "a" else {}),
+                }
+                answers[rid] = await http.post(
+                    "/inference/v1/generate", json=body, headers={"X-Request-Id": rid} if rid == "b" else {}
+                )
 
             for rid in ("a", "b"):
                 tg.start_soon(call, rid)
             while len(server.desk.running) < 2:
                 await anyio.sleep(0.01)
-            assert (await http.post("/abort_requests", json={"request_ids": ["a"]})).json() == {"status": "aborted", "aborted": 1}
+            assert (await http.post("/abort_requests", json={"request_ids": ["a"]})).json() == {
+                "status": "aborted",
+                "aborted": 1,
+            }
             while "a" not in answers:
                 await anyio.sleep(0.01)
             assert (await http.post("/abort_requests")).json() == {"status": "aborted", "aborted": 1}  # none named: all
@@ -221,7 +240,10 @@ async def test_an_engine_restarted_after_an_http_round_waits_out_of_rotation_for
         assert {t.engine_id for g in groups for t in g.trajectories} == {0} and parked.requests == []
         assert {e for g in groups for t in g.trajectories for e in t.token_epochs()} == {1}
         r = await http.post("/start_weight_update")  # its new workers are not in the learner's group
-        assert r.status_code == 500 and "engines [1] restarted or left since init_weight_transfer_engine" in r.json()["error"]["message"]
+        assert (
+            r.status_code == 500
+            and "engines [1] restarted or left since init_weight_transfer_engine" in r.json()["error"]["message"]
+        )
         t.shutdown()
         t, source = await anyio.to_thread.run_sync(http_trainer, server.url, {n: v + 2 for n, v in STATE.items()})
         await anyio.to_thread.run_sync(t.send_weights)
@@ -240,10 +262,16 @@ async def test_weights_that_do_not_fit_answer_400_naming_the_tensor_and_change_n
         r = await http.post("/update_weights", json={"update_info": info})
         assert r.status_code == 400, r.text
         err = r.json()["error"]
-        assert err["code"] == 400 and "norm.weight: float32 [3], model has bfloat16 [30]; unknown extra.weight" in err["message"], err
+        assert (
+            err["code"] == 400
+            and "norm.weight: float32 [3], model has bfloat16 [30]; unknown extra.weight" in err["message"]
+        ), err
         assert "no engine changed" in err["message"] and engine.epoch == 0
         assert not any(e.commits or e.worker.model.pending for e in pool.engines)
-        conflict(await http.post("/finish_weight_update"), "finish_weight_update called without start_weight_update; the epoch stays 0")
+        conflict(
+            await http.post("/finish_weight_update"),
+            "finish_weight_update called without start_weight_update; the epoch stays 0",
+        )
         source.update({n: v + 1 for n, v in STATE.items()})
         await anyio.to_thread.run_sync(t.send_weights)  # the round ended; the next goes through
         assert engine.epoch == 1
@@ -260,7 +288,10 @@ async def test_an_engine_failing_answers_500_naming_it_and_the_others_serve(cfg)
         with pytest.raises(requests.HTTPError) as e:  # vLLM's client raises for the status
             await anyio.to_thread.run_sync(t.send_weights)
         assert e.value.response.status_code == 500 and e.value.request.path_url == "/finish_weight_update"
-        assert "epoch 1: engine 1: RuntimeError: reload failed; out of rotation" in e.value.response.json()["error"]["message"]
+        assert (
+            "epoch 1: engine 1: RuntimeError: reload failed; out of rotation"
+            in e.value.response.json()["error"]["message"]
+        )
         assert engine.epoch == 1 and pool.engines[0].commits == [1]
         t.shutdown()
 
@@ -316,4 +347,6 @@ async def test_a_pause_or_resume_during_a_restart_reaches_the_restarted_engine(c
                 assert pool.engines[0].pauses == ["keep", "resume"]
                 let_pause.set()
                 await until("engine 1 back in rotation", lambda: engine._scheduler.runner.loads[1].healthy)
-                assert pool.engines[1].pauses == ["keep", "resume"] and (await http.get("/is_paused")).json() == {"is_paused": False}
+                assert pool.engines[1].pauses == ["keep", "resume"] and (await http.get("/is_paused")).json() == {
+                    "is_paused": False
+                }

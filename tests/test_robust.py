@@ -104,7 +104,9 @@ async def test_a_result_the_driver_cannot_decode_fails_the_engines_groups(cfg):
 async def test_a_group_the_engine_cannot_decode_comes_back_failed_and_the_engine_serves_on(cfg):
     pool = await WirePool.start(cfg)
     engine = pool.engines[0]
-    bad = Request("r1", "p", 0, Sampling(n=1, max_tokens=4, temperature=5.0), token_ids=[5, 6])  # the decoder's bounds refuse it
+    bad = Request(
+        "r1", "p", 0, Sampling(n=1, max_tokens=4, temperature=5.0), token_ids=[5, 6]
+    )  # the decoder's bounds refuse it
     try:
         with anyio.fail_after(TIMEOUT):
             with pytest.raises(RetryableError, match="engine 0: the group did not decode.*temperature"):
@@ -273,6 +275,8 @@ async def test_configured_stop_token_ids_outside_the_vocabulary_stop_the_start_n
     bad = msgspec.structs.replace(cfg, sampling=msgspec.structs.replace(cfg.sampling, stop_token_ids=[2, 260]))
     pool = FakePool(1)
     with anyio.fail_after(TIMEOUT):
-        with pytest.raises(InvalidConfigError, match=r"sampling.stop_token_ids\[1\]: 260 outside the vocabulary \(vocab size 260\)"):
+        with pytest.raises(
+            InvalidConfigError, match=r"sampling.stop_token_ids\[1\]: 260 outside the vocabulary \(vocab size 260\)"
+        ):
             async with RolloutEngine(bad, pool=pool):
                 pass

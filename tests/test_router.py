@@ -120,7 +120,9 @@ def test_route_by_keys_is_the_rule_on_random_loads():
 
 
 def test_the_runner_keeps_each_engines_key_with_its_load():
-    cfg = load_config(None, ["engines.count=3", "engines.max_inflight_per_engine=3", "engines.queued_per_engine=1", "sampling.n=1"])
+    cfg = load_config(
+        None, ["engines.count=3", "engines.max_inflight_per_engine=3", "engines.queued_per_engine=1", "sampling.n=1"]
+    )
     runner = Runner(cfg, [object()] * 3)
     rng = random.Random(7)
 

@@ -30,7 +30,10 @@ def cfg(tmp_path) -> Config:
 async def test_a_finished_sample_comes_back_while_its_group_still_runs(cfg):
     pool = await WirePool.start(cfg)
     policy = pool.policies[0]
-    short, long = (Request(f"r-{k}", "p", k, Sampling(n=2, max_tokens=m, stop_token_ids=[]), token_ids=[5, 6]) for k, m in ((0, 2), (1, 400)))
+    short, long = (
+        Request(f"r-{k}", "p", k, Sampling(n=2, max_tokens=m, stop_token_ids=[]), token_ids=[5, 6])
+        for k, m in ((0, 2), (1, 400))
+    )
     try:
         with anyio.fail_after(TIMEOUT):
             samples = pool.engines[0].generate_group([short, long])
@@ -49,7 +52,10 @@ async def test_a_freed_sample_slot_is_refilled_before_its_group_completes(cfg):
     samples of the groups before still run."""
     pool = await WirePool.start(cfg)
     policy = pool.policies[0]
-    prompts = [{"id": f"g{i}", "token_ids": [5, 6 + i], "sampling": {"n": 2, "max_tokens": 300, "stop_token_ids": []}} for i in range(3)]
+    prompts = [
+        {"id": f"g{i}", "token_ids": [5, 6 + i], "sampling": {"n": 2, "max_tokens": 300, "stop_token_ids": []}}
+        for i in range(3)
+    ]
     started: list[str] = []
     real = policy.generate
 

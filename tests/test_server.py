@@ -51,13 +51,21 @@ def served(*overrides: str, api_key: str | None = None, pool: FakePool | None = 
 
 async def test_a_chat_completion_carries_tokens_logprobs_and_epochs():
     async with served() as s:
-        r = await s.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        r = await s.client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
         m = r.choices[0].message
         extra = m.model_extra
         assert r.object == "chat.completion" and r.model == "tiny" and r.choices[0].finish_reason in ("stop", "length")
-        assert len(extra["generation_token_ids"]) == len(extra["generation_log_probs"]) == r.usage.completion_tokens == 4
+        assert (
+            len(extra["generation_token_ids"]) == len(extra["generation_log_probs"]) == r.usage.completion_tokens == 4
+        )
         assert extra["prompt_token_ids"] == s.server.chat.render([{"role": "user", "content": "hi"}])
-        assert extra["policy_epoch"] == [[[0, 0]]] and extra["kv_cache_epoch"] == [[[0, 0]]] and extra["num_evictions"] == [0]
+        assert (
+            extra["policy_epoch"] == [[[0, 0]]]
+            and extra["kv_cache_epoch"] == [[[0, 0]]]
+            and extra["num_evictions"] == [0]
+        )
         assert extra["rollout"]["policy_epochs"] == [[0, 0]] and extra["rollout"]["engine_id"] in (0, 1)
         assert isinstance(m.content, str) and r.usage.prompt_tokens == len(extra["prompt_token_ids"])
 
@@ -90,14 +98,29 @@ async def test_vllm_conventions_token_ids_as_tokens_and_return_token_ids():
         assert [c.token for c in choice.logprobs.content] == [f"token_id:{t}" for t in ids]
         assert [c.logprob for c in choice.logprobs.content] == choice.message.model_extra["generation_log_probs"]
         assert all(c.top_logprobs == [] for c in choice.logprobs.content)
-        assert choice.model_extra["token_ids"] == ids and r.model_extra["prompt_token_ids"] == choice.message.model_extra["prompt_token_ids"]
+        assert (
+            choice.model_extra["token_ids"] == ids
+            and r.model_extra["prompt_token_ids"] == choice.message.model_extra["prompt_token_ids"]
+        )
 
-        tok = (await s.http.post("/tokenize", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]})).json()
+        tok = (
+            await s.http.post("/tokenize", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]})
+        ).json()
         assert tok["tokens"] == r.model_extra["prompt_token_ids"] and tok["count"] == len(tok["tokens"])
-        gen = (await s.http.post("/inference/v1/generate", json={"model": "tiny", "token_ids": [5, 6, 7],
-                                                                 "sampling_params": {"max_tokens": 4, "temperature": 0.5}})).json()
+        gen = (
+            await s.http.post(
+                "/inference/v1/generate",
+                json={
+                    "model": "tiny",
+                    "token_ids": [5, 6, 7],
+                    "sampling_params": {"max_tokens": 4, "temperature": 0.5},
+                },
+            )
+        ).json()
         assert gen["prompt_token_ids"] == [5, 6, 7] and len(gen["choices"][0]["token_ids"]) == 4
-        assert [c["token"] for c in gen["choices"][0]["logprobs"]["content"]] == [f"token_id:{t}" for t in gen["choices"][0]["token_ids"]]
+        assert [c["token"] for c in gen["choices"][0]["logprobs"]["content"]] == [
+            f"token_id:{t}" for t in gen["choices"][0]["token_ids"]
+        ]
         c = await s.client.completions.create(model="tiny", prompt="abc", max_tokens=2)
         assert c.choices[0].model_extra["generation_token_ids"] and c.usage.completion_tokens == 2
         models = await s.client.models.list()
@@ -120,17 +143,26 @@ async def test_stream_true_is_answered_as_server_sent_events_the_sdk_reads():
         deltas = [c.choices[0] for c in chunks if c.choices]
         assert deltas[0].delta.role == "assistant" and [d.finish_reason for d in deltas][-1] in ("stop", "length")
         extra = deltas[0].delta.model_extra
-        assert len(extra["generation_token_ids"]) == len(extra["generation_log_probs"]) == 4 and extra["policy_epoch"] == [[[0, 0]]]
+        assert len(extra["generation_token_ids"]) == len(extra["generation_log_probs"]) == 4 and extra[
+            "policy_epoch"
+        ] == [[[0, 0]]]
         assert extra["prompt_token_ids"] == s.server.chat.render(messages) == chunks[0].model_extra["prompt_token_ids"]
         assert deltas[0].model_extra["token_ids"] == extra["generation_token_ids"]
         assert [c.logprob for c in deltas[0].logprobs.content] == extra["generation_log_probs"]
         assert "".join(d.delta.content or "" for d in deltas) == s.server.chat.decode(extra["generation_token_ids"])
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
-        raw = await s.http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 2, "stream": True})
+        raw = await s.http.post(
+            "/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 2, "stream": True}
+        )
         assert raw.headers["content-type"].startswith("text/event-stream") and raw.text.endswith("data: [DONE]\n\n")
 
-        texts = [c async for c in await s.client.completions.create(model="tiny", prompt="abc", max_tokens=3, stream=True)]
-        assert {c.object for c in texts} == {"text_completion"} and texts[-1].choices[0].finish_reason in ("stop", "length")
+        texts = [
+            c async for c in await s.client.completions.create(model="tiny", prompt="abc", max_tokens=3, stream=True)
+        ]
+        assert {c.object for c in texts} == {"text_completion"} and texts[-1].choices[0].finish_reason in (
+            "stop",
+            "length",
+        )
         assert len(texts[0].choices[0].model_extra["generation_token_ids"]) == 3
         bad = await s.http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "stream": "yes"})
         assert bad.status_code == 400 and "stream: expected true or false" in bad.json()["error"]["message"]
@@ -140,18 +172,34 @@ async def test_stream_true_is_answered_as_server_sent_events_the_sdk_reads():
     "body, status, needle",
     [
         (b"{not json", 400, "malformed JSON"),
-        (json.dumps({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}).encode(), 404, "model 'gpt-9' does not exist"),
+        (
+            json.dumps({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}).encode(),
+            404,
+            "model 'gpt-9' does not exist",
+        ),
         (json.dumps({"model": "tiny"}).encode(), 400, "messages: required"),
         (json.dumps({"messages": [{"role": "robot", "content": "x"}]}).encode(), 400, "messages[0].role"),
-        (json.dumps({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}).encode(), 400, "temperature: expected a number"),
+        (
+            json.dumps({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}).encode(),
+            400,
+            "temperature: expected a number",
+        ),
         (json.dumps({"messages": [{"role": "user", "content": "x"}], "temperature": -1}).encode(), 400, "temperature"),
-        (json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10000}).encode(), 400, "maximum context length"),
+        (
+            json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10000}).encode(),
+            400,
+            "maximum context length",
+        ),
         (json.dumps({"messages": [{"role": "user", "content": "x" * 400}]}).encode(), 400, "maximum context length"),
         (json.dumps({"messages": [{"role": "user", "content": "x"}], "n": 3}).encode(), 400, "n: only n=1"),
         (b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, "not valid UTF-8"),
         (b"[" * 100_000 + b"]" * 100_000, 400, "nested deeper than"),
         (b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "nested deeper than"),
-        (b'{"messages": [{"role": "user", "content": "x"}], "tools": ' + b"[" * 200 + b"]" * 200 + b"}", 400, "nested deeper than"),
+        (
+            b'{"messages": [{"role": "user", "content": "x"}], "tools": ' + b"[" * 200 + b"]" * 200 + b"}",
+            400,
+            "nested deeper than",
+        ),
     ],
 )
 async def test_errors_are_openai_shaped_and_name_the_field(body, status, needle):
@@ -174,12 +222,20 @@ async def test_api_key_body_limit_and_overload():
         assert (await s.http.post("/v1/chat/completions", json=big, headers=auth)).status_code == 413
         gate = [e.block() for e in s.pool.engines]
         async with anyio.create_task_group() as tg:
-            first = s.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}]}, headers=auth)
+            first = s.http.post(
+                "/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}]}, headers=auth
+            )
             tg.start_soon(lambda: first)
             while s.server.inflight < 1:
                 await anyio.sleep(0.01)
-            r = await s.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "b"}]}, headers=auth)
-            assert r.status_code == 429 and "max_concurrency" in r.json()["error"]["message"] and r.headers["retry-after"] == "1"
+            r = await s.http.post(
+                "/v1/chat/completions", json={"messages": [{"role": "user", "content": "b"}]}, headers=auth
+            )
+            assert (
+                r.status_code == 429
+                and "max_concurrency" in r.json()["error"]["message"]
+                and r.headers["retry-after"] == "1"
+            )
             for g in gate:
                 g.set()
 
@@ -196,7 +252,9 @@ async def test_a_client_that_disconnects_aborts_its_engine_request():
     async with served() as s:
         gates = [e.block() for e in s.pool.engines]
         async with anyio.create_task_group() as tg:  # the engines hold the request: it is never answered
-            tg.start_soon(lambda: s.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}))
+            tg.start_soon(
+                lambda: s.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+            )
             while not any(e.inflight for e in s.pool.engines):  # it reached an engine
                 await anyio.sleep(0.01)
             tg.cancel_scope.cancel()  # then the client goes: its connection closes
@@ -210,7 +268,9 @@ async def test_served_turns_become_an_episode_for_the_learner():
     async with served() as s:
         messages = [{"role": "user", "content": "solve"}]
         for k in range(2):
-            r = await s.client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, extra_body={"episode_id": "ep7"})
+            r = await s.client.chat.completions.create(
+                model="tiny", messages=messages, max_tokens=4, extra_body={"episode_id": "ep7"}
+            )
             messages = [*messages, r.choices[0].message.model_dump(), {"role": "tool", "content": f"result {k}"}]
         done = (await s.http.post("/v1/episodes/ep7/reward", json={"reward": 0.5})).json()
         assert done["turns"] == 2 and done["reward"] == 0.5

@@ -39,11 +39,17 @@ async def test_a_huge_body_is_read_off_the_loop_while_small_requests_go_on():
             big: list = []
 
             async def send_big() -> None:
-                big.append(await s.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * BIG}]}))
+                big.append(
+                    await s.http.post(
+                        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * BIG}]}
+                    )
+                )
 
             tg.start_soon(send_big)
             await anyio.to_thread.run_sync(rendering.wait, 10)
-            small = await s.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+            small = await s.client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )
             answered.set()
         assert small.choices[0].message.content is not None
         assert seen == [True], "the small request waited for the big one's rendering: it ran on the event loop"
@@ -57,7 +63,11 @@ async def test_a_body_far_over_the_context_is_refused_before_tokenizing():
         encode = tokenizer.encode
         tokenizer.encode = lambda text, **kw: calls.append(len(text)) or encode(text, **kw)
         r = await s.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 2**20}]})
-        assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"] and r.json()["error"]["param"] == "messages"
+        assert (
+            r.status_code == 400
+            and "maximum context length" in r.json()["error"]["message"]
+            and r.json()["error"]["param"] == "messages"
+        )
         assert calls == [], "a body that cannot fit the context was tokenized"
 
 
@@ -73,9 +83,17 @@ async def test_an_api_key_http_cannot_carry_is_refused_at_start(key):
     "path, body, param",
     [
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_k": 2**40}, "top_k"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop_token_ids": [10**6]}, "stop_token_ids"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "stop_token_ids": [10**6]},
+            "stop_token_ids",
+        ),
         ("/v1/completions", {"prompt": [10**6], "max_tokens": 2}, "prompt"),
-        ("/inference/v1/generate", {"token_ids": [5], "sampling_params": {"temperature": 5.0}}, "sampling_params.temperature"),
+        (
+            "/inference/v1/generate",
+            {"token_ids": [5], "sampling_params": {"temperature": 5.0}},
+            "sampling_params.temperature",
+        ),
     ],
 )
 async def test_the_engines_own_checks_name_the_field(path, body, param):
@@ -91,7 +109,11 @@ async def test_a_reward_answered_429_keeps_its_episode_for_the_retry():
                                                    extra_body={"episode_id": episode})  # fmt: skip
         assert (await s.http.post("/v1/episodes/a/reward", json={"reward": 1})).status_code == 200
         full = await s.http.post("/v1/episodes/b/reward", json={"reward": 0.5})
-        assert full.status_code == 429 and full.json()["error"]["type"] == "rate_limit_error" and int(full.headers["retry-after"]) >= 1
+        assert (
+            full.status_code == 429
+            and full.json()["error"]["type"] == "rate_limit_error"
+            and int(full.headers["retry-after"]) >= 1
+        )
         assert (await s.engine.next_group()).prompt_id == "a"  # the learner takes one: room again
         retry = await s.http.post("/v1/episodes/b/reward", json={"reward": 0.5})
         assert retry.status_code == 200, retry.text
@@ -106,9 +128,13 @@ async def test_serving_on_a_port_in_use_raises_oserror_and_the_engine_serves_on(
         async with served() as s:
             with pytest.raises(OSError, match=f"127.0.0.1:{port}"):
                 await s.engine.serve(port=port)
-            r = await s.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+            r = await s.client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2
+            )
             assert r.choices[0].message.content is not None
-            assert (await s.engine.submit({"token_ids": [5, 6], "sampling": {"n": 1}}, train=False).result())[0].trajectories
+            assert (await s.engine.submit({"token_ids": [5, 6], "sampling": {"n": 1}}, train=False).result())[
+                0
+            ].trajectories
 
 
 def test_the_stop_string_is_cut_from_the_text_and_kept_in_the_token_ids():
@@ -120,7 +146,11 @@ def test_the_stop_string_is_cut_from_the_text_and_kept_in_the_token_ids():
     chat = ChatRenderer(resolve_model_path("tiny"))
     ids = chat.encode("xyzabcde")
     traj = Trajectory(prompt_token_ids=[5], token_ids=ids, logprobs=[0.0] * len(ids), finish_reason="stop")
-    stops = ["de", "e", "b"]  # "de" and "e" end with the last token (the first listed wins); "b" is not in its reach (min_tokens)
+    stops = [
+        "de",
+        "e",
+        "b",
+    ]  # "de" and "e" end with the last token (the first listed wins); "b" is not in its reach (min_tokens)
     body = api.completion_response(api.Call([5], {"stop": stops}, stop=stops), [traj], "tiny", chat)
     assert body["choices"][0]["text"] == "xyzabc"
     assert body["choices"][0]["generation_token_ids"] == ids
@@ -134,10 +164,19 @@ async def test_n_gives_n_choices_on_completions_and_generate():
     async with served() as s:
         c = await s.client.completions.create(model="tiny", prompt="abc", max_tokens=3, n=3)
         assert [ch.index for ch in c.choices] == [0, 1, 2] and c.usage.completion_tokens == 9
-        assert len({tuple(ch.model_extra["generation_token_ids"]) for ch in c.choices}) == 3  # the fake's samples differ by index
-        g = (await s.http.post("/inference/v1/generate", json={"token_ids": [5, 6], "sampling_params": {"max_tokens": 2, "n": 2}})).json()
+        assert (
+            len({tuple(ch.model_extra["generation_token_ids"]) for ch in c.choices}) == 3
+        )  # the fake's samples differ by index
+        g = (
+            await s.http.post(
+                "/inference/v1/generate", json={"token_ids": [5, 6], "sampling_params": {"max_tokens": 2, "n": 2}}
+            )
+        ).json()
         assert [ch["index"] for ch in g["choices"]] == [0, 1] and all(len(ch["token_ids"]) == 2 for ch in g["choices"])
-        streamed = [x async for x in await s.client.completions.create(model="tiny", prompt="abc", max_tokens=2, n=2, stream=True)]
+        streamed = [
+            x
+            async for x in await s.client.completions.create(model="tiny", prompt="abc", max_tokens=2, n=2, stream=True)
+        ]
         assert sorted({ch.index for x in streamed for ch in x.choices}) == [0, 1]
         for bad in ({"prompt": "abc", "n": 0}, {"prompt": "abc", "n": "2"}, {"prompt": "abc", "n": 10**6}):
             r = await s.http.post("/v1/completions", json=bad)

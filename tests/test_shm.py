@@ -15,7 +15,9 @@ import pytest
 
 from policies.shm import SHM, alive, snapshot, staging_dir, sweep, sweep_when_gone
 
-pytestmark = pytest.mark.skipif(not SHM.is_dir() or not Path("/proc/self/maps").exists(), reason="needs /dev/shm and /proc")
+pytestmark = pytest.mark.skipif(
+    not SHM.is_dir() or not Path("/proc/self/maps").exists(), reason="needs /dev/shm and /proc"
+)
 
 CHILD = """
 import mmap, sys, time

@@ -38,7 +38,9 @@ class Worker(ShmWeightTransferEngine):
 
 
 def worker(weights) -> Worker:
-    cfg = types.SimpleNamespace(parallel_config=types.SimpleNamespace(data_parallel_index=0, world_size=1, rank=0), model_config=None)
+    cfg = types.SimpleNamespace(
+        parallel_config=types.SimpleNamespace(data_parallel_index=0, world_size=1, rank=0), model_config=None
+    )
     return Worker(types.SimpleNamespace(backend="shm"), cfg, torch.device("cpu"), Module(weights))
 
 
@@ -46,7 +48,9 @@ def weights(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {
         "model.embed.weight": torch.randn(64, 32, generator=g),  # 8192 bytes: across several slots
-        "model.layers.0.w": torch.randn(31, 31, generator=g).to(torch.bfloat16),  # 1922 bytes: the next starts at 64 x k
+        "model.layers.0.w": torch.randn(31, 31, generator=g).to(
+            torch.bfloat16
+        ),  # 1922 bytes: the next starts at 64 x k
         "model.layers.0.b": torch.randn(3, generator=g),
         "model.norm.weight": torch.randn(32, generator=g),
     }
@@ -63,7 +67,9 @@ def setup(timeout_s: float = 30.0, slot_bytes: int = 1000, slots: int = 2, clien
 
 
 def info_of(w: dict[str, torch.Tensor], round: int = 1) -> ShmUpdateInfo:
-    return ShmUpdateInfo(list(w), [str(v.dtype).removeprefix("torch.") for v in w.values()], [list(v.shape) for v in w.values()], round)
+    return ShmUpdateInfo(
+        list(w), [str(v.dtype).removeprefix("torch.") for v in w.values()], [list(v.shape) for v in w.values()], round
+    )
 
 
 def ring_mappings() -> list[str]:
@@ -82,7 +88,9 @@ def test_the_trainer_sends_exact_bytes_to_every_worker_round_after_round():
     and the ring wraps round 5 times per round. The ring is no /dev/shm file."""
     before = mapped({os.getpid()})
     trainer, client, source = setup()
-    assert len(ring_mappings()) == 3 and mapped({os.getpid()}) == before  # the learner's and each worker's mapping, no name
+    assert (
+        len(ring_mappings()) == 3 and mapped({os.getpid()}) == before
+    )  # the learner's and each worker's mapping, no name
     for seed in (1, 2, 3):
         w = weights(seed)
         source.update(w)
@@ -102,7 +110,9 @@ def test_engines_started_with_shm_serve_a_gloo_learner_too_and_back():
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     shm_trainer, client, source = setup()
-    w = {k: v for k, v in weights(1).items() if k != "model.layers.0.w"}  # gloo's buckets do not align a float32 after its 1922 bytes
+    w = {
+        k: v for k, v in weights(1).items() if k != "model.layers.0.w"
+    }  # gloo's buckets do not align a float32 after its 1922 bytes
     gloo_trainer = WeightTransferTrainerFactory.trainer_init(GlooTrainerInitInfo(world_size=3, rank=0, bucket_bytes=3000, timeout_s=30),
                                                              client=client, source=StateDictSource(w))  # fmt: skip
     gloo_trainer.send_weights()
@@ -165,8 +175,12 @@ def test_a_source_that_disagrees_with_its_metadata_ends_the_round_everywhere_at_
     trainer, client, _ = setup(timeout_s=300)
     w = weights(1)
     trainer.source = Lying(w, "model.layers.0.b")
-    with pytest.raises(RuntimeError, match=r"shm transfer: chunk \d+/\d+: the learner ended the round.*the model is unchanged"):
-        with pytest.raises(ValueError, match=r"WeightSource yielded 'model.layers.0.b' torch.float32 \[1\], metadata\(\) declared"):
+    with pytest.raises(
+        RuntimeError, match=r"shm transfer: chunk \d+/\d+: the learner ended the round.*the model is unchanged"
+    ):
+        with pytest.raises(
+            ValueError, match=r"WeightSource yielded 'model.layers.0.b' torch.float32 \[1\], metadata\(\) declared"
+        ):
             trainer.send_weights()
         client.finish_weight_update()
     for wk in client.workers:
@@ -259,7 +273,10 @@ def test_a_learner_that_never_sends_fails_the_worker_at_its_timeout():
     trainer, client, source = setup(timeout_s=1.0)
     wk = client.workers[0]
     wk.update_weights(vars(info_of(weights(0))))
-    with pytest.raises(RuntimeError, match=r"shm transfer: chunk 1/\d+ \(model.embed.weight\): TimeoutError: timed out; the model is unchanged"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"shm transfer: chunk 1/\d+ \(model.embed.weight\): TimeoutError: timed out; the model is unchanged",
+    ):
         wk.finish_weight_update()
     trainer.shutdown()
 
@@ -267,7 +284,11 @@ def test_a_learner_that_never_sends_fails_the_worker_at_its_timeout():
 # -- through rollout's client (`RolloutEngine.weight_sync_client()`) over fake engines whose model
 # workers run the real shm worker engine -------------------------------------------------------
 
-STATE = {"embed.weight": torch.randn(40, 30), "layers.0.weight": torch.randn(30, 30).to(torch.bfloat16), "norm.weight": torch.ones(30, dtype=torch.bfloat16)}
+STATE = {
+    "embed.weight": torch.randn(40, 30),
+    "layers.0.weight": torch.randn(30, 30).to(torch.bfloat16),
+    "norm.weight": torch.ones(30, dtype=torch.bfloat16),
+}
 
 
 class PoolModel(torch.nn.Module):
@@ -297,8 +318,14 @@ def pool_cfg(tmp_path, monkeypatch):
     import tests.fakes
     from rollout.config import load_config
 
-    vllm = types.SimpleNamespace(parallel_config=types.SimpleNamespace(data_parallel_index=0, world_size=1, rank=0), model_config=None)
-    monkeypatch.setattr(tests.fakes, "transfer_worker", lambda i: PoolWorker(types.SimpleNamespace(backend="shm"), vllm, torch.device("cpu"), PoolModel()))
+    vllm = types.SimpleNamespace(
+        parallel_config=types.SimpleNamespace(data_parallel_index=0, world_size=1, rank=0), model_config=None
+    )
+    monkeypatch.setattr(
+        tests.fakes,
+        "transfer_worker",
+        lambda i: PoolWorker(types.SimpleNamespace(backend="shm"), vllm, torch.device("cpu"), PoolModel()),
+    )
     (tmp_path / "config.json").write_text('{"vocab_size": 260}')
     save_file(STATE, str(tmp_path / "model.safetensors"))
     cfg = load_config(None, ["engines.count=2", "logging.level=error", "weight_sync.timeout_s=5", "engines.restart_backoff_s=0",
@@ -309,7 +336,10 @@ def pool_cfg(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "bad, match",
     [
-        ({**STATE, "norm.weight": torch.ones(3, dtype=torch.bfloat16)}, r"norm.weight: bfloat16 \[3\], model has bfloat16 \[30\]"),
+        (
+            {**STATE, "norm.weight": torch.ones(3, dtype=torch.bfloat16)},
+            r"norm.weight: bfloat16 \[3\], model has bfloat16 \[30\]",
+        ),
         ({**STATE, "norm.weight": torch.ones(30)}, r"norm.weight: float32 \[30\], model has bfloat16"),
         ({**STATE, "extra.weight": torch.ones(1)}, "unknown extra.weight"),
     ],
@@ -327,16 +357,22 @@ async def test_weights_that_do_not_fit_are_refused_before_any_byte_naming_the_te
         async with RolloutEngine(pool_cfg, pool=pool) as engine:
             client, source = engine.weight_sync_client(), StateDictSource(STATE)
             init = ShmTrainerInitInfo(world_size=1 + client.world_size(), rank=0, slot_bytes=1000, timeout_s=300)
-            t = await anyio.to_thread.run_sync(lambda: WeightTransferTrainerFactory.trainer_init(init, client=client, source=source))
+            t = await anyio.to_thread.run_sync(
+                lambda: WeightTransferTrainerFactory.trainer_init(init, client=client, source=source)
+            )
             source.update(bad)
             with pytest.raises(InvalidWeightsError, match=match) as e:
                 await anyio.to_thread.run_sync(t.send_weights)  # at once: no worker drains, nothing waits out the 300 s
             assert "no engine changed" in str(e.value)
-            assert engine.epoch == 0 and not any(e.commits or e.worker.pending or e.worker.model.loaded for e in pool.engines)
+            assert engine.epoch == 0 and not any(
+                e.commits or e.worker.pending or e.worker.model.loaded for e in pool.engines
+            )
             good = {n: v + 1 for n, v in STATE.items()}
             source.update(good)
             await anyio.to_thread.run_sync(t.send_weights)
-            assert engine.epoch == 1 and all(torch.equal(e.worker.model.loaded[n], v) for e in pool.engines for n, v in good.items())
+            assert engine.epoch == 1 and all(
+                torch.equal(e.worker.model.loaded[n], v) for e in pool.engines for n, v in good.items()
+            )
             t.shutdown()
 
 
@@ -364,12 +400,18 @@ async def test_a_learner_gone_mid_transfer_leaves_no_engine_serving_torn_weights
                             raise ConnectionError("learner died")
                         yield pair
 
-            t = await anyio.to_thread.run_sync(lambda: WeightTransferTrainerFactory.trainer_init(init, client=client, source=Dies(STATE)))
+            t = await anyio.to_thread.run_sync(
+                lambda: WeightTransferTrainerFactory.trainer_init(init, client=client, source=Dies(STATE))
+            )
             workers = [e.worker for e in pool.engines]
             with pytest.raises(ConnectionError):
                 await anyio.to_thread.run_sync(t.send_weights)
             while engine.weight_transfer().round is not None or len(pool.restarts) < 2:
-                await anyio.sleep(0.05)  # the round ends on its own (no learner call within weight_sync.timeout_s); they restart
+                await anyio.sleep(
+                    0.05
+                )  # the round ends on its own (no learner call within weight_sync.timeout_s); they restart
             assert engine.epoch == 0 and not any(e.commits for e in pool.engines) and sorted(pool.restarts) == [0, 1]
             assert engine._updates.allocated == 1  # epoch 1 may be torn somewhere: never used again
-            assert all(w.model.loaded == {} and w.sock is None for w in workers)  # nothing loaded; the socket's end was seen
+            assert all(
+                w.model.loaded == {} and w.sock is None for w in workers
+            )  # nothing loaded; the socket's end was seen

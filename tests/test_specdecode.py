@@ -11,11 +11,29 @@ from rollout.types import SpecCounters
 
 from .fakes import FakePool
 
-BEFORE = [SpecCounters(engine_id=0, num_speculative_tokens=3, drafts=10, draft_tokens=30, accepted_tokens=12, accepted_per_pos=[7, 4, 1])]
+BEFORE = [
+    SpecCounters(
+        engine_id=0,
+        num_speculative_tokens=3,
+        drafts=10,
+        draft_tokens=30,
+        accepted_tokens=12,
+        accepted_per_pos=[7, 4, 1],
+    )
+]
 AFTER = [
-    SpecCounters(engine_id=0, num_speculative_tokens=3, drafts=30, draft_tokens=90, accepted_tokens=42, accepted_per_pos=[20, 14, 8]),
+    SpecCounters(
+        engine_id=0,
+        num_speculative_tokens=3,
+        drafts=30,
+        draft_tokens=90,
+        accepted_tokens=42,
+        accepted_per_pos=[20, 14, 8],
+    ),
     # engine 1 has no reading before the window: it counts from zero
-    SpecCounters(engine_id=1, num_speculative_tokens=3, drafts=5, draft_tokens=15, accepted_tokens=0, accepted_per_pos=[0, 0, 0]),
+    SpecCounters(
+        engine_id=1, num_speculative_tokens=3, drafts=5, draft_tokens=15, accepted_tokens=0, accepted_per_pos=[0, 0, 0]
+    ),
 ]
 
 
@@ -41,7 +59,12 @@ def test_per_engine_figures():
 def test_summed_counts_first_then_ratios():
     total = window(BEFORE, AFTER).total
     assert total.engine_id is None
-    assert (total.drafts, total.draft_tokens, total.accepted_tokens, total.accepted_per_pos) == (25, 75, 30, [13, 10, 7])
+    assert (total.drafts, total.draft_tokens, total.accepted_tokens, total.accepted_per_pos) == (
+        25,
+        75,
+        30,
+        [13, 10, 7],
+    )
     assert total.mean_acceptance_length == pytest.approx(1 + 30 / 25)  # 2.2, not the mean of 2.5 and 1.0
     assert total.acceptance_rate == pytest.approx(30 / 75)  # 0.4, not the mean of 0.5 and 0.0
     assert total.per_position_rate == pytest.approx([13 / 25, 10 / 25, 7 / 25])
@@ -84,7 +107,9 @@ def test_counters_going_back_or_other_engine_are_errors():
 
 def test_a_restarted_engine_counts_from_its_restart():
     # engine 0's counters went back (a restarted engine starts from zero): its window is what it has now
-    restarted = SpecCounters(engine_id=0, num_speculative_tokens=3, drafts=4, draft_tokens=12, accepted_tokens=3, accepted_per_pos=[2, 1, 0])
+    restarted = SpecCounters(
+        engine_id=0, num_speculative_tokens=3, drafts=4, draft_tokens=12, accepted_tokens=3, accepted_per_pos=[2, 1, 0]
+    )
     report = window(AFTER, [restarted, AFTER[1]])
     assert report.restarted == [0]
     assert (report.engines[0].drafts, report.engines[0].accepted_tokens) == (4, 3)
@@ -111,7 +136,14 @@ class _Holder:  # what the meter needs of a RolloutEngine: `.pool.engines`
 async def test_meter_reports_each_window_and_logs_it():
     pool = FakePool(2)
     e0, e1 = pool.engines
-    e0.spec = SpecCounters(engine_id=0, num_speculative_tokens=3, drafts=10, draft_tokens=30, accepted_tokens=12, accepted_per_pos=[7, 4, 1])
+    e0.spec = SpecCounters(
+        engine_id=0,
+        num_speculative_tokens=3,
+        drafts=10,
+        draft_tokens=30,
+        accepted_tokens=12,
+        accepted_per_pos=[7, 4, 1],
+    )
     meter = await SpecDecodeMeter.open(_Holder(pool))
     e0.spec = AFTER[0]
     e1.spec = AFTER[1]
@@ -130,7 +162,9 @@ async def test_meter_reports_each_window_and_logs_it():
 async def test_meter_leaves_dead_engines_out():
     pool = FakePool(2)
     meter = await SpecDecodeMeter.open(_Holder(pool))
-    pool.engines[0].spec = SpecCounters(engine_id=0, drafts=4, draft_tokens=8, accepted_tokens=2, accepted_per_pos=[2, 0])
+    pool.engines[0].spec = SpecCounters(
+        engine_id=0, drafts=4, draft_tokens=8, accepted_tokens=2, accepted_per_pos=[2, 0]
+    )
     pool.engines[1].dead = True
     report = await meter.read()
     assert [e.engine_id for e in report.engines] == [0] and report.total.acceptance_rate == pytest.approx(0.25)

@@ -23,7 +23,9 @@ STATE = {"embed.weight": torch.zeros(4, 3)}
 
 
 def traj(epochs: list[tuple[int, int]], length: int, **kw) -> Trajectory:
-    return Trajectory(prompt_token_ids=[5, 6], token_ids=[7] * length, logprobs=[-1.0] * length, policy_epochs=epochs, **kw)
+    return Trajectory(
+        prompt_token_ids=[5, 6], token_ids=[7] * length, logprobs=[-1.0] * length, policy_epochs=epochs, **kw
+    )
 
 
 def group(*trajectories: Trajectory) -> Group:
@@ -188,7 +190,10 @@ async def test_in_order_hands_out_in_feed_order(make_cfg):
     [
         ("staleness.max_lag=-1", "staleness.max_lag: expected `int` >= 0"),
         ("staleness.stale=keep", "staleness.stale: invalid enum value 'keep'"),
-        ("staleness.batch_groups=300 queue.max_groups=256", "staleness.batch_groups: 300 can never fill, queue.max_groups is 256"),
+        (
+            "staleness.batch_groups=300 queue.max_groups=256",
+            "staleness.batch_groups: 300 can never fill, queue.max_groups is 256",
+        ),
         ("queue.order=random", "queue.order: invalid enum value 'random'"),
     ],
 )

@@ -46,8 +46,15 @@ def sample_batch() -> Batch:
         Batch(),
     ],
     ids=[
-        "prompt-ids", "prompt-text", "prompt-empty", "trajectory", "trajectory-error",
-        "group", "group-error", "batch", "batch-empty",
+        "prompt-ids",
+        "prompt-text",
+        "prompt-empty",
+        "trajectory",
+        "trajectory-error",
+        "group",
+        "group-error",
+        "batch",
+        "batch-empty",
     ],
 )
 def test_round_trip(codec, value):
@@ -205,8 +212,12 @@ def test_a_progress_report_reads_as_a_mapping_of_its_trajectories():
 
 def test_an_episode_is_one_row_with_observation_tokens_masked():
     ep = Trajectory(
-        prompt_token_ids=[5, 6], token_ids=[7, 8, 9, 50, 51, 10, 11], logprobs=[-1.0, -1.0, -1.0, 0.0, 0.0, -2.0, -2.0],
-        policy_epochs=[(0, 3), (3, -1), (5, 4)], loss_mask=[1, 1, 1, 0, 0, 1, 1], stale_tokens=2,
+        prompt_token_ids=[5, 6],
+        token_ids=[7, 8, 9, 50, 51, 10, 11],
+        logprobs=[-1.0, -1.0, -1.0, 0.0, 0.0, -2.0, -2.0],
+        policy_epochs=[(0, 3), (3, -1), (5, 4)],
+        loss_mask=[1, 1, 1, 0, 0, 1, 1],
+        stale_tokens=2,
     )
     t = Batch(groups=[Group(prompt_id="p", prompt=Prompt(id="p"), trajectories=[ep])]).to_tensors()
     assert t["input_ids"][0].tolist() == [5, 6, 7, 8, 9, 50, 51, 10, 11]

@@ -36,7 +36,9 @@ def test_a_scheduler_hook_with_another_signature_is_named(monkeypatch):
     from vllm.v1.core.sched.scheduler import Scheduler
 
     monkeypatch.setattr(Scheduler, "_preempt_request", lambda self, request: None)
-    with pytest.raises(VllmChangedError, match=r"Scheduler\._preempt_request is not \(request, timestamp, drop_stale_output\)"):
+    with pytest.raises(
+        VllmChangedError, match=r"Scheduler\._preempt_request is not \(request, timestamp, drop_stale_output\)"
+    ):
         check_vllm()
 
 

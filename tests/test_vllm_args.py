@@ -41,7 +41,9 @@ def test_raw_logprobs_and_what_rollout_owns():
 
 
 @pytest.mark.parametrize("bad", [".nan", ".inf", "true", "0", "-1", "1e12"])
-def test_a_kv_cache_size_vllm_cannot_take_names_the_key(bad):  # found by tests/test_fuzz.py: nan/inf raised ValueError/OverflowError
+def test_a_kv_cache_size_vllm_cannot_take_names_the_key(
+    bad,
+):  # found by tests/test_fuzz.py: nan/inf raised ValueError/OverflowError
     with pytest.raises(InvalidConfigError, match="engines.vllm.kv_cache_gib: expected a number > 0"):
         engine_args(load_config(None, [f"engines.vllm={{kv_cache_gib: {bad}}}"]), "/m")
 

@@ -103,4 +103,6 @@ async def test_update_calls_of_one_staged_round_made_together_all_go_out_after_i
         await core.gap()
     for c in calls:
         c.result()
-    assert [g for g in core.gaps if g] == [["start_weight_update", "update_weights", "update_weights", "update_weights"]]
+    assert [g for g in core.gaps if g] == [
+        ["start_weight_update", "update_weights", "update_weights", "update_weights"]
+    ]

@@ -34,7 +34,9 @@ def changed(k: int) -> dict[str, torch.Tensor]:
 def cfg(tmp_path):
     (tmp_path / "config.json").write_text('{"vocab_size": 260}')
     save_file(STATE, str(tmp_path / "model.safetensors"))
-    cfg = load_config(None, ["engines.count=2", "logging.level=error", "weight_sync.timeout_s=5", "engines.restart_backoff_s=0"])
+    cfg = load_config(
+        None, ["engines.count=2", "logging.level=error", "weight_sync.timeout_s=5", "engines.restart_backoff_s=0"]
+    )
     return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=str(tmp_path)))
 
 
@@ -43,7 +45,9 @@ async def trainer(engine, weights, **info):
 
     client, source = engine.weight_sync_client(), StateDictSource(weights)
     init = GlooTrainerInitInfo(world_size=1 + client.world_size(), rank=0, bucket_bytes=1000, timeout_s=10, **info)
-    t = await anyio.to_thread.run_sync(lambda: WeightTransferTrainerFactory.trainer_init(init, client=client, source=source))
+    t = await anyio.to_thread.run_sync(
+        lambda: WeightTransferTrainerFactory.trainer_init(init, client=client, source=source)
+    )
     return t, client, source
 
 
@@ -66,8 +70,14 @@ async def test_each_round_loads_every_engine_and_starts_the_next_epoch(cfg):
                 assert engine.epoch == k and [e.commits for e in pool.engines] == [list(range(1, k + 1))] * 2
                 assert all(torch.equal(loaded(pool, i)[n], v) for i in (0, 1) for n, v in changed(k).items())
             u = engine.weight_updates[-1]
-            assert u.epoch == 2 and u.bytes == sum(v.numel() * v.element_size() for v in STATE.values()) and u.bytes_received == 2 * u.bytes
-            assert await anyio.to_thread.run_sync(client.update_weight_version, "step-2") == 2 and client.versions == {"step-2": 2}
+            assert (
+                u.epoch == 2
+                and u.bytes == sum(v.numel() * v.element_size() for v in STATE.values())
+                and u.bytes_received == 2 * u.bytes
+            )
+            assert await anyio.to_thread.run_sync(client.update_weight_version, "step-2") == 2 and client.versions == {
+                "step-2": 2
+            }
             t.shutdown()
 
 
@@ -79,12 +89,17 @@ async def test_calls_out_of_order_change_nothing_and_name_the_call(cfg):
             run = anyio.to_thread.run_sync
             with pytest.raises(WeightSyncError, match="start_weight_update called before init_weight_transfer_engine"):
                 await run(client.start_weight_update)
-            with pytest.raises(WeightSyncError, match="finish_weight_update called without start_weight_update; the epoch stays 0"):
+            with pytest.raises(
+                WeightSyncError, match="finish_weight_update called without start_weight_update; the epoch stays 0"
+            ):
                 await run(client.finish_weight_update)
             with pytest.raises(WeightSyncError, match="update_weights called without start_weight_update"):
                 await run(client.update_weights, {"names": [], "dtype_names": [], "shapes": []})
             with pytest.raises(WeightSyncError, match="world_size 5, but the learner's 1 rank"):
-                await run(client.init_weight_transfer_engine, {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 5})
+                await run(
+                    client.init_weight_transfer_engine,
+                    {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 5},
+                )
             with pytest.raises(RuntimeError, match="call it from a thread"):
                 client.start_weight_update()  # on the engine's own loop it would deadlock
             t, client, source = await trainer(engine, STATE)
@@ -101,7 +116,10 @@ async def test_calls_out_of_order_change_nothing_and_name_the_call(cfg):
 @pytest.mark.parametrize(
     "bad, match",
     [
-        ({**STATE, "norm.weight": torch.ones(3, dtype=torch.bfloat16)}, r"norm.weight: bfloat16 \[3\], model has bfloat16 \[30\]"),
+        (
+            {**STATE, "norm.weight": torch.ones(3, dtype=torch.bfloat16)},
+            r"norm.weight: bfloat16 \[3\], model has bfloat16 \[30\]",
+        ),
         ({**STATE, "norm.weight": torch.ones(30)}, r"norm.weight: float32 \[30\], model has bfloat16"),
         ({**STATE, "extra.weight": torch.ones(1)}, "unknown extra.weight"),
     ],
@@ -125,10 +143,15 @@ async def test_an_unknown_name_after_the_learners_name_map_is_named(cfg):
     with anyio.fail_after(TIMEOUT):
         async with RolloutEngine(cfg, pool=pool) as engine:
             t, client, source = await trainer(engine, STATE)
-            t.source = StateDictSource({f"module.{n}": v for n, v in STATE.items()}, name_map=lambda n: n.removeprefix("module.").replace("norm", "nrm"))
+            t.source = StateDictSource(
+                {f"module.{n}": v for n, v in STATE.items()},
+                name_map=lambda n: n.removeprefix("module.").replace("norm", "nrm"),
+            )
             with pytest.raises(InvalidWeightsError, match="unknown nrm.weight"):
                 await anyio.to_thread.run_sync(t.send_weights)
-            t.source = StateDictSource({f"module.{n}": v for n, v in changed(1).items()}, name_map=lambda n: n.removeprefix("module."))
+            t.source = StateDictSource(
+                {f"module.{n}": v for n, v in changed(1).items()}, name_map=lambda n: n.removeprefix("module.")
+            )
             await anyio.to_thread.run_sync(t.send_weights)
             assert engine.epoch == 1 and all(torch.equal(loaded(pool, 0)[n], v) for n, v in changed(1).items())
             t.shutdown()
@@ -140,7 +163,9 @@ async def test_an_engine_that_cannot_start_changes_no_engine(cfg):
         async with RolloutEngine(cfg, pool=pool) as engine:
             t, client, source = await trainer(engine, STATE)
             pool.engines[1].fail_stage = True
-            with pytest.raises(WeightSyncError, match="engine 1: RuntimeError: cannot start the update.*no engine changed"):
+            with pytest.raises(
+                WeightSyncError, match="engine 1: RuntimeError: cannot start the update.*no engine changed"
+            ):
                 await send(t, source, changed(1))
             assert engine.epoch == 0 and not any(e.commits or e.worker.model.pending for e in pool.engines)
             pool.engines[1].fail_stage = False
@@ -155,7 +180,10 @@ async def test_an_engine_failing_to_load_leaves_rotation_and_the_others_serve(cf
         async with RolloutEngine(cfg, pool=pool) as engine:
             t, client, source = await trainer(engine, STATE)
             pool.engines[1].fail_commit = True
-            with pytest.raises(WeightSyncError, match="epoch 1: engine 1: RuntimeError: reload failed; out of rotation, the others serve epoch 1"):
+            with pytest.raises(
+                WeightSyncError,
+                match="epoch 1: engine 1: RuntimeError: reload failed; out of rotation, the others serve epoch 1",
+            ):
                 await send(t, source, changed(1))
             assert engine.epoch == 1 and pool.engines[0].commits == [1] and pool.engines[1].commits == []
             assert engine.weight_updates[-1].failed == [1]
@@ -237,12 +265,16 @@ async def test_a_failure_after_an_update_that_did_not_wait_is_raised_once_and_it
     pool = FakePool(2)
     with anyio.fail_after(TIMEOUT):
         async with RolloutEngine(cfg, pool=pool) as engine:
-            with pytest.raises(InvalidWeightsError, match="unknown extra.weight"):  # before the hand-off: raised at once
+            with pytest.raises(
+                InvalidWeightsError, match="unknown extra.weight"
+            ):  # before the hand-off: raised at once
                 await engine.update_weights({**STATE, "extra.weight": torch.ones(1)}, wait=False)
             for e in pool.engines:
                 e.fail_commit = True
             assert await engine.update_weights(changed(1), wait=False) == 1
-            with pytest.raises(WeightSyncError, match="not waited for failed: epoch 1: every engine failed to load it") as e:
+            with pytest.raises(
+                WeightSyncError, match="not waited for failed: epoch 1: every engine failed to load it"
+            ) as e:
                 await engine.weights_loaded()
             assert sorted(e.value.failed) == [0, 1] and engine.epoch == 0
             assert await engine.weights_loaded() == 0  # raised once
@@ -257,7 +289,10 @@ async def test_the_next_update_raises_the_failure_of_one_that_did_not_wait_and_c
         async with RolloutEngine(cfg, pool=pool) as engine:
             pool.engines[1].fail_stage = True
             assert await engine.update_weights(changed(1), wait=False) == 1
-            with pytest.raises(WeightSyncError, match="not waited for failed: epoch 1: weights did not reach engine 1.*no engine changed"):
+            with pytest.raises(
+                WeightSyncError,
+                match="not waited for failed: epoch 1: weights did not reach engine 1.*no engine changed",
+            ):
                 await engine.update_weights(changed(2))
             assert engine.epoch == 0 and not any(e.commits for e in pool.engines)
             pool.engines[1].fail_stage = False
@@ -284,7 +319,9 @@ async def test_a_trainer_round_that_does_not_wait_returns_once_sent_and_the_next
 
             client, source = engine.weight_sync_client(wait=False), StateDictSource(STATE)
             init = GlooTrainerInitInfo(world_size=1 + client.world_size(), rank=0, bucket_bytes=1000, timeout_s=10)
-            t = await anyio.to_thread.run_sync(lambda: WeightTransferTrainerFactory.trainer_init(init, client=client, source=source))
+            t = await anyio.to_thread.run_sync(
+                lambda: WeightTransferTrainerFactory.trainer_init(init, client=client, source=source)
+            )
             gated(pool.engines[0], gate)
             await send(t, source, changed(1))  # returns with engine 0's load held
             assert engine.epoch == 0 and pool.engines[0].commits == []
@@ -295,7 +332,9 @@ async def test_a_trainer_round_that_does_not_wait_returns_once_sent_and_the_next
             assert all(torch.equal(loaded(pool, i)[n], v) for i in (0, 1) for n, v in changed(1).items())
             pool.engines[1].fail_commit = True
             await send(t, source, changed(2))  # the failure comes after the learner's call returned
-            with pytest.raises(WeightSyncError, match="not waited for failed: epoch 2: engine 1: RuntimeError: reload failed"):
+            with pytest.raises(
+                WeightSyncError, match="not waited for failed: epoch 2: engine 1: RuntimeError: reload failed"
+            ):
                 await send(t, source, changed(3))  # the next round raises it, once, and changes nothing
             assert engine.epoch == 2 and pool.engines[0].commits == [1, 2]
             t.shutdown()

@@ -62,8 +62,14 @@ def test_pack_roundtrip_keeps_values_and_dtypes(model_dir):
         ({"extra": torch.ones(1)}, "unknown extra"),
         ({"embed.weight": None}, "missing embed.weight"),
         ({"embed.weight": torch.full((4, 3), float("nan"))}, "embed.weight']: contains NaN"),
-        ({"embed.weight": torch.zeros(4, 3).index_fill_(1, torch.tensor([1]), -float("inf"))}, "embed.weight']: contains NaN or inf"),
-        ({"norm.weight": torch.tensor([1.0, float("nan"), 1.0], dtype=torch.bfloat16)}, "norm.weight']: contains NaN or inf"),
+        (
+            {"embed.weight": torch.zeros(4, 3).index_fill_(1, torch.tensor([1]), -float("inf"))},
+            "embed.weight']: contains NaN or inf",
+        ),
+        (
+            {"norm.weight": torch.tensor([1.0, float("nan"), 1.0], dtype=torch.bfloat16)},
+            "norm.weight']: contains NaN or inf",
+        ),
         ({"embed.weight": [[1.0]]}, "expected a torch.Tensor, got list"),
         ({"embed.weight": torch.empty(4, 3, device="meta")}, "embed.weight']: on device meta, which holds no data"),
         ({"embed.weight": None, "norm.weight": None}, "the state dict is empty"),
@@ -179,7 +185,11 @@ async def test_a_live_engine_that_cannot_receive_still_calls_the_update_off(cfg)
                 await engine.update_weights(STATE)
             assert err.value.failed == [0, 2] and engine.epoch == 0
             assert all(not eng.commits and not eng.staged for eng in pool.engines)
-            assert [load.healthy for load in engine._scheduler.runner.loads] == [False, True, True]  # the dead one is out
+            assert [load.healthy for load in engine._scheduler.runner.loads] == [
+                False,
+                True,
+                True,
+            ]  # the dead one is out
             pool.engines[1].dead = pool.engines[2].dead = True
             with pytest.raises(WeightSyncError, match="engine 1: EngineDeadError"):  # none alive: nothing loads
                 await engine.update_weights(STATE)
@@ -195,7 +205,10 @@ async def test_a_failed_or_hung_load_takes_the_engine_out_of_rotation(cfg):
             with pytest.raises(WeightSyncError) as e:
                 await engine.update_weights(STATE)
             msg = str(e.value)
-            assert "engine 0: RuntimeError: reload failed" in msg and "engine 2: no answer within weight_sync.timeout_s" in msg
+            assert (
+                "engine 0: RuntimeError: reload failed" in msg
+                and "engine 2: no answer within weight_sync.timeout_s" in msg
+            )
             assert e.value.failed == [0, 2] and engine.epoch == 1
             engine.feed([Prompt(token_ids=[5, 6], id="after")])
             group = await engine.next_group()
@@ -213,7 +226,9 @@ async def test_bad_weights_never_reach_the_pool(cfg, tmp_path):
         async with RolloutEngine(cfg, pool=pool) as engine:
             with pytest.raises(InvalidWeightsError, match="missing norm.weight"):
                 await engine.update_weights({"embed.weight": STATE["embed.weight"]})
-            nan = save_dir({**STATE, "norm.weight": torch.full((3,), float("nan"), dtype=torch.bfloat16)}, tmp_path / "nan")
+            nan = save_dir(
+                {**STATE, "norm.weight": torch.full((3,), float("nan"), dtype=torch.bfloat16)}, tmp_path / "nan"
+            )
             with pytest.raises(InvalidWeightsError, match=r"model.safetensors: weights\['norm.weight'\]: contains NaN"):
                 await engine.update_weights(nan)
             assert not pool.shared and engine.epoch == 0
@@ -239,7 +254,9 @@ async def test_a_cancelled_update_never_lets_two_weights_share_an_epoch(cfg):
 async def test_a_drain_longer_than_the_timeout_is_not_a_failed_load(cfg):
     """In drain mode the engine waits for running requests before loading; weight_sync.timeout_s
     bounds the load, so a long generation must not make the engine 'fail' and restart."""
-    drain = msgspec.structs.replace(cfg, weight_sync=msgspec.structs.replace(cfg.weight_sync, mode="drain", timeout_s=0.02))
+    drain = msgspec.structs.replace(
+        cfg, weight_sync=msgspec.structs.replace(cfg.weight_sync, mode="drain", timeout_s=0.02)
+    )
     pool = FakePool(3)
     for e in pool.engines:
         e.commit_gate = anyio.Event()  # the drain: running requests finishing
@@ -280,13 +297,28 @@ def test_finite_bits_agrees_with_torch_on_every_pattern(dtype):
     torch_dtype = getattr(torch, dtype)
     width = torch.empty(0, dtype=torch_dtype).element_size()
     if width <= 2:
-        patterns = torch.arange(1 << (8 * width), dtype=torch.int32).to(torch.uint8 if width == 1 else torch.int16)  # wraps: every pattern once
+        patterns = torch.arange(1 << (8 * width), dtype=torch.int32).to(
+            torch.uint8 if width == 1 else torch.int16
+        )  # wraps: every pattern once
         assert len(set(patterns.tolist())) == 1 << (8 * width)
         values = patterns.view(torch_dtype)
     else:
-        specials = [0.0, -0.0, 1.0, -1.0, float("inf"), -float("inf"), float("nan"), torch.finfo(torch_dtype).max, torch.finfo(torch_dtype).min, torch.finfo(torch_dtype).tiny]
+        specials = [
+            0.0,
+            -0.0,
+            1.0,
+            -1.0,
+            float("inf"),
+            -float("inf"),
+            float("nan"),
+            torch.finfo(torch_dtype).max,
+            torch.finfo(torch_dtype).min,
+            torch.finfo(torch_dtype).tiny,
+        ]
         values = torch.tensor(specials, dtype=torch_dtype)
-        values = torch.cat([values, -torch.tensor([float("nan")], dtype=torch_dtype), torch.randn(1000, dtype=torch_dtype)])
+        values = torch.cat(
+            [values, -torch.tensor([float("nan")], dtype=torch_dtype), torch.randn(1000, dtype=torch_dtype)]
+        )
     finite = torch.isfinite(values.to(torch.float32) if width == 1 else values)
     for v, want in zip(values, finite.tolist()):
         got = finite_bits(dtype, v.reshape(1).view(torch.uint8).numpy())
@@ -306,4 +338,7 @@ def test_finite_bits_reads_past_one_chunk_and_leaves_other_dtypes_to_torch():
     assert finite_bits("int64", torch.tensor([-1]).view(torch.uint8).numpy()) is True
     assert finite_bits("float8_e4m3fnuz", torch.zeros(1, dtype=torch.uint8).numpy()) is None
     with pytest.raises(InvalidWeightsError, match=r"\['w'\]: contains NaN or inf"):
-        pack({"w": torch.tensor([0.0, float("nan")]).to(torch.float8_e4m3fnuz)}, {"w": TensorSpec("float8_e4m3fnuz", (2,))})
+        pack(
+            {"w": torch.tensor([0.0, float("nan")]).to(torch.float8_e4m3fnuz)},
+            {"w": TensorSpec("float8_e4m3fnuz", (2,))},
+        )

@@ -41,7 +41,9 @@ class Client:
             f.result()
 
     def init_weight_transfer_engine(self, info):
-        self._all(lambda k, w: w.init_transfer_engine(w.parse_init_info({**info, "rank_offset": info["rank_offset"] + k})))
+        self._all(
+            lambda k, w: w.init_transfer_engine(w.parse_init_info({**info, "rank_offset": info["rank_offset"] + k}))
+        )
 
     def start_weight_update(self):
         self._all(lambda k, w: w.start_weight_update())

@@ -72,7 +72,9 @@ class WirePool:
 
     @classmethod
     async def start(cls, cfg: Config, n: int = 1, seed: int = 0) -> WirePool:
-        policies = [VLLMPolicy(cfg, "", i, frontend=TextVllm(random.Random(seed + i), chunk=4, capacity=64)) for i in range(n)]
+        policies = [
+            VLLMPolicy(cfg, "", i, frontend=TextVllm(random.Random(seed + i), chunk=4, capacity=64)) for i in range(n)
+        ]
         for p in policies:
             await p.ready()
         return cls(policies)

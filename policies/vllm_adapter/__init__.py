@@ -58,5 +58,7 @@ def check_vllm() -> str:
     fields = set(getattr(EngineCoreOutput, "__struct_fields__", ()))
     missing = {"request_id", "new_token_ids", "finish_reason", "stop_reason"} - fields
     if missing or not hasattr(FinishReason, "ABORT") or not hasattr(RequestStatus, "FINISHED_ABORTED"):
-        raise VllmChangedError(f"vLLM {version}: EngineCoreOutput / FinishReason.ABORT / RequestStatus changed {sorted(missing)}")
+        raise VllmChangedError(
+            f"vLLM {version}: EngineCoreOutput / FinishReason.ABORT / RequestStatus changed {sorted(missing)}"
+        )
     return version

@@ -35,7 +35,9 @@ class Finished:
 
     __slots__ = ("ids", "logprobs", "reason", "evicted", "spans", "cached")
 
-    def __init__(self, ids: list[int], logprobs: list[float], reason: str, evicted: bool, spans: Spans, cached: int = 0):
+    def __init__(
+        self, ids: list[int], logprobs: list[float], reason: str, evicted: bool, spans: Spans, cached: int = 0
+    ):
         self.ids, self.logprobs, self.reason, self.evicted, self.spans = ids, logprobs, reason, evicted, spans
         self.cached = cached  # prompt positions found in the prefix cache
 
@@ -152,7 +154,13 @@ class VllmFrontend:
         done = await task
         if state is None:
             raise VllmChangedError("AsyncLLM.output_processor has no request_states entry for a running request")
-        for path in ("is_prefilling", "detokenizer.output_token_ids", "logprobs_processor.logprobs", "weight_version_starts", "num_cached_tokens"):
+        for path in (
+            "is_prefilling",
+            "detokenizer.output_token_ids",
+            "logprobs_processor.logprobs",
+            "weight_version_starts",
+            "num_cached_tokens",
+        ):
             obj = state
             for part in path.split("."):
                 if not hasattr(obj, part):
@@ -195,7 +203,9 @@ class VllmFrontend:
         spans = [(s.start, int(s.version)) for s in (c.weight_versions or [])]
         reason = c.finish_reason or "stop"
         cached = out.num_cached_tokens or 0
-        return Finished(list(c.token_ids), sampled_logprobs(c.logprobs), reason, c.stop_reason == EVICTED, spans, cached)
+        return Finished(
+            list(c.token_ids), sampled_logprobs(c.logprobs), reason, c.stop_reason == EVICTED, spans, cached
+        )
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.llm.get_tokenizer().encode(text))
@@ -300,14 +310,21 @@ class VllmFrontend:
         (returned with `outputs`, as (ids, logprobs, finish reason) per request)."""
         from vllm.inputs.engine import tokens_input
 
-        async def one(request_id: str, ids: list[int], sampling: Any, seed: int | None) -> tuple[list[int], list[float], str]:
+        async def one(
+            request_id: str, ids: list[int], sampling: Any, seed: int | None
+        ) -> tuple[list[int], list[float], str]:
             async for out in self.llm.generate(tokens_input(ids), self.params(sampling, seed), request_id=request_id):
                 c = out.outputs[0]
             return list(c.token_ids), sampled_logprobs(c.logprobs), c.finish_reason or "stop"
 
         start = time.time()
         samples = await asyncio.gather(*(one(*p) for p in prompts))
-        result = {"tokens": sum(len(s[0]) for s in samples), "trajectories": len(prompts), "start": start, "end": time.time()}
+        result = {
+            "tokens": sum(len(s[0]) for s in samples),
+            "trajectories": len(prompts),
+            "start": start,
+            "end": time.time(),
+        }
         return {**result, "outputs": samples} if outputs else result
 
     @property

@@ -60,7 +60,10 @@ class _Evicting:
                 eco = outputs[request.client_index] = EngineCoreOutputs()
             eco.outputs.append(
                 EngineCoreOutput(
-                    request_id=request.request_id, new_token_ids=[], finish_reason=FinishReason.ABORT, stop_reason=EVICTED
+                    request_id=request.request_id,
+                    new_token_ids=[],
+                    finish_reason=FinishReason.ABORT,
+                    stop_reason=EVICTED,
                 )
             )
         self._rollout_evicted.clear()

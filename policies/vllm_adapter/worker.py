@@ -49,7 +49,9 @@ class CpuSpecSamplingFix:
         return True
 
 
-def expand_batch_to_tokens(x: Any, cu_num_tokens: Any, num_tokens: int, replace_from: int = 0, replace_to: int = 0) -> Any:
+def expand_batch_to_tokens(
+    x: Any, cu_num_tokens: Any, num_tokens: int, replace_from: int = 0, replace_to: int = 0
+) -> Any:
     """vLLM's `rejection_sampler.expand_batch_to_tokens` in plain torch: x[i] (with `replace_from`
     replaced by `replace_to`) repeated over request i's rows, which end at cu_num_tokens[i]."""
     import torch
@@ -58,7 +60,6 @@ def expand_batch_to_tokens(x: Any, cu_num_tokens: Any, num_tokens: int, replace_
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
     x = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
     return torch.repeat_interleave(x, counts, output_size=num_tokens)
-
 
 
 class CpuIdleSpinFix:
@@ -94,16 +95,24 @@ class CpuIdleSpinFix:
         while frame is not None and not hasattr(frame.f_locals.get("self"), "rpc_broadcast_mq"):
             frame = frame.f_back
         spin = getattr(frame.f_locals["self"].rpc_broadcast_mq, "_spin_condition", None) if frame is not None else None
-        if not (isinstance(spin, SpinCondition) and spin.is_reader and isinstance(getattr(spin, "busy_loop_s", None), float | int)):
+        if not (
+            isinstance(spin, SpinCondition)
+            and spin.is_reader
+            and isinstance(getattr(spin, "busy_loop_s", None), float | int)
+        ):
             raise VllmChangedError(
                 "vLLM's worker reads its calls through no SpinCondition (WorkerProc.rpc_broadcast_mq._spin_condition)"
             )
         if not isinstance(getattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS", None), int):
-            raise VllmChangedError("vLLM's queue reader has no recheck interval (shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS)")
+            raise VllmChangedError(
+                "vLLM's queue reader has no recheck interval (shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS)"
+            )
         if spin.busy_loop_s <= IDLE_SPIN_S:
             return False
         spin.busy_loop_s = IDLE_SPIN_S
-        shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = min(shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS, LOST_NOTIFY_RECHECK_MS)
+        shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = min(
+            shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS, LOST_NOTIFY_RECHECK_MS
+        )
         return True
 
 

@@ -34,7 +34,10 @@ from rollout.types import Prompt, Request, Trajectory
 
 
 async def run(engine: RolloutEngine, cfg: Config, rounds: int) -> dict[str, Any]:
-    prompts = [p if p.id else msgspec.structs.replace(p, id=f"ep{i}") for i, p in enumerate(configured_prompts(cfg.prompts, engine.limits.vocab_size))]
+    prompts = [
+        p if p.id else msgspec.structs.replace(p, id=f"ep{i}")
+        for i, p in enumerate(configured_prompts(cfg.prompts, engine.limits.vocab_size))
+    ]
     sides = {"engine": lambda: _ours(engine, prompts), "raw": lambda: _raw(engine, cfg, prompts)}
     await sides["raw"]()  # warm-up: every batch shape of the turns compiled once
     table = []
@@ -95,7 +98,9 @@ class _Turns:
 async def _raw(engine: RolloutEngine, cfg: Config, prompts: list[Prompt]) -> dict[str, Any]:
     engines = engine.pool.engines  # type: ignore[union-attr]
     env = load_env(cfg.env, cfg.env_args)  # as the engine loads them
-    chat = await anyio.to_thread.run_sync(chat_renderer, engine.model_path, cfg.serve.tool_parser, cfg.serve.reasoning_parser)
+    chat = await anyio.to_thread.run_sync(
+        chat_renderer, engine.model_path, cfg.serve.tool_parser, cfg.serve.reasoning_parser
+    )
     assert env is not None
     episodes: list[Trajectory] = []
 
@@ -107,7 +112,14 @@ async def _raw(engine: RolloutEngine, cfg: Config, prompts: list[Prompt]) -> dic
                               policy_epochs=[(0, 0)] if ids else [], engine_id=e % len(engines))  # fmt: skip
 
         sampling = effective_sampling(cfg.sampling, prompt)
-        request = Request(f"raw{e}", prompt.id, 0, msgspec.structs.replace(sampling, n=1), token_ids=prompt.token_ids, text=prompt.text)
+        request = Request(
+            f"raw{e}",
+            prompt.id,
+            0,
+            msgspec.structs.replace(sampling, n=1),
+            token_ids=prompt.token_ids,
+            text=prompt.text,
+        )
         try:
             episodes.append(await run_episode(request, prompt, env(), cfg.episode, engine.limits, chat, run_turn))
         finally:

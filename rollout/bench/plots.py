@@ -22,7 +22,9 @@ def require_matplotlib() -> Any:
     try:
         import matplotlib
     except ImportError as e:
-        raise InvalidConfigError("--plot: needs matplotlib (the `dev` extra: pip install -e '.[dev]', or pip install matplotlib)") from e
+        raise InvalidConfigError(
+            "--plot: needs matplotlib (the `dev` extra: pip install -e '.[dev]', or pip install matplotlib)"
+        ) from e
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -55,7 +57,9 @@ def bench_figure(report: dict[str, Any], path: str) -> None:
     if rounds:
         ratios, ci = [r["ratio"] for r in rounds], report["ratio_interval"]
         median = report["ratio_tokens_per_s"]
-        ax.axhspan(ci["low"], ci["high"], color=ENGINE, alpha=0.15, label=f"{ci['coverage']:.1%} interval of the median")
+        ax.axhspan(
+            ci["low"], ci["high"], color=ENGINE, alpha=0.15, label=f"{ci['coverage']:.1%} interval of the median"
+        )
         ax.axhline(median, color=ENGINE, lw=2, label=f"median {median:.3f}")
         ax.axhline(1.0, color="grey", ls="--", lw=1, label="parity with raw vLLM")
         first = ["o" if r["order"] == "engine first" else "s" for r in rounds]
@@ -67,7 +71,9 @@ def bench_figure(report: dict[str, Any], path: str) -> None:
         span = max(high - low, 0.02)
         ax.set_ylim(low - 0.1 * span, high + 0.6 * span)  # room above the data for the legend
         ax.set(xlabel="round", ylabel="this engine / raw vLLM", xticks=xs)
-        ax.set_title(f"tokens/s ratio: median {median:.3f} of {len(rounds)} rounds, interval {ci['low']:.3f}-{ci['high']:.3f}")
+        ax.set_title(
+            f"tokens/s ratio: median {median:.3f} of {len(rounds)} rounds, interval {ci['low']:.3f}-{ci['high']:.3f}"
+        )
         ax.legend(loc="upper left", ncol=2, fontsize="small")
     else:
         ax.axis("off")

@@ -233,7 +233,9 @@ def _add_spec(acc: dict[int, SpecCounters], report: SpecDecodeReport) -> None:
     """Add one run's per-engine speculative decoding counts to `acc` (pooled over rounds)."""
     for m in report.engines:
         assert m.engine_id is not None
-        c = acc.setdefault(m.engine_id, SpecCounters(engine_id=m.engine_id, num_speculative_tokens=report.num_speculative_tokens))
+        c = acc.setdefault(
+            m.engine_id, SpecCounters(engine_id=m.engine_id, num_speculative_tokens=report.num_speculative_tokens)
+        )
         c.add(m.drafts, m.draft_tokens, m.accepted_tokens, m.accepted_per_pos)
 
 

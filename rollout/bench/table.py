@@ -59,7 +59,9 @@ def format_table(report: dict[str, Any]) -> str:
     for key, label in (("latency_s", "latency"), ("ttft_s", "time to first token")):
         p = ours[key]
         lines.append(f"{'  ' + label + ' p50/p90/p99 (s)':<38}{p['p50']:.2f} / {p['p90']:.2f} / {p['p99']:.2f}")
-    lines.append(f"{'  per-engine token share':<38}" + "  ".join(f"e{i} {s:.1%}" for i, s in enumerate(ours["engine_share"])))
+    lines.append(
+        f"{'  per-engine token share':<38}" + "  ".join(f"e{i} {s:.1%}" for i, s in enumerate(ours["engine_share"]))
+    )
     if ours["failed"] or ours["failed_groups"]:
         lines.append(f"{'failed, all runs':<38}{ours['failed']} trajectories, {ours['failed_groups']} groups")
     if "spec_decode" in ours:
@@ -84,7 +86,10 @@ def spec_decode_rows(spec_cfg: dict[str, Any], ours: dict[str, Any], raw: dict[s
     ):
         other = f"{cell(raw['total'][key], fmt):>14}" if raw else ""
         lines.append(f"{'  ' + name:<28}{cell(ours['total'][key], fmt):>14}{other}")
-    lines.append(f"{'  per-position rate':<28}{_positions(ours['total'])}" + (f"   (raw vLLM {_positions(raw['total'])})" if raw else ""))
+    lines.append(
+        f"{'  per-position rate':<28}{_positions(ours['total'])}"
+        + (f"   (raw vLLM {_positions(raw['total'])})" if raw else "")
+    )
     for m in ours["engines"]:
         label = f"  e{m['engine_id']} length/rate/pos"
         lines.append(

@@ -6,4 +6,14 @@ from rollout.episodes.chat import ChatRenderer, chat_renderer
 from rollout.episodes.env import Action, EnvError, EnvFactory, Step, load_env
 from rollout.episodes.loop import assemble, run_episode
 
-__all__ = ["Action", "ChatRenderer", "EnvError", "EnvFactory", "Step", "assemble", "chat_renderer", "load_env", "run_episode"]
+__all__ = [
+    "Action",
+    "ChatRenderer",
+    "EnvError",
+    "EnvFactory",
+    "Step",
+    "assemble",
+    "chat_renderer",
+    "load_env",
+    "run_episode",
+]

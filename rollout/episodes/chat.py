@@ -40,7 +40,12 @@ class ChatRenderer:
         self.end_of_turn = self._end_of_turn()
         self.parsers: Parsers | None = None  # vLLM's parsers for episodes' actions (`chat_renderer`)
 
-    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True) -> list[int]:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
         """Token ids of a whole conversation, opening the assistant's turn when asked."""
         text = self._text(messages, tools, add_generation_prompt)
         return self.encode(text)
@@ -62,8 +67,12 @@ class ChatRenderer:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False)
+    def _text(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add_generation_prompt: bool
+    ) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
 
     def _end_of_turn(self) -> int:
         """The special token the template closes an assistant message with (what the model emits to
@@ -98,7 +107,9 @@ class Parsers(Protocol):
     def request(self, data: dict[str, Any]) -> Any: ...
     def any_tools(self) -> Any: ...
     def parse(self, request: Any, text: str, token_ids: list[int], prompt_ids: list[int]) -> dict[str, Any]: ...
-    def stream(self, request: Any, steps: list[list[int]], prompt_ids: list[int], decode: Callable[[list[int]], str]) -> list[dict[str, Any]]: ...
+    def stream(
+        self, request: Any, steps: list[list[int]], prompt_ids: list[int], decode: Callable[[list[int]], str]
+    ) -> list[dict[str, Any]]: ...
 
 
 def chat_parsers(renderer: ChatRenderer | None, tool: str | None, reasoning: str | None) -> Parsers | None:

@@ -155,8 +155,12 @@ def _message(m: Any, where: str) -> dict[str, Any]:
 def _tool_calls(calls: Any, where: str) -> None:
     """OpenAI's shape: [{"type": "function", "id": ..., "function": {"name": ..., "arguments": ...}}],
     arguments a JSON string or an object, the whole of it JSON (templates write it with `tojson`)."""
-    if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls):
-        raise EnvError(f"{where}: expected a list of {{'type': 'function', 'function': {{'name': ..., 'arguments': ...}}}}, got {shown(calls)}")
+    if not isinstance(calls, list) or not all(
+        isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls
+    ):
+        raise EnvError(
+            f"{where}: expected a list of {{'type': 'function', 'function': {{'name': ..., 'arguments': ...}}}}, got {shown(calls)}"
+        )
     for i, call in enumerate(calls):
         fn = call["function"]
         _text(fn.get("name"), f"{where}[{i}].function.name")

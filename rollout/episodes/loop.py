@@ -89,7 +89,9 @@ async def run_episode(
     return episode
 
 
-async def _first_prompt(prompt: Prompt, env: Any, cfg: EpisodeConfig, limits: ModelLimits, renderer: ChatRenderer | None) -> list[int]:
+async def _first_prompt(
+    prompt: Prompt, env: Any, cfg: EpisodeConfig, limits: ModelLimits, renderer: ChatRenderer | None
+) -> list[int]:
     obs = as_messages(await call(env.reset, prompt, cfg.step_timeout_s, "reset"), "environment reset: observation")
     if prompt.token_ids is not None:
         ids = list(prompt.token_ids)
@@ -100,7 +102,11 @@ async def _first_prompt(prompt: Prompt, env: Any, cfg: EpisodeConfig, limits: Mo
     else:
         said = obs if obs and isinstance(obs[0], dict) else []
         system = [m for m in said if m["role"] == "system"]  # an environment's instructions come first
-        messages = [*system, {"role": "user", "content": prompt.text or ""}, *[m for m in said if m["role"] != "system"]]
+        messages = [
+            *system,
+            {"role": "user", "content": prompt.text or ""},
+            *[m for m in said if m["role"] != "system"],
+        ]
         ids = _render(_need(renderer, "a text prompt in an episode").render, messages, "the first prompt")
         if obs and isinstance(obs[0], int):
             ids += obs
@@ -110,7 +116,9 @@ async def _first_prompt(prompt: Prompt, env: Any, cfg: EpisodeConfig, limits: Mo
     return ids
 
 
-def _observation_ids(observation: Any, turn: Trajectory, renderer: ChatRenderer | None, limits: ModelLimits, k: int) -> list[int]:
+def _observation_ids(
+    observation: Any, turn: Trajectory, renderer: ChatRenderer | None, limits: ModelLimits, k: int
+) -> list[int]:
     """The tokens an observation appends after turn `k`: token ids as they are; messages rendered
     by the chat template after the turn's end-of-turn token (added first when the model did not
     end its turn itself)."""
@@ -134,10 +142,14 @@ def _action(turn: Trajectory, renderer: ChatRenderer | None, k: int) -> Action:
         return Action(text, list(turn.token_ids), turn.finish_reason, k, content=text)
     p = renderer.parsers
     parsed = p.parse(p.any_tools(), text, list(turn.token_ids), list(turn.prompt_token_ids))
-    return Action(text, list(turn.token_ids), turn.finish_reason, k, parsed["content"], parsed["tool_calls"], parsed["reasoning"])
+    return Action(
+        text, list(turn.token_ids), turn.finish_reason, k, parsed["content"], parsed["tool_calls"], parsed["reasoning"]
+    )
 
 
-def _render(render: Callable[[list[dict[str, Any]]], list[int]], messages: list[dict[str, Any]], what: str) -> list[int]:
+def _render(
+    render: Callable[[list[dict[str, Any]]], list[int]], messages: list[dict[str, Any]], what: str
+) -> list[int]:
     """Messages an environment sent, through the chat template: what it cannot render (a value
     the template chokes on, a template that is not a suffix) fails the episode, naming `what`."""
     try:
@@ -160,7 +172,9 @@ def _turn_sampling(sampling: Sampling, budget: int) -> Sampling:
     return msgspec.structs.replace(sampling, max_tokens=budget, min_tokens=min(sampling.min_tokens, budget))
 
 
-def assemble(request: Request, turns: list[Trajectory], observations: list[list[int]], finish: str, error: str | None) -> Trajectory:
+def assemble(
+    request: Request, turns: list[Trajectory], observations: list[list[int]], finish: str, error: str | None
+) -> Trajectory:
     """One trajectory for the whole episode (module docstring, step 4)."""
     first = turns[0].prompt_token_ids if turns else list(request.token_ids or [])
     ep = Trajectory(

@@ -8,4 +8,14 @@ from rollout.handoff.handout import Batches, HandOut
 from rollout.handoff.queue import Submission, TrajectoryQueue
 from rollout.handoff.staleness import Admission, StalenessFilter, StalenessStats
 
-__all__ = ["Admission", "Batches", "DurableLog", "DurableLogError", "HandOut", "StalenessFilter", "StalenessStats", "Submission", "TrajectoryQueue"]
+__all__ = [
+    "Admission",
+    "Batches",
+    "DurableLog",
+    "DurableLogError",
+    "HandOut",
+    "StalenessFilter",
+    "StalenessStats",
+    "Submission",
+    "TrajectoryQueue",
+]

@@ -114,7 +114,9 @@ class DurableLog:
             self.epoch = state.epoch if epoch is None else epoch
             if self.torn_bytes:
                 self.torn_records += 1
-                log.warning("durable log: torn last record cut off", path=str(self.path), bytes=self.torn_bytes, what=state.torn)
+                log.warning(
+                    "durable log: torn last record cut off", path=str(self.path), bytes=self.torn_bytes, what=state.torn
+                )
             self._live = {id(e.group): e for e in state.live.values()}
             try:
                 self._rewrite()
@@ -197,7 +199,9 @@ class DurableLog:
         with self._mutex:
             f, self._file = self._file, None
             if self.failed is None:
-                self.failed = DurableLogError(f"queue.durable_dir={self.dir}: the log was closed (the engine had exited); not logged")
+                self.failed = DurableLogError(
+                    f"queue.durable_dir={self.dir}: the log was closed (the engine had exited); not logged"
+                )
             try:
                 if f is not None:
                     f.close()

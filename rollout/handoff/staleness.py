@@ -93,7 +93,10 @@ class StalenessFilter:
         if not t.ok or not t.token_ids:
             return 0
         if not t.policy_epochs:
-            t.finish_reason, t.error = "error", f"{len(t.token_ids)} tokens and no policy epochs: staleness cannot be checked"
+            t.finish_reason, t.error = (
+                "error",
+                f"{len(t.token_ids)} tokens and no policy epochs: staleness cannot be checked",
+            )
             return 0
         stale = 0
         runs = t.policy_epochs

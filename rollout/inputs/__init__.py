@@ -13,4 +13,16 @@ from rollout.inputs.prompts import (
 from rollout.inputs.rewards import RewardFn, load_reward, score
 from rollout.inputs.usercode import UserCodeError, invoke
 
-__all__ = ["BadPrompt", "ModelLimits", "RewardFn", "UserCodeError", "check_all", "check_prompt", "configured_prompts", "effective_sampling", "invoke", "load_reward", "score"]
+__all__ = [
+    "BadPrompt",
+    "ModelLimits",
+    "RewardFn",
+    "UserCodeError",
+    "check_all",
+    "check_prompt",
+    "configured_prompts",
+    "effective_sampling",
+    "invoke",
+    "load_reward",
+    "score",
+]

@@ -77,18 +77,24 @@ def check_prompt(prompt: Prompt, sampling: Sampling, limits: ModelLimits) -> Non
         raise InvalidPromptError(f"prompt {printable(prompt.id)!r}: {bad.lstrip('.')}")
     name = f"prompt {prompt.id!r}"
     if sampling.n > limits.max_n:
-        raise InvalidPromptError(f"{name}: sampling.n {sampling.n} exceeds engines.max_inflight_per_engine {limits.max_n}")
+        raise InvalidPromptError(
+            f"{name}: sampling.n {sampling.n} exceeds engines.max_inflight_per_engine {limits.max_n}"
+        )
     if (bad := sampling_problem(sampling, limits.vocab_size)) is not None:
         raise InvalidPromptError(f"{name}: sampling.{bad}")
     if prompt.session is not None and sampling.n != 1:
-        raise InvalidPromptError(f"{name}: a session continues one conversation: sampling.n must be 1, got {sampling.n}")
+        raise InvalidPromptError(
+            f"{name}: a session continues one conversation: sampling.n must be 1, got {sampling.n}"
+        )
     if (prompt.token_ids is None) == (prompt.text is None):
         raise InvalidPromptError(f"{name}: give exactly one of token_ids or text")
     if prompt.text is not None:
         if not prompt.text:
             raise InvalidPromptError(f"{name}: empty text")
         if sampling.max_tokens >= limits.max_model_len:  # at least one prompt token; the rest is checked once tokenized
-            raise InvalidPromptError(f"{name}: max_tokens {sampling.max_tokens} leaves no room in max_model_len {limits.max_model_len}")
+            raise InvalidPromptError(
+                f"{name}: max_tokens {sampling.max_tokens} leaves no room in max_model_len {limits.max_model_len}"
+            )
         return
     ids = prompt.token_ids or []
     if not ids:
@@ -125,7 +131,10 @@ def synthetic_prompts(cfg: PromptsConfig, vocab_size: int) -> list[Prompt]:
     rng = random.Random(cfg.seed)
     low = min(4, vocab_size - 1)  # skip the usual special ids (pad, bos, eos, unk)
     return [
-        Prompt(token_ids=[rng.randrange(low, vocab_size) for _ in range(rng.randint(cfg.min_len, cfg.max_len))], id=f"syn-{i}")
+        Prompt(
+            token_ids=[rng.randrange(low, vocab_size) for _ in range(rng.randint(cfg.min_len, cfg.max_len))],
+            id=f"syn-{i}",
+        )
         for i in range(cfg.count)
     ]
 
@@ -140,7 +149,9 @@ async def jsonl_prompts(path: str | Path) -> AsyncIterator[Prompt | BadPrompt]:
             try:
                 prompt = decoder.decode(line)
             except msgspec.ValidationError as e:
-                yield BadPrompt(id=f"{Path(path).name}:{lineno}", reason=f"line {lineno}: {readable_validation_error(e)}")
+                yield BadPrompt(
+                    id=f"{Path(path).name}:{lineno}", reason=f"line {lineno}: {readable_validation_error(e)}"
+                )
                 continue
             except msgspec.DecodeError as e:
                 yield BadPrompt(id=f"{Path(path).name}:{lineno}", reason=f"line {lineno}: not JSON: {e}")

@@ -82,4 +82,3 @@ def finite(value: Any) -> float | None:
     except (OverflowError, ValueError, TypeError):  # an int past float's range, an odd Real
         return None
     return number if math.isfinite(number) else None
-

@@ -44,7 +44,9 @@ async def invoke(fn: Callable[..., Any], *args: Any, timeout: float | None = Non
     try:
         with scope:
             if not inspect.iscoroutinefunction(fn):
-                result, raised = await anyio.to_thread.run_sync(_run_in_thread, scope, timeout, fn, args, abandon_on_cancel=True)
+                result, raised = await anyio.to_thread.run_sync(
+                    _run_in_thread, scope, timeout, fn, args, abandon_on_cancel=True
+                )
                 if raised is not None:  # whatever a worker thread raises is the code's own
                     raise UserCodeError(raised) from raised
             else:
@@ -89,7 +91,9 @@ def _being_cancelled() -> bool:
     return task is not None and task.cancelling() > 0
 
 
-def _run_in_thread(scope: anyio.CancelScope, timeout: float | None, fn: Callable[..., Any], args: tuple) -> tuple[Any, BaseException | None]:
+def _run_in_thread(
+    scope: anyio.CancelScope, timeout: float | None, fn: Callable[..., Any], args: tuple
+) -> tuple[Any, BaseException | None]:
     """`fn(*args)` in a worker thread, starting the clock first. What it raises comes back as a
     value: raised through the loop's future, a GeneratorExit or SystemExit is not a plain exception
     to asyncio (it would end the awaiting coroutine or the loop)."""

@@ -126,7 +126,9 @@ def _row_stops(stop_strings: Any, batch: int) -> list[list[str]]:
     return out
 
 
-def output_tensors(trajectories: Sequence[Trajectory], input_width: int, pad_value: int, dtype: Any = None) -> dict[str, Any]:
+def output_tensors(
+    trajectories: Sequence[Trajectory], input_width: int, pad_value: int, dtype: Any = None
+) -> dict[str, Any]:
     """NeMo RL's generation output, one row per trajectory, right-padded with `pad_value`.
 
     Width: `input_width` plus the longest generation (as NeMo RL's vLLM backend sizes it).
@@ -153,7 +155,9 @@ def output_tensors(trajectories: Sequence[Trajectory], input_width: int, pad_val
         "logprobs": logprobs,
         "generation_lengths": torch.tensor(gen, dtype=torch.long),
         "unpadded_sequence_lengths": torch.tensor([len(t.prompt_token_ids) + len(t.token_ids) for t in trajectories]),
-        "truncated": torch.tensor([t.finish_reason == "length" and bool(t.token_ids) for t in trajectories], dtype=torch.bool),
+        "truncated": torch.tensor(
+            [t.finish_reason == "length" and bool(t.token_ids) for t in trajectories], dtype=torch.bool
+        ),
         "token_epochs": epochs,
     }
 

@@ -174,7 +174,12 @@ class EngineMetrics:
         """The figures since the previous call (the first: since the engine started); see `figures`."""
         await self.refresh()
         now = self.totals()
-        out = figures(self._previous, now, self._engine.weight_updates[self._previous.weight_updates :], self._spec_meter is not None)
+        out = figures(
+            self._previous,
+            now,
+            self._engine.weight_updates[self._previous.weight_updates :],
+            self._spec_meter is not None,
+        )
         self._previous = now
         return out
 
@@ -219,7 +224,9 @@ class MetricsWindow:
         m = self._metrics
         await m.refresh()
         now = m.totals()
-        return figures(self._since, now, m._engine.weight_updates[self._since.weight_updates :], m._spec_meter is not None)
+        return figures(
+            self._since, now, m._engine.weight_updates[self._since.weight_updates :], m._spec_meter is not None
+        )
 
     async def reset(self) -> None:
         await self._metrics.refresh()
@@ -335,13 +342,23 @@ class Collector:
             ("rollout_stale_masked_tokens", "tokens masked out of the loss as too stale", s.masked_tokens),
             ("rollout_weight_updates", "weight updates", t.weight_updates),
             ("rollout_preemptions", "engine preemptions (KV dropped and recomputed)", t.preemptions),
-            ("rollout_durable_torn_records", "torn last records cut off the durable log at open (a crash)", t.durable_torn_records),
+            (
+                "rollout_durable_torn_records",
+                "torn last records cut off the durable log at open (a crash)",
+                t.durable_torn_records,
+            ),
             ("rollout_spec_decode_drafts", "speculative decoding: verification steps with drafts", t.spec.drafts),
             ("rollout_spec_decode_draft_tokens", "speculative decoding: draft tokens", t.spec.draft_tokens),
-            ("rollout_spec_decode_accepted_tokens", "speculative decoding: accepted draft tokens", t.spec.accepted_tokens),
+            (
+                "rollout_spec_decode_accepted_tokens",
+                "speculative decoding: accepted draft tokens",
+                t.spec.accepted_tokens,
+            ),
         ):
             yield CounterMetricFamily(name, doc, value=value)
-        busy = CounterMetricFamily("rollout_engine_busy_seconds", "time the engine had a request in flight", labels=["engine"])
+        busy = CounterMetricFamily(
+            "rollout_engine_busy_seconds", "time the engine had a request in flight", labels=["engine"]
+        )
         for i, seconds in enumerate(t.busy_s):
             busy.add_metric([str(i)], seconds)
         yield busy
@@ -353,7 +370,9 @@ class Collector:
             yield GaugeMetricFamily(name, doc, value=value)
         updates = self._metrics.last_updates(1)
         stall = max((x for u in updates for x in u.stall_s.values()), default=0.0)
-        yield GaugeMetricFamily("rollout_update_stall_seconds_max", "longest engine stall of the latest weight update", value=stall)
+        yield GaugeMetricFamily(
+            "rollout_update_stall_seconds_max", "longest engine stall of the latest weight update", value=stall
+        )
         yield HistogramMetricFamily(
             "rollout_token_lag", "lag in epochs of generated tokens at hand-out", buckets=_lag_buckets(s.lag_tokens),
             sum_value=sum(lag * n for lag, n in s.lag_tokens.items()),

@@ -76,7 +76,9 @@ def delta(after: SpecCounters, before: SpecCounters) -> SpecCounters:
 
 def aggregate(counts: Sequence[SpecCounters]) -> SpecCounters:
     """The summed counts of several engines (position lists summed element-wise)."""
-    total = SpecCounters(engine_id=-1, num_speculative_tokens=max((c.num_speculative_tokens for c in counts), default=0))
+    total = SpecCounters(
+        engine_id=-1, num_speculative_tokens=max((c.num_speculative_tokens for c in counts), default=0)
+    )
     for c in counts:
         total.add(c.drafts, c.draft_tokens, c.accepted_tokens, c.accepted_per_pos)
     return total
@@ -186,7 +188,10 @@ class SpecDecodeMeter:
             mean_acceptance_length=_round(t.mean_acceptance_length),
             acceptance_rate=_round(t.acceptance_rate),
             per_position_rate=[round(x, 4) for x in t.per_position_rate] if t.per_position_rate else None,
-            per_engine={m.engine_id: (m.drafts, _round(m.mean_acceptance_length), _round(m.acceptance_rate)) for m in report.engines},
+            per_engine={
+                m.engine_id: (m.drafts, _round(m.mean_acceptance_length), _round(m.acceptance_rate))
+                for m in report.engines
+            },
             restarted=report.restarted or None,
         )
         return report

@@ -30,9 +30,34 @@ if TYPE_CHECKING:
 
 
 class Direct:
-    __slots__ = ("s", "prompt", "sampling", "number", "seq", "cost", "queued_at", "train", "n", "engine", "pending", "done", "abort", "over")
+    __slots__ = (
+        "s",
+        "prompt",
+        "sampling",
+        "number",
+        "seq",
+        "cost",
+        "queued_at",
+        "train",
+        "n",
+        "engine",
+        "pending",
+        "done",
+        "abort",
+        "over",
+    )
 
-    def __init__(self, s: Scheduler, prompt: Prompt, sampling: Sampling, number: int, seq: int, cost: int, queued_at: float, train: bool):
+    def __init__(
+        self,
+        s: Scheduler,
+        prompt: Prompt,
+        sampling: Sampling,
+        number: int,
+        seq: int,
+        cost: int,
+        queued_at: float,
+        train: bool,
+    ):
         self.s, self.prompt, self.sampling, self.number, self.seq = s, prompt, sampling, number, seq
         self.cost, self.queued_at, self.train, self.n = cost, queued_at, train, sampling.n
         self.engine = -1
@@ -46,11 +71,14 @@ class Direct:
         p, sampling = self.prompt, self.sampling
         self.engine = i
         self.pending = {
-            k: Request(f"r{self.number}-{k}", p.id, k, sampling, token_ids=p.token_ids, text=p.text) for k in range(self.n)
+            k: Request(f"r{self.number}-{k}", p.id, k, sampling, token_ids=p.token_ids, text=p.text)
+            for k in range(self.n)
         }
         self.s.direct.add(self)
         try:
-            self.abort = start_group(self.s.runner.engines[i], list(self.pending.values()), self.on_result, self.s.spawn)
+            self.abort = start_group(
+                self.s.runner.engines[i], list(self.pending.values()), self.on_result, self.s.spawn
+            )
         except BaseException as e:
             self.crash(e)
 

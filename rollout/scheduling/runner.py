@@ -45,7 +45,9 @@ class Runner:
         self.on_engine_dead = on_engine_dead  # starts a restart; False when it will not
         self.on_all_dead = on_all_dead  # every engine gone for good: fail whoever waits
         self.on_load: Callable[[int, int], None] | None = None  # (engine, requests in flight) at every change
-        self.reports: list[Mapping[str, Trajectory]] = [{} for _ in self.engines]  # each engine's latest progress report
+        self.reports: list[Mapping[str, Trajectory]] = [
+            {} for _ in self.engines
+        ]  # each engine's latest progress report
         self.loads = [EngineLoad() for _ in self.engines]
         self._keys = [key(load) for load in self.loads]  # `router.key` of each load, kept with it
         self._counts = [count(load) for load in self.loads]  # and its requests (OUT when out of rotation)
@@ -75,7 +77,15 @@ class Runner:
         """Room for `n` requests of `cost` tokens each, taken on the engine `router.route` picks
         now (`on`: that one, while in rotation); None when it says wait."""
         batch = self.cfg.engines.max_inflight_per_engine
-        i = route(self.loads, n, batch + self.cfg.engines.queue_depth, prefer=on, batch=batch, keys=self._keys, counts=self._counts)
+        i = route(
+            self.loads,
+            n,
+            batch + self.cfg.engines.queue_depth,
+            prefer=on,
+            batch=batch,
+            keys=self._keys,
+            counts=self._counts,
+        )
         if i is not None:
             self._add(i, n, n * cost)
             self.changes += 1
@@ -84,7 +94,10 @@ class Runner:
     def fits(self, i: int, n: int) -> bool:
         """Whether engine `i` is in rotation with room for `n` more requests."""
         load = self.loads[i]
-        return load.healthy and load.requests + n <= self.cfg.engines.max_inflight_per_engine + self.cfg.engines.queue_depth
+        return (
+            load.healthy
+            and load.requests + n <= self.cfg.engines.max_inflight_per_engine + self.cfg.engines.queue_depth
+        )
 
     def release(self, i: int, n: int, cost: int) -> None:
         self._add(i, -n, -n * cost)
@@ -115,9 +128,7 @@ class Runner:
 
     # -- running requests --------------------------------------------------------------------
 
-    async def run(
-        self, i: int, requests: list[Request], cost: int, finish: Callable[[Trajectory], None]
-    ) -> int:
+    async def run(self, i: int, requests: list[Request], cost: int, finish: Callable[[Trajectory], None]) -> int:
         """Run `requests` (room for them already taken on engine `i`) until each has a trajectory,
         handed to `finish` as it ends; moves the unfinished ones when `i` dies. Returns the engine
         the last of them ran on. Every request gets a trajectory: a failed one says why."""
@@ -159,7 +170,12 @@ class Runner:
         return i
 
     async def _attempt(
-        self, i: int, pending: dict[int, Request], cost: int, finish: Callable[[Trajectory], None], timeout: float | None
+        self,
+        i: int,
+        pending: dict[int, Request],
+        cost: int,
+        finish: Callable[[Trajectory], None],
+        timeout: float | None,
     ) -> tuple[str | None, bool]:
         """Run `pending` on engine `i` (room already taken), handing finished ones to `finish`.
 

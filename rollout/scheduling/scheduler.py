@@ -91,7 +91,9 @@ class Scheduler:
         self.runner = Runner(cfg, engines, on_engine_dead, self._all_dead)
         self.lobby = Lobby(self.runner)
         self._stopped = False  # every engine is dead: no prompt is read any more
-        self._direct = env is None and cfg.engines.request_timeout_s is None  # the learner's plain groups run as `Direct`s
+        self._direct = (
+            env is None and cfg.engines.request_timeout_s is None
+        )  # the learner's plain groups run as `Direct`s
         self.direct: set[Direct] = set()  # those started on an engine, not yet complete
         self._spawned: set[asyncio.Task] = set()  # tasks they need meanwhile (`spawn`)
         self.admission = Admission(cfg.staleness)
@@ -154,7 +156,12 @@ class Scheduler:
         try:
             await fn(*args)
         except Exception as e:
-            log.error("scheduler task died", task=fn.__name__, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=6))
+            log.error(
+                "scheduler task died",
+                task=fn.__name__,
+                error=f"{type(e).__name__}: {e}",
+                traceback=traceback.format_exc(limit=6),
+            )
             self.fail(EngineDeadError(f"the scheduler stopped: {fn.__name__} raised {type(e).__name__}: {e}"))
 
     async def _read_sources(self, tg: TaskGroup) -> None:
@@ -172,7 +179,9 @@ class Scheduler:
                     except StopAsyncIteration:
                         break
                     except Exception as e:  # the source itself failed: say so in a group; the rest goes on
-                        reason = str(e) if isinstance(e, RolloutError) else f"prompt source raised {type(e).__name__}: {e}"
+                        reason = (
+                            str(e) if isinstance(e, RolloutError) else f"prompt source raised {type(e).__name__}: {e}"
+                        )
                         log.error("prompt source failed", error=reason, traceback=traceback.format_exc(limit=4))
                         seq = await self.queue.reserve()
                         await self._hand_in(Group(prompt_id="", prompt=Prompt(), error=reason), seq, self.queue)
@@ -207,7 +216,9 @@ class Scheduler:
 
     # -- one group ---------------------------------------------------------------------------
 
-    async def _admit(self, item: Prompt | BadPrompt, tg: TaskGroup, dest: Destination, train: bool, index: int = 0) -> bool:
+    async def _admit(
+        self, item: Prompt | BadPrompt, tg: TaskGroup, dest: Destination, train: bool, index: int = 0
+    ) -> bool:
         """Start one prompt's group in `tg`. False when no engine is left to run it."""
         if train:
             await self.admission.acquire()
@@ -224,7 +235,9 @@ class Scheduler:
             await self.crashed(e, item, seq, dest, train)
             return True
 
-    async def _start(self, item: Prompt | BadPrompt, tg: TaskGroup, dest: Destination, train: bool, seq: int, number: int) -> bool:
+    async def _start(
+        self, item: Prompt | BadPrompt, tg: TaskGroup, dest: Destination, train: bool, seq: int, number: int
+    ) -> bool:
         queued_at = time.time()
         if isinstance(item, BadPrompt):
             await self._reject(Group(prompt_id=item.id, prompt=Prompt(id=item.id), error=item.reason), seq, dest, train)
@@ -255,7 +268,9 @@ class Scheduler:
             prompt, _, _, seq, _, _, dest, train, _ = args
             await self.crashed(e, prompt, seq, dest, train)
 
-    async def crashed(self, error: BaseException, item: Prompt | BadPrompt, seq: int, dest: Destination, train: bool) -> None:
+    async def crashed(
+        self, error: BaseException, item: Prompt | BadPrompt, seq: int, dest: Destination, train: bool
+    ) -> None:
         """Group `seq` failed for a reason of ours, not the engine's: hand it in failed, with the reason."""
         reason = f"scheduler: {type(error).__name__}: {error}"
         log.error("group failed", prompt=item.id, error=reason, traceback=traceback.format_exc(limit=6))
@@ -287,7 +302,9 @@ class Scheduler:
             return
         salt = (session[1] if session else f"s:{prompt.session}") if prompt.session is not None else None
         requests = [
-            Request(f"r{number}-{k}", prompt.id, k, sampling, token_ids=prompt.token_ids, text=prompt.text, cache_salt=salt)
+            Request(
+                f"r{number}-{k}", prompt.id, k, sampling, token_ids=prompt.token_ids, text=prompt.text, cache_salt=salt
+            )
             for k in range(sampling.n)
         ]
         done: dict[int, Trajectory] = {}
@@ -329,7 +346,9 @@ class Scheduler:
                 raise
             await self.crashed(e, prompt, seq, self.queue, train)
 
-    async def _scored_in(self, prompt: Prompt, trajectories: list[Trajectory], seq: int, dest: Destination, train: bool) -> None:
+    async def _scored_in(
+        self, prompt: Prompt, trajectories: list[Trajectory], seq: int, dest: Destination, train: bool
+    ) -> None:
         """Score a finished group's trajectories (the reward function, if any), then hand it in."""
         if self.reward is not None:
             async with anyio.create_task_group() as tg:
@@ -369,7 +388,13 @@ class Scheduler:
         except BaseException as e:  # user code: SystemExit too (`rollout.inputs.usercode`)
             if passes_through(e):
                 raise
-            finish(failed(request, i, f"episode {request.request_id}: {EnvError(f'environment raised {type(e).__name__}: {e}')}"))
+            finish(
+                failed(
+                    request,
+                    i,
+                    f"episode {request.request_id}: {EnvError(f'environment raised {type(e).__name__}: {e}')}",
+                )
+            )
             return
         try:
             episode = await run_episode(request, prompt, env, self.cfg.episode, self.limits, self.chat, run_turn)
@@ -378,7 +403,12 @@ class Scheduler:
         except BaseException as e:  # a bug of ours on an odd answer: this episode fails, not its group
             if passes_through(e):
                 raise
-            log.error("episode failed", request=request.request_id, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=6))
+            log.error(
+                "episode failed",
+                request=request.request_id,
+                error=f"{type(e).__name__}: {e}",
+                traceback=traceback.format_exc(limit=6),
+            )
             episode = failed(request, engine, f"episode {request.request_id}: {type(e).__name__}: {e}")
         finish(episode)
 

@@ -29,7 +29,14 @@ import anyio
 import msgspec
 
 from rollout.episodes.loop import assemble
-from rollout.errors import EngineClosedError, EngineDeadError, InvalidPromptError, InvalidWeightsError, RetryableError, WeightSyncError
+from rollout.errors import (
+    EngineClosedError,
+    EngineDeadError,
+    InvalidPromptError,
+    InvalidWeightsError,
+    RetryableError,
+    WeightSyncError,
+)
 from rollout.log import get_logger
 from rollout.serve import io
 from rollout.serve.openai_api import ApiError
@@ -88,7 +95,9 @@ class Desk:
 
     def __init__(self, engine: ServedEngine, end_of_turn: int | None):
         self.engine = engine
-        self.end_of_turn = end_of_turn  # the chat template's end-of-turn id: a turn's ids end with it in the next prompt
+        self.end_of_turn = (
+            end_of_turn  # the chat template's end-of-turn id: a turn's ids end with it in the next prompt
+        )
         self.by_ids: OrderedDict[bytes, str] = OrderedDict()  # hash of a turn's prompt + generation -> session
         self.episodes: OrderedDict[str, list[Trajectory]] = OrderedDict()
         self.running: dict[object, tuple[str, Callable[[], None]]] = {}  # requests in flight: (request id, abort it)
@@ -105,7 +114,9 @@ class Desk:
         single = sampling.get("n", 1) == 1  # a session continues one conversation: n samples start none
         session = (session or self._session_of(prompt_ids, prefix)) if single else None
         pid = SEEDED if sampling.get("seed") is not None else f"http-{uuid.uuid4().hex[:12]}"
-        submission = self.engine.submit([Prompt(token_ids=prompt_ids, sampling=sampling, session=session, id=pid)], train=False)
+        submission = self.engine.submit(
+            [Prompt(token_ids=prompt_ids, sampling=sampling, session=session, id=pid)], train=False
+        )
         groups, aborted, token = None, False, object()
         with anyio.CancelScope() as scope:
 
@@ -153,16 +164,27 @@ class Desk:
     async def reward(self, episode_id: str, value: Any) -> dict[str, Any]:
         """Close an episode: its turns become one trajectory, rewarded, handed to the learner. A full
         learner's queue (429) leaves the episode as it was, for the client's retry."""
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or value != value
+            or abs(value) == float("inf")
+        ):
             raise ApiError(400, "reward: expected a finite number", "reward")
         turns = self.episodes.pop(episode_id, None)
         if not turns:
-            raise ApiError(404, f"episode {printable(episode_id)!r}: no turns were served with this episode_id", kind="not_found_error")
+            raise ApiError(
+                404,
+                f"episode {printable(episode_id)!r}: no turns were served with this episode_id",
+                kind="not_found_error",
+            )
         observations = []
         for a, b in zip(turns, turns[1:]):
             before = a.prompt_token_ids + a.token_ids
             if b.prompt_token_ids[: len(before)] != before:
-                raise ApiError(409, f"episode {printable(episode_id)!r}: a turn does not continue the one before token for token")
+                raise ApiError(
+                    409, f"episode {printable(episode_id)!r}: a turn does not continue the one before token for token"
+                )
             observations.append(b.prompt_token_ids[len(before) :])
         first = turns[0].prompt_token_ids
         request = EngineRequest(episode_id, episode_id, 0, self.engine.cfg.sampling, token_ids=first)
@@ -175,7 +197,12 @@ class Desk:
             kept = turns + self.episodes.get(episode_id, [])  # kept for the retry, before any turn sent meanwhile
             self.stats.episodes_forgotten.inc(_put(self.episodes, episode_id, kept))
             raise ApiError(429, str(e), kind="rate_limit_error", headers=RETRY_AFTER) from e
-        return {"episode_id": episode_id, "turns": len(turns), "tokens": len(episode.token_ids), "reward": episode.reward}
+        return {
+            "episode_id": episode_id,
+            "turns": len(turns),
+            "tokens": len(episode.token_ids),
+            "reward": episode.reward,
+        }
 
     def record(self, path: str, status: int, seconds: float) -> None:
         """An HTTP request answered (by any front end)."""

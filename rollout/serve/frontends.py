@@ -64,7 +64,9 @@ RETURNS: dict[str, Any] = {"run": list[Trajectory]}  # how a call's answer decod
 START_S = 300.0  # a front end not serving by then failed to start
 
 
-async def serve(engine: ServedEngine, tg: TaskGroup, host: str | None, port: int | None, api_key: str | None) -> Server | FrontEnds:
+async def serve(
+    engine: ServedEngine, tg: TaskGroup, host: str | None, port: int | None, api_key: str | None
+) -> Server | FrontEnds:
     """`engine.serve()`: the HTTP half in this process over the desk, or `serve.api_servers` processes."""
     cfg = engine.cfg
     if cfg.serve.api_servers > 1:
@@ -89,7 +91,9 @@ class FrontEnds:
         self.model = self.cfg.serve.model_name or self.cfg.model.path
         self.url = ""
         self.procs: list[subprocess.Popen] = []  # a process per front end
-        self._life: tuple[int, ...] = ()  # a pipe never written: its read end, in every front end, ends when this process does
+        self._life: tuple[
+            int, ...
+        ] = ()  # a pipe never written: its read end, in every front end, ends when this process does
         self.pids: dict[int, int] = {}  # front end -> the pid that said it serves
         self._exits: dict[int, int] = {}  # front end -> a pidfd of its process, readable once it exits
         self._service: DeskService | None = None
@@ -121,9 +125,13 @@ class FrontEnds:
         """`python -m rollout.serve` (`rollout/serve/__main__.py`), handed the listening socket and the read end of a
         pipe nobody writes (end of file once the driver is gone), its settings on stdin."""
         fds = (self._sock.fileno(), self._life[0])
-        proc = subprocess.Popen([sys.executable, "-m", "rollout.serve"], stdin=subprocess.PIPE, pass_fds=fds, env=_env())
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rollout.serve"], stdin=subprocess.PIPE, pass_fds=fds, env=_env()
+        )
         with contextlib.suppress(BrokenPipeError):  # it died at once: its exit says so
-            proc.stdin.write(pickle.dumps((index, *fds, self._service.address, self.cfg, self.model_path, self.api_key)))
+            proc.stdin.write(
+                pickle.dumps((index, *fds, self._service.address, self.cfg, self.model_path, self.api_key))
+            )
             proc.stdin.close()
         self._exits[index] = exited = os.pidfd_open(proc.pid)  # readable once it exits
         asyncio.get_running_loop().add_reader(exited, self._exited, index, proc)
@@ -303,7 +311,9 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
 
 
-async def front_end(index: int, sock_fd: int, life_fd: int, address: str, cfg: Config, model_path: str, api_key: str | None) -> None:
+async def front_end(
+    index: int, sock_fd: int, life_fd: int, address: str, cfg: Config, model_path: str, api_key: str | None
+) -> None:
     """The HTTP half on the listening socket over the desk at `address`, until the driver is gone."""
     desk = RemoteDesk(address)
     server = Server(desk, cfg, io.served_chat(model_path, cfg.model.max_model_len), api_key)
@@ -315,4 +325,3 @@ async def front_end(index: int, sock_fd: int, life_fd: int, address: str, cfg: C
         await driver_gone.wait()
         await server.stop()
         tg.cancel_scope.cancel()
-

@@ -145,7 +145,9 @@ def _unfit(data: dict[str, Any]) -> tuple[str, str] | None:
                     return field, f"{where}: a key {reason}"
                 stack.append((item, depth + 1, field, f"{where}.{key}"))
         else:
-            stack.extend((item, depth + 1, field, f"{where}[{i}]") for i, item in enumerate(value) if type(item) is not int)
+            stack.extend(
+                (item, depth + 1, field, f"{where}[{i}]") for i, item in enumerate(value) if type(item) is not int
+            )
     return None
 
 
@@ -215,7 +217,9 @@ class ApiKey:
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and dict(scope["headers"]).get(b"authorization") != self.expected:
-            reply = error(api.ApiError(401, "missing or wrong API key (Authorization: Bearer ...)", kind="authentication_error"))
+            reply = error(
+                api.ApiError(401, "missing or wrong API key (Authorization: Bearer ...)", kind="authentication_error")
+            )
             return await reply(scope, receive, send)
         await self.app(scope, receive, send)
 
@@ -229,11 +233,15 @@ class Stats:
         self.collector = collector  # the engine's own figures (`RolloutEngine.prometheus_collector`)
         self.registry = CollectorRegistry()
         self.registry.register(collector)
-        self.requests = Counter("rollout_http_requests", "HTTP requests by path and status", ["path", "status"], registry=self.registry)
+        self.requests = Counter(
+            "rollout_http_requests", "HTTP requests by path and status", ["path", "status"], registry=self.registry
+        )
         self.latency = Histogram("rollout_http_latency_seconds", "HTTP request latency", ["path"], registry=self.registry,
                                  buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))  # fmt: skip
         self.prompt_tokens = Counter("rollout_http_prompt_tokens", "prompt tokens served", registry=self.registry)
-        self.generated = Counter("rollout_http_generated_tokens", "tokens generated for HTTP requests", registry=self.registry)
+        self.generated = Counter(
+            "rollout_http_generated_tokens", "tokens generated for HTTP requests", registry=self.registry
+        )
         self.episodes_forgotten = Counter("rollout_http_episodes_forgotten", "open episodes (turns kept, never rewarded) "
                                           "forgotten, the oldest first, past the server's bound", registry=self.registry)  # fmt: skip
 

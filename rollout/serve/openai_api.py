@@ -74,7 +74,9 @@ class Call(msgspec.Struct):
         return "max_tokens" if "+ max_tokens" in message else self.ids_param
 
 
-def chat(data: dict[str, Any], renderer: ChatRenderer | None, session: str | None, parsers: Parsers | None = None) -> Call:
+def chat(
+    data: dict[str, Any], renderer: ChatRenderer | None, session: str | None, parsers: Parsers | None = None
+) -> Call:
     messages = data.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages: required, a non-empty list of messages", "messages")
@@ -83,11 +85,16 @@ def chat(data: dict[str, Any], renderer: ChatRenderer | None, session: str | Non
             raise ApiError(400, f"messages[{i}].role: expected one of {', '.join(ROLES)}", f"messages[{i}].role")
         content = m.get("content", "")
         if not isinstance(content, (str, list, type(None))) or (
-            isinstance(content, list) and not all(isinstance(p, dict) and isinstance(p.get("text", ""), str) for p in content)
+            isinstance(content, list)
+            and not all(isinstance(p, dict) and isinstance(p.get("text", ""), str) for p in content)
         ):
-            raise ApiError(400, f"messages[{i}].content: expected a string or a list of parts with text", f"messages[{i}].content")
+            raise ApiError(
+                400, f"messages[{i}].content: expected a string or a list of parts with text", f"messages[{i}].content"
+            )
     if _n(data, "") != 1:  # a conversation's turn continues one session: one sample
-        raise ApiError(400, "n: only n=1 is served on chat (a turn continues one conversation; /v1/completions serves n)", "n")
+        raise ApiError(
+            400, "n: only n=1 is served on chat (a turn continues one conversation; /v1/completions serves n)", "n"
+        )
     tools = data.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise ApiError(400, "tools: expected a list", "tools")
@@ -107,7 +114,9 @@ def prompt_ids(messages: list[dict[str, Any]], tools: Any, required: Any, chat: 
     carrying its ids (or `required_prefix_token_ids`) is taken as it was run, and only what
     follows it is rendered."""
     messages = [_plain(m) for m in messages]
-    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant" and "generation_token_ids" in m), default=None)
+    last = max(
+        (i for i, m in enumerate(messages) if m["role"] == "assistant" and "generation_token_ids" in m), default=None
+    )
     prefix: list[int] | None = None
     if last is not None:
         m = messages[last]
@@ -127,7 +136,9 @@ def prompt_ids(messages: list[dict[str, Any]], tools: Any, required: Any, chat: 
     except ApiError:
         raise
     except Exception as e:  # the template's own refusal (jinja2 raises what it likes): the client's messages
-        raise ApiError(400, f"messages: the chat template cannot render them: {type(e).__name__}: {e}", "messages") from e
+        raise ApiError(
+            400, f"messages: the chat template cannot render them: {type(e).__name__}: {e}", "messages"
+        ) from e
 
 
 def completion(data: dict[str, Any], renderer: ChatRenderer | None) -> Call:
@@ -167,11 +178,19 @@ def sampling(data: dict[str, Any], where: str = "") -> dict[str, Any]:
                              ("min_tokens", data.get("min_tokens"), int), ("seed", data.get("seed"), int)):  # fmt: skip
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-            raise ApiError(400, f"{where}{key}: expected {'an integer' if kind is int else 'a number'}, got {value!r}", where + key)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or (kind is int and not isinstance(value, int))
+        ):
+            raise ApiError(
+                400, f"{where}{key}: expected {'an integer' if kind is int else 'a number'}, got {value!r}", where + key
+            )
         if kind is float and not math.isfinite(value):
             raise ApiError(400, f"{where}{key}: expected a finite number, got {value!r}", where + key)
-        if kind is int and not -(2**63) <= value < 2**63:  # what msgpack carries (to a front end's desk, to the engines)
+        if (
+            kind is int and not -(2**63) <= value < 2**63
+        ):  # what msgpack carries (to a front end's desk, to the engines)
             raise ApiError(400, f"{where}{key}: expected an integer in [-2^63, 2^63), got {value!r}", where + key)
         out[key] = value
     if out.get("top_k") == -1:
@@ -187,7 +206,9 @@ def sampling(data: dict[str, Any], where: str = "") -> dict[str, Any]:
     return out
 
 
-def chat_response(call: Call, trajs: list[Trajectory], model: str, chat: ChatRenderer | None, parsers: Parsers | None = None) -> dict[str, Any]:
+def chat_response(
+    call: Call, trajs: list[Trajectory], model: str, chat: ChatRenderer | None, parsers: Parsers | None = None
+) -> dict[str, Any]:
     (traj,) = trajs  # chat serves n=1
     text = visible_text(chat, traj.token_ids, traj.finish_reason, call.stop, call.stop_ids)
     parsed = {"reasoning": None, "content": text, "tool_calls": []}
@@ -204,9 +225,14 @@ def chat_response(call: Call, trajs: list[Trajectory], model: str, chat: ChatRen
         # at once), on the text the client sees (a stop string cut as above); `events` sends the
         # deltas as one, since the engine hands a turn over when it ends
         steps = [[t] for t in traj.token_ids]
-        deltas = parsers.stream(call.parse, steps, list(traj.prompt_token_ids), lambda ids: chat.decode(ids)[: len(text)])
+        deltas = parsers.stream(
+            call.parse, steps, list(traj.prompt_token_ids), lambda ids: chat.decode(ids)[: len(text)]
+        )
         tools = any(d.get("tool_calls") for d in deltas)
-        choice["stream"] = {"deltas": deltas, "finish_reason": "tool_calls" if tools and finish(traj) == "stop" else finish(traj)}
+        choice["stream"] = {
+            "deltas": deltas,
+            "finish_reason": "tool_calls" if tools and finish(traj) == "stop" else finish(traj),
+        }
     body = _envelope("chat.completion", model, trajs, [choice])
     if call.return_token_ids:
         body["prompt_token_ids"] = list(traj.prompt_token_ids)
@@ -220,7 +246,10 @@ def completion_response(call: Call, trajs: list[Trajectory], model: str, chat: C
         choice: dict[str, Any] = {"index": i, "text": visible_text(chat, traj.token_ids, traj.finish_reason, call.stop, call.stop_ids),
                                   "finish_reason": finish(traj), "logprobs": None, **token_fields(traj)}  # fmt: skip
         if call.logprobs:
-            choice["logprobs"] = {"tokens": [f"token_id:{t}" for t in traj.token_ids], "token_logprobs": list(traj.logprobs)}
+            choice["logprobs"] = {
+                "tokens": [f"token_id:{t}" for t in traj.token_ids],
+                "token_logprobs": list(traj.logprobs),
+            }
         if call.return_token_ids:
             choice["token_ids"] = list(traj.token_ids)
         choices.append(choice)
@@ -230,7 +259,9 @@ def completion_response(call: Call, trajs: list[Trajectory], model: str, chat: C
     return body
 
 
-def visible_text(chat: ChatRenderer | None, ids: list[int], finish_reason: str, stop: list[str], stop_ids: list[int]) -> str:
+def visible_text(
+    chat: ChatRenderer | None, ids: list[int], finish_reason: str, stop: list[str], stop_ids: list[int]
+) -> str:
     """The text vLLM's server returns for a sample's ids (`include_stop_str_in_output` false): a
     turn ended by a stop id leaves that token's text out; one ended by a stop string ends before
     the stop string its last token completed (the earliest ending, the first listed on a tie, as
@@ -267,8 +298,14 @@ def events(body: dict[str, Any], usage: bool) -> bytes:
         if chat:
             delta = {**choice["message"]}
             finish_reason = choice["finish_reason"]
-            if (stream := choice.get("stream")) is not None:  # vLLM's parser delta for the turn in place of the parsed message
-                delta = {k: v for k, v in delta.items() if k not in ("content", "reasoning", "reasoning_content", "tool_calls")}
+            if (
+                stream := choice.get("stream")
+            ) is not None:  # vLLM's parser delta for the turn in place of the parsed message
+                delta = {
+                    k: v
+                    for k, v in delta.items()
+                    if k not in ("content", "reasoning", "reasoning_content", "tool_calls")
+                }
                 delta.update(_merged(stream["deltas"]))
                 finish_reason = stream["finish_reason"]
             elif "tool_calls" in delta:
@@ -340,9 +377,13 @@ def token_fields(traj: Trajectory) -> dict[str, Any]:
         "policy_epoch": [[[s, e] for s, e in m["policy_epoch"]]],
         "kv_cache_epoch": [[[s, e] for s, e in m["kv_cache_epoch"]]],
         "num_evictions": [m["num_evictions"]],
-        "rollout": {"policy_epochs": [list(r) for r in traj.policy_epochs], "kv_epochs": [list(r) for r in traj.kv_epochs],
-                    "kv_recomputes": [list(r) for r in traj.kv_recomputes], "kv_reused": traj.kv_reused,
-                    "engine_id": traj.engine_id},  # fmt: skip
+        "rollout": {
+            "policy_epochs": [list(r) for r in traj.policy_epochs],
+            "kv_epochs": [list(r) for r in traj.kv_epochs],
+            "kv_recomputes": [list(r) for r in traj.kv_recomputes],
+            "kv_reused": traj.kv_reused,
+            "engine_id": traj.engine_id,
+        },  # fmt: skip
     }
 
 
@@ -350,7 +391,9 @@ def logprob_items(traj: Trajectory, as_ids: bool, chat: ChatRenderer | None) -> 
     out = []
     for t, lp in zip(traj.token_ids, traj.logprobs):
         token = f"token_id:{t}" if as_ids or chat is None else chat.tokenizer.decode([t])
-        out.append({"token": token, "logprob": lp, "bytes": None if as_ids else list(token.encode()), "top_logprobs": []})
+        out.append(
+            {"token": token, "logprob": lp, "bytes": None if as_ids else list(token.encode()), "top_logprobs": []}
+        )
     return out
 
 

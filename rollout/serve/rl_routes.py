@@ -112,7 +112,9 @@ class RLRoutes:
         in vLLM, is accepted and ignored: an update clears caches as `weight_sync.mode` says)."""
         mode = request.query_params.get("mode", "abort")
         if mode not in PAUSE_MODES:
-            raise api.ApiError(400, f"mode: expected one of {', '.join(PAUSE_MODES)}, got {mode[:40]!r}", "mode", "BadRequestError")
+            raise api.ApiError(
+                400, f"mode: expected one of {', '.join(PAUSE_MODES)}, got {mode[:40]!r}", "mode", "BadRequestError"
+            )
         return await self.desk.pause(mode)
 
     async def resume(self, request: Any) -> dict[str, Any]:
@@ -152,7 +154,9 @@ class RLRoutes:
         """include_dp (default): model workers over every engine; false: one engine's."""
         flag = request.query_params.get("include_dp", "true").lower()
         if flag not in TRUE + FALSE:  # what FastAPI's bool query (vLLM's route) accepts
-            raise api.ApiError(400, f"include_dp: expected true or false, got {flag[:40]!r}", "include_dp", "BadRequestError")
+            raise api.ApiError(
+                400, f"include_dp: expected true or false, got {flag[:40]!r}", "include_dp", "BadRequestError"
+            )
         return await self.desk.world_size(flag in TRUE)
 
     async def _body(self, request: Any, kind: type) -> Any:
@@ -166,4 +170,3 @@ class RLRoutes:
             at = text.split("`$.", 1)[1] if "`$." in text else text.split("`")[1] if "`" in text else ""
             field = at.split("`")[0].split("[")[0].split(".")[0] or None
             raise api.ApiError(400, f"{request.url.path}: {text}", field, "BadRequestError") from e
-

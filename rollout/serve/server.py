@@ -73,14 +73,18 @@ class Server:
         self._prepare = io.Preparer()
         self.app = self._app()
 
-    async def start(self, tg: "TaskGroup", host: str | None = None, port: int | None = None, sock: "socket.socket | None" = None) -> str:
+    async def start(
+        self, tg: "TaskGroup", host: str | None = None, port: int | None = None, sock: "socket.socket | None" = None
+    ) -> str:
         """Listen (on `serve.host`/`serve.port` unless given; port 0: a free one; or on `sock`, bound
         already); returns the URL. Raises OSError naming the address when it cannot listen; the
         engine is untouched."""
         import uvicorn
 
         host, port = host or self.cfg.host, self.cfg.port if port is None else port
-        sock = sock or io.listen(host, port)  # bound here: uvicorn's own bind calls sys.exit, which would end the engine's task group
+        sock = sock or io.listen(
+            host, port
+        )  # bound here: uvicorn's own bind calls sys.exit, which would end the engine's task group
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False)
         self._server = io.uvicorn_server(config)
 
@@ -118,7 +122,9 @@ class Server:
         if self.api_key:
             app.add_middleware(io.ApiKey, key=self.api_key)
 
-        async def handle(request: Request, parse: Callable[[dict[str, Any]], Any], work: Any, streams: bool = False) -> Any:
+        async def handle(
+            request: Request, parse: Callable[[dict[str, Any]], Any], work: Any, streams: bool = False
+        ) -> Any:
             """1) read the body (size limit) 2) admit it (429 past max_concurrency) 3) decode and
             `parse` it, off the loop when large 4) `work` on the parsed request 5) reply."""
             started = time.perf_counter()
@@ -130,9 +136,15 @@ class Server:
                                        headers=RETRY_AFTER)  # fmt: skip
                 self.inflight += 1
                 try:
-                    data, call, (stream, usage) = await self._prepare.run(body, lambda b: self._parse(b, parse, streams))
+                    data, call, (stream, usage) = await self._prepare.run(
+                        body, lambda b: self._parse(b, parse, streams)
+                    )
                     reply = await work(request, data, call)
-                    return Response(api.events(reply, usage), media_type="text/event-stream") if stream else io.json_response(reply)
+                    return (
+                        Response(api.events(reply, usage), media_type="text/event-stream")
+                        if stream
+                        else io.json_response(reply)
+                    )
                 finally:
                     self.inflight -= 1
             except api.ApiError as e:
@@ -140,7 +152,9 @@ class Server:
                 return io.error(e)
             except InvalidPromptError as e:  # the engine's own checks: the field named as ours are
                 status = 400
-                return io.error(api.ApiError(400, str(e), call.param_of(str(e)) if isinstance(call, api.Call) else None))
+                return io.error(
+                    api.ApiError(400, str(e), call.param_of(str(e)) if isinstance(call, api.Call) else None)
+                )
             except RetryableError as e:  # the engine busy: the client's retry will do
                 status = 429
                 return io.error(api.ApiError(429, str(e), kind="rate_limit_error", headers=RETRY_AFTER))
@@ -155,7 +169,9 @@ class Server:
                 self.desk.record(request.url.path, status, time.perf_counter() - started)
 
         def session_of(request: Request) -> Callable[[dict[str, Any]], api.Call]:
-            return lambda data: api.chat(data, self.chat, request.headers.get("x-session-id") or api._str(data, "session_id"), self.parsers)
+            return lambda data: api.chat(
+                data, self.chat, request.headers.get("x-session-id") or api._str(data, "session_id"), self.parsers
+            )
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request) -> Any:
@@ -181,7 +197,9 @@ class Server:
 
         @app.post("/v1/episodes/{episode_id}/reward")
         async def reward(request: Request, episode_id: str) -> Any:
-            return await handle(request, lambda data: None, lambda r, data, call: self.desk.reward(episode_id, data.get("reward")))
+            return await handle(
+                request, lambda data: None, lambda r, data, call: self.desk.reward(episode_id, data.get("reward"))
+            )
 
         @app.get("/v1/models")
         async def models() -> Any:
@@ -205,11 +223,15 @@ class Server:
 
         @app.exception_handler(405)
         async def not_allowed(request: Request, exc: Any) -> Response:
-            return io.error(api.ApiError(405, f"{request.method} is not served on {request.url.path}", kind="invalid_request_error"))
+            return io.error(
+                api.ApiError(405, f"{request.method} is not served on {request.url.path}", kind="invalid_request_error")
+            )
 
         return app
 
-    def _parse(self, body: bytes, parse: Callable[[dict[str, Any]], Any], streams: bool) -> tuple[dict[str, Any], Any, tuple[bool, bool]]:
+    def _parse(
+        self, body: bytes, parse: Callable[[dict[str, Any]], Any], streams: bool
+    ) -> tuple[dict[str, Any], Any, tuple[bool, bool]]:
         """The body decoded and checked, and the request it makes (`parse`): the CPU-heavy part of a
         request (JSON, rendering, tokenizing), run where `Preparer` says."""
         data = io.decode(body)
@@ -247,7 +269,10 @@ class Server:
         base = self.sampling
         call.sampling.setdefault("max_tokens", min(base.max_tokens, room))
         call.sampling.setdefault("min_tokens", 0)
-        call.stop, call.stop_ids = call.sampling.get("stop", list(base.stop)), call.sampling.get("stop_token_ids", list(base.stop_token_ids))
+        call.stop, call.stop_ids = (
+            call.sampling.get("stop", list(base.stop)),
+            call.sampling.get("stop_token_ids", list(base.stop_token_ids)),
+        )
         trajs: list[Trajectory] | None = None
         failure: Exception | None = None
         async with anyio.create_task_group() as tg:
@@ -260,7 +285,9 @@ class Server:
             tg.start_soon(watch)
             rid = request.headers.get("x-request-id") or rid
             try:
-                trajs = await self.desk.run(call.prompt_ids, call.sampling, call.session, call.prefix, call.episode, rid)
+                trajs = await self.desk.run(
+                    call.prompt_ids, call.sampling, call.session, call.prefix, call.episode, rid
+                )
             except Exception as e:  # raised below, outside the task group (not in an ExceptionGroup)
                 failure = e
             tg.cancel_scope.cancel()

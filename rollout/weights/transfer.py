@@ -99,7 +99,10 @@ class WeightTransfer:
                     f"init_weight_transfer_engine: world_size {init_info['world_size']}, but the learner's "
                     f"{offset} rank(s) and {len(live)} engines x {workers} model workers make {offset + len(live) * workers}", [],
                 )  # fmt: skip
-            infos = [{**init_info, "rank_offset": offset + k * workers} if "rank_offset" in init_info else init_info for k in range(len(live))]
+            infos = [
+                {**init_info, "rank_offset": offset + k * workers} if "rank_offset" in init_info else init_info
+                for k in range(len(live))
+            ]
             engines = [self.u.pool.engines[i] for i in live]
             got = await fan_out(asyncio.wait_for(e.call("init_transfer", info), self.u.cfg.weight_sync.timeout_s)
                                 for e, info in zip(engines, infos))  # fmt: skip
@@ -113,7 +116,9 @@ class WeightTransfer:
         A round whose finish did not wait (`wait=False`) ends first; its failure raises here, once."""
         await self.u.settled()
         if self.round is not None:
-            raise WeightSyncError("start_weight_update called while a weight update is active: finish_weight_update first", [])
+            raise WeightSyncError(
+                "start_weight_update called while a weight update is active: finish_weight_update first", []
+            )
         if self.members is None:
             raise WeightSyncError("start_weight_update called before init_weight_transfer_engine", [])
         rnd = self.round = _Round(0, [], [])
@@ -165,7 +170,9 @@ class WeightTransfer:
                 if isinstance(r, EngineDeadError):
                     self.u.lost(i, bad[i])
             self._close(rnd)
-            raise WeightSyncError(f"epoch {rnd.epoch}: {describe(bad)} could not start the update; no engine changed", sorted(bad))
+            raise WeightSyncError(
+                f"epoch {rnd.epoch}: {describe(bad)} could not start the update; no engine changed", sorted(bad)
+            )
         rnd.started = True
         self.u.allocated = rnd.epoch  # an engine may hold it from here on: never allocated again
         await self.u.record(rnd.epoch)
@@ -270,14 +277,23 @@ class WeightTransfer:
             failed=sorted(rnd.bad),
         ))  # fmt: skip
         if not done:
-            raise WeightSyncError(f"epoch {rnd.epoch}: every engine failed to load it: {describe(rnd.bad)}; the epoch stays {self.u.epoch}", sorted(rnd.bad))
-        self.u.weights, self.u.weights_stamp = LEARNER, None  # its bytes live only in the learner: restarts wait for the next
+            raise WeightSyncError(
+                f"epoch {rnd.epoch}: every engine failed to load it: {describe(rnd.bad)}; the epoch stays {self.u.epoch}",
+                sorted(rnd.bad),
+            )
+        self.u.weights, self.u.weights_stamp = (
+            LEARNER,
+            None,
+        )  # its bytes live only in the learner: restarts wait for the next
         self.u.serve(rnd.epoch, rnd.live, rnd.bad)
         if weight_version is not None:
             self.versions[weight_version] = rnd.epoch
         log.info("weights updated", epoch=rnd.epoch, failed=sorted(rnd.bad), source="weight transfer")
         if rnd.bad:
-            raise WeightSyncError(f"epoch {rnd.epoch}: {describe(rnd.bad)}; out of rotation, the others serve epoch {rnd.epoch}", sorted(rnd.bad))
+            raise WeightSyncError(
+                f"epoch {rnd.epoch}: {describe(rnd.bad)}; out of rotation, the others serve epoch {rnd.epoch}",
+                sorted(rnd.bad),
+            )
         return rnd.epoch
 
     def label(self, version: str) -> int:
@@ -315,9 +331,16 @@ class WeightTransfer:
                 except TimeoutError:
                     if rnd.busy or rnd.closed.is_set():
                         continue
-                    log.error("weight transfer: no call for weight_sync.timeout_s; the round ends", epoch=rnd.epoch, started=rnd.started)
+                    log.error(
+                        "weight transfer: no call for weight_sync.timeout_s; the round ends",
+                        epoch=rnd.epoch,
+                        started=rnd.started,
+                    )
                     if rnd.started:
-                        self._fail_all(rnd, f"the learner made no call for weight_sync.timeout_s={self.u.cfg.weight_sync.timeout_s}")
+                        self._fail_all(
+                            rnd,
+                            f"the learner made no call for weight_sync.timeout_s={self.u.cfg.weight_sync.timeout_s}",
+                        )
                     self._close(rnd)
 
 
@@ -373,7 +396,9 @@ def loop_caller(loop: asyncio.AbstractEventLoop) -> Callable[..., Any]:
         if not inspect.iscoroutinefunction(fn):
             return fn(*args) if threading.get_ident() == home else _on(loop, fn, *args)
         if threading.get_ident() == home:
-            raise RuntimeError("the weight-sync client blocks: call it from a thread, e.g. await anyio.to_thread.run_sync(trainer.send_weights)")
+            raise RuntimeError(
+                "the weight-sync client blocks: call it from a thread, e.g. await anyio.to_thread.run_sync(trainer.send_weights)"
+            )
         return asyncio.run_coroutine_threadsafe(fn(*args), loop).result()
 
     return call

@@ -44,7 +44,9 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 SHARE_ON_LOOP_BYTES = 64 << 20  # state dicts up to this size go into the object store on the loop's thread (~10 ms)
-LEARNER = object()  # `weights` of an epoch a learner sent (`rollout.weights.transfer`): its bytes live only in the learner
+LEARNER = (
+    object()
+)  # `weights` of an epoch a learner sent (`rollout.weights.transfer`): its bytes live only in the learner
 
 
 class WeightUpdates:
@@ -60,8 +62,12 @@ class WeightUpdates:
         self.weights_stamp: Any = None  # ... and, for a directory, what it held then (`fingerprint`)
         self.allocated = 0  # the highest epoch any engine may have loaded: the next one is above it
         self._restarts: dict[int, int] = {}
-        self._parked: dict[int, Engine] = {}  # restarted engines waiting for the next update (after a learner's transfer)
-        self.incarnations: dict[int, int] = {}  # engine -> +1 per restart or failed transfer (the learner's group is broken)
+        self._parked: dict[
+            int, Engine
+        ] = {}  # restarted engines waiting for the next update (after a learner's transfer)
+        self.incarnations: dict[
+            int, int
+        ] = {}  # engine -> +1 per restart or failed transfer (the learner's group is broken)
         self.held = False  # a learner's /pause (`rollout.serve.rl_routes`) holds every engine, restarted ones too
         self._scheduler: Scheduler | None = None  # admission's epoch, the runner's engines in rotation
         self.pool: EnginePool | None = None
@@ -75,7 +81,13 @@ class WeightUpdates:
         self._failure: Exception | None = None  # ... its failure, raised once by the next call that waits on it
 
     def bind(
-        self, scheduler: Scheduler, pool: EnginePool, model_path: str, tg: TaskGroup, durable: DurableLog | None = None, start_epoch: int = 0
+        self,
+        scheduler: Scheduler,
+        pool: EnginePool,
+        model_path: str,
+        tg: TaskGroup,
+        durable: DurableLog | None = None,
+        start_epoch: int = 0,
     ) -> None:
         """The running scheduler, engine pool, model directory, the task group restarts run in, the
         durable log (which records each allocated epoch: a later run resumes above it) and the
@@ -97,7 +109,9 @@ class WeightUpdates:
             return await self.tg.start(self._update_later, weights)
         except Exception as e:
             if self._closed:
-                raise EngineClosedError(f"the engine was shut down during this weight update ({type(e).__name__}: {e})") from e
+                raise EngineClosedError(
+                    f"the engine was shut down during this weight update ({type(e).__name__}: {e})"
+                ) from e
             raise
 
     async def _update_later(self, weights: Any, task_status: Any) -> None:
@@ -119,7 +133,9 @@ class WeightUpdates:
         self._settling = anyio.Event()
         self.tg.start_soon(self._detached, work, lambda: True, self._settling)
 
-    async def _detached(self, work: Callable[[], Awaitable[Any]], handed: Callable[[], bool], done: anyio.Event) -> None:
+    async def _detached(
+        self, work: Callable[[], Awaitable[Any]], handed: Callable[[], bool], done: anyio.Event
+    ) -> None:
         try:
             await work()
         except Exception as e:
@@ -151,7 +167,9 @@ class WeightUpdates:
             await self._settling.wait()
         if (e := self._failure) is not None:
             self._failure = None
-            raise WeightSyncError(f"an update that was not waited for failed: {e}", list(getattr(e, "failed", []))) from e
+            raise WeightSyncError(
+                f"an update that was not waited for failed: {e}", list(getattr(e, "failed", []))
+            ) from e
         return self.epoch
 
     async def _update(self, weights: Any, handed: Any = None) -> int:
@@ -179,7 +197,9 @@ class WeightUpdates:
                 handed(epoch)
             live, engines, received = await self._stage(epoch, live, engines, shared)
             self.allocated = epoch  # an engine may hold it from here on: never allocated again
-            with anyio.CancelScope(shield=True):  # every engine serves `epoch`, or left rotation, before anyone else looks
+            with anyio.CancelScope(
+                shield=True
+            ):  # every engine serves `epoch`, or left rotation, before anyone else looks
                 if handed is None:
                     await self.record(epoch)
                 stats, bad = await self._commit(epoch, live, engines, received, payload, prepared=t0)
@@ -188,12 +208,18 @@ class WeightUpdates:
                     self.serve(epoch, live, bad)
             if len(bad) == len(live):
                 raise WeightSyncError(f"epoch {epoch}: every engine failed to load it: {describe(bad)}", list(bad))
-            log.info("weights updated", epoch=epoch, seconds=round(stats.seconds, 3), mode=stats.mode, failed=stats.failed)
+            log.info(
+                "weights updated", epoch=epoch, seconds=round(stats.seconds, 3), mode=stats.mode, failed=stats.failed
+            )
             if bad:
-                raise WeightSyncError(f"epoch {epoch}: {describe(bad)}; out of rotation, the others serve epoch {epoch}", list(bad))
+                raise WeightSyncError(
+                    f"epoch {epoch}: {describe(bad)}; out of rotation, the others serve epoch {epoch}", list(bad)
+                )
             return epoch
 
-    async def _stage(self, epoch: int, live: list[int], engines: list[Engine], shared: Any) -> tuple[list[int], list[Any], list[Any]]:
+    async def _stage(
+        self, epoch: int, live: list[int], engines: list[Engine], shared: Any
+    ) -> tuple[list[int], list[Any], list[Any]]:
         """Phase 1 of `update`: every engine of `live` receives `shared`. Returns the engines that
         did, with what each received. An engine found dead leaves rotation and the update goes on
         without it: its crash is not the update's failure (the health watch could as well have
@@ -247,7 +273,12 @@ class WeightUpdates:
             self._scheduler.runner.revive(i, self._parked.pop(i))
 
     async def _commit(
-        self, epoch: int, live: list[int], engines: list[Any], received: list[Any], payload: Any,
+        self,
+        epoch: int,
+        live: list[int],
+        engines: list[Any],
+        received: list[Any],
+        payload: Any,
         prepared: float | None = None,
     ) -> tuple[UpdateStats, dict[int, str]]:
         """Phase 2 of an update on every engine that received it; failed ones leave rotation.
@@ -271,7 +302,9 @@ class WeightUpdates:
             prepare_s=t0 - prepared if prepared is not None else 0.0,
             stall_s={i: r["stall_s"] for i, r in zip(live, results) if isinstance(r, dict)},
             load_s={i: r["load_s"] for i, r in zip(live, results) if isinstance(r, dict)},
-            recomputed_tokens={i: int(r.get("recomputed_tokens", 0)) for i, r in zip(live, results) if isinstance(r, dict)},
+            recomputed_tokens={
+                i: int(r.get("recomputed_tokens", 0)) for i, r in zip(live, results) if isinstance(r, dict)
+            },
             failed=sorted(bad),
         )
         self.history.append(stats)
@@ -347,7 +380,10 @@ class WeightUpdates:
         directory changed since it was loaded as this epoch."""
         from policies.weights import fingerprint
 
-        if self.weights_stamp is not None and await anyio.to_thread.run_sync(fingerprint, self.weights) != self.weights_stamp:
+        if (
+            self.weights_stamp is not None
+            and await anyio.to_thread.run_sync(fingerprint, self.weights) != self.weights_stamp
+        ):
             raise WeightSyncError(
                 f"weights directory {self.weights} changed since it was loaded as epoch {self.epoch}: "
                 "a restarted engine would serve other weights under that epoch; update_weights again to readmit it", []
@@ -368,7 +404,9 @@ def failures(ids: list[int], results: list[Any], timeout_reason: str = "timed ou
     out = {}
     for i, r in zip(ids, results):
         if isinstance(r, BaseException):
-            out[i] = timeout_reason if isinstance(r, (asyncio.TimeoutError, TimeoutError)) else f"{type(r).__name__}: {r}"
+            out[i] = (
+                timeout_reason if isinstance(r, (asyncio.TimeoutError, TimeoutError)) else f"{type(r).__name__}: {r}"
+            )
     return out
 
 
@@ -400,4 +438,3 @@ async def pack_on_loop(weights: Any, manifest: Any) -> Any:
         else:
             data[name] = await anyio.to_thread.run_sync(tensor_bytes, name, t)
     return Packed(specs=specs, data=data)
-

@@ -74,7 +74,9 @@ async def test_engines_die_mid_rollout_and_nothing_is_lost():
     async with RolloutEngine(cfg) as engine:
 
         async def source():  # the engines restart in ~30 s: keep feeding until the chaos is done
-            while len(prompts) < 300 or (len(prompts) < 3000 and (len(kills) < KILLS or sum(engine._updates._restarts.values()) < KILLS)):
+            while len(prompts) < 300 or (
+                len(prompts) < 3000 and (len(kills) < KILLS or sum(engine._updates._restarts.values()) < KILLS)
+            ):
                 prompts.append(Prompt(
                     token_ids=[rng.randrange(4, 260) for _ in range(rng.randrange(8, 64))], id=f"q{len(prompts)}",
                     sampling=dict(SAMPLING),
@@ -109,7 +111,11 @@ async def test_engines_die_mid_rollout_and_nothing_is_lost():
                     if load.healthy:
                         await runner._check(i)
                 healthy = [i for i, load in enumerate(runner.loads) if load.healthy]
-                busy = [i for i in healthy if sum(bool(t.token_ids) and not t.finished_at for t in runner.reports[i].values()) >= 8]
+                busy = [
+                    i
+                    for i in healthy
+                    if sum(bool(t.token_ids) and not t.finished_at for t in runner.reports[i].values()) >= 8
+                ]
                 if len(healthy) < 2 or not busy:
                     continue
                 # A restart is a whole engine start: two on one core (3 engines on 2 here) take twice
@@ -161,8 +167,12 @@ async def test_with_every_engine_dead_the_fatal_error_comes_within_the_timeout(h
     before_shm, before_pids = shm_segments(), engine_processes()
     try:
         async with RolloutEngine(cfg) as engine:
-            engine.feed([Prompt(token_ids=[5 + i] * 8, sampling={"max_tokens": 400, "min_tokens": 400}) for i in range(32)])
-            while not any(t.token_ids for t in engine._scheduler.runner.reports[0].values()):  # mid-rollout: tokens reported
+            engine.feed(
+                [Prompt(token_ids=[5 + i] * 8, sampling={"max_tokens": 400, "min_tokens": 400}) for i in range(32)]
+            )
+            while not any(
+                t.token_ids for t in engine._scheduler.runner.reports[0].values()
+            ):  # mid-rollout: tokens reported
                 await asyncio.sleep(0.05)
             killed_at = time.monotonic()
             await kill(engine._scheduler.runner.engines[0], how)

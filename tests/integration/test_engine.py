@@ -81,7 +81,11 @@ async def test_seeded_samples_survive_chunked_prefill_and_repeat(engine):
     # of a seeded request in such a step (policies/cpu_worker.py repairs it).
     rng = __import__("random").Random(5)
     prompts = [
-        Prompt(token_ids=[rng.randrange(4, 260) for _ in range(200)], id=f"seeded{i}", sampling={"seed": 7, "max_tokens": 12})
+        Prompt(
+            token_ids=[rng.randrange(4, 260) for _ in range(200)],
+            id=f"seeded{i}",
+            sampling={"seed": 7, "max_tokens": 12},
+        )
         for i in range(24)
     ]
 
@@ -178,7 +182,12 @@ async def test_bad_prompts_in_a_stream_fail_alone_while_the_rest_complete(engine
         for i, p in enumerate(good):
             yield p
             if i < len(BAD_PROMPTS):
-                yield Prompt(**{**{f: getattr(BAD_PROMPTS[i][0], f) for f in ("token_ids", "text", "sampling")}, "id": f"bad-{i}"})
+                yield Prompt(
+                    **{
+                        **{f: getattr(BAD_PROMPTS[i][0], f) for f in ("token_ids", "text", "sampling")},
+                        "id": f"bad-{i}",
+                    }
+                )
         yield {"token_ids": "not a list", "id": "bad-type"}
         yield Prompt(text="x" * 600, id="too-long-text")  # only the engine can tell: after tokenizing
 

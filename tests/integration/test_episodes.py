@@ -138,8 +138,12 @@ async def test_every_turn_of_every_episode_matches_the_oracle(mode: str):
     assert len(reused) >= (8 if mode == "keep" else 1), "turns must reuse the KV of the turns before"
     if mode == "keep":  # across an update: reused KV of older weights, recorded as such
         assert any(t.kv_epochs[0][1] < t.policy_epochs[0][1] for t in reused)
-        killed = [e for e in episodes if any(t.engine_id == 0 for t in e.turns)]  # engine 0 ran a turn of theirs, then died
-        assert killed and all(len({t.engine_id for t in e.turns}) > 1 for e in killed), "episodes of the killed engine went on elsewhere"
+        killed = [
+            e for e in episodes if any(t.engine_id == 0 for t in e.turns)
+        ]  # engine 0 ran a turn of theirs, then died
+        assert killed and all(len({t.engine_id for t in e.turns}) > 1 for e in killed), (
+            "episodes of the killed engine went on elsewhere"
+        )
     for e in episodes:
         for a, b in zip(e.turns, e.turns[1:]):  # token-exact: each prompt extends the one before
             assert b.prompt_token_ids[: len(a.prompt_token_ids) + len(a.token_ids)] == a.prompt_token_ids + a.token_ids
@@ -156,7 +160,12 @@ async def test_every_turn_of_every_episode_matches_the_oracle(mode: str):
         e, k = next((e, k) for e in episodes for k, t in enumerate(e.turns) if shifted_boundary(t))
         bad_turn = shifted_boundary(e.turns[k])
     else:
-        e, k = next((e, k) for e in episodes for k in range(1, TURNS) if e.turns[k].policy_epochs[0][1] != e.turns[k - 1].policy_epochs[-1][1])
+        e, k = next(
+            (e, k)
+            for e in episodes
+            for k in range(1, TURNS)
+            if e.turns[k].policy_epochs[0][1] != e.turns[k - 1].policy_epochs[-1][1]
+        )
         t = e.turns[k]
         assert t.kv_reused == 0  # drain clears the cache at an update: nothing of the old KV survives
         bad_turn = msgspec.structs.replace(t, kv_reused=1)

@@ -40,16 +40,22 @@ async def test_vllm_gpu_backends_load_what_the_object_store_loads(backend):
 
     count = 1 if backend == "ipc" else 2
     engines = f"engines.vllm={{gpu_memory_utilization: 0.3, weight_transfer_config: {{backend: {backend}}}}}"
-    async with RolloutEngine(integration_config(f"engines.count={count}", "engines.gpus_per_engine=1", engines)) as engine:
+    async with RolloutEngine(
+        integration_config(f"engines.count={count}", "engines.gpus_per_engine=1", engines)
+    ) as engine:
         base = load_file(f"{engine.model_path}/model.safetensors")
         weights = {k: v.cuda() for k, v in random_weights(base, seed=3).items()}
         client = engine.weight_sync_client()
         if backend == "nccl":
-            init = NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=free_port(), world_size=1 + client.world_size(), rank=0)
+            init = NCCLTrainerInitInfo(
+                master_address="127.0.0.1", master_port=free_port(), world_size=1 + client.world_size(), rank=0
+            )
         else:
             init = IPCTrainerInitInfo(rank=0)
         source = StateDictSource(weights)
-        trainer = await anyio.to_thread.run_sync(lambda: WeightTransferTrainerFactory.trainer_init(init, client=client, source=source))
+        trainer = await anyio.to_thread.run_sync(
+            lambda: WeightTransferTrainerFactory.trainer_init(init, client=client, source=source)
+        )
         await anyio.to_thread.run_sync(trainer.send_weights)
         assert engine.epoch == 1
         via_transfer = await greedy(engine)

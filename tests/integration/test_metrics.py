@@ -20,6 +20,11 @@ async def test_a_window_counts_what_the_engines_did_in_it(engine: RolloutEngine)
     assert all(g.ok for g in groups)
     assert m["rollout/tokens"] == sum(len(t.token_ids) for g in groups for t in g.trajectories)
     assert (m["rollout/groups"], m["rollout/trajectories"], m["rollout/failed_trajectories"]) == (32, 32 * 4, 0)
-    assert (m["rollout/lag_mean"], m["rollout/lag_p99"], m["rollout/preemptions"], m["rollout/queue_depth"]) == (0, 0, 0, 0)
+    assert (m["rollout/lag_mean"], m["rollout/lag_p99"], m["rollout/preemptions"], m["rollout/queue_depth"]) == (
+        0,
+        0,
+        0,
+        0,
+    )
     assert m["rollout/tokens_per_s"] > 0 and 0 < m["rollout/engine_busy_fraction/e0"] <= 1
     assert (again["rollout/tokens"], again["rollout/groups"]) == (0, 0)

@@ -53,20 +53,33 @@ async def test_the_openai_client_gets_vllms_tool_calls_and_reasoning(engine, too
     server = await serve(engine, tool, reasoning)
     thinks = text.split("<think>")[1].split("</think>")[0] if reasoning else None
     async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=300) as client:
-        request = {"model": server.model, "messages": [{"role": "user", "content": "FORCE:" + text}], "tools": TOOLS, "max_tokens": 200}
+        request = {
+            "model": server.model,
+            "messages": [{"role": "user", "content": "FORCE:" + text}],
+            "tools": TOOLS,
+            "max_tokens": 200,
+        }
         r = await client.chat.completions.create(**request)
         m, choice = r.choices[0].message, r.choices[0]
-        assert server.chat.decode(m.model_extra["generation_token_ids"]) == text  # the forced text, then the end of the turn
+        assert (
+            server.chat.decode(m.model_extra["generation_token_ids"]) == text
+        )  # the forced text, then the end of the turn
         calls = [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls or []]
-        assert calls == ([("add", ARGS)] if tool else []) and all(c.id and c.type == "function" for c in m.tool_calls or [])
+        assert calls == ([("add", ARGS)] if tool else []) and all(
+            c.id and c.type == "function" for c in m.tool_calls or []
+        )
         assert choice.finish_reason == ("tool_calls" if tool else "stop")
         assert m.model_extra["reasoning"] == m.model_extra["reasoning_content"] == thinks
-        expected = server.parsers.parse(server.parsers.request({"tools": TOOLS}), text, m.model_extra["generation_token_ids"], [])
+        expected = server.parsers.parse(
+            server.parsers.request({"tools": TOOLS}), text, m.model_extra["generation_token_ids"], []
+        )
         assert m.content == expected["content"] and (m.content or "").find("<tool_call>") == -1
 
         chunks = [c async for c in await client.chat.completions.create(**request, stream=True)]
         deltas = [c.choices[0].delta for c in chunks if c.choices]
         streamed = [(tc.function.name, json.loads(tc.function.arguments)) for d in deltas for tc in d.tool_calls or []]
-        assert streamed == calls and [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
+        assert (
+            streamed == calls and [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
+        )
         assert ("".join(d.model_extra.get("reasoning_content") or "" for d in deltas) or None) == thinks
         assert ("".join(d.content or "" for d in deltas) or None) == m.content

@@ -15,7 +15,14 @@ from pathlib import Path
 
 from tests.integration.conftest import ROOT, engine_processes, run_python, shm_segments
 
-SMALL = ["engines.count=1", "prompts.count=6", "sampling.max_tokens=8", "bench.warmup_prompts=2", "bench.repeats=2", "logging.level=warning"]
+SMALL = [
+    "engines.count=1",
+    "prompts.count=6",
+    "sampling.max_tokens=8",
+    "bench.warmup_prompts=2",
+    "bench.repeats=2",
+    "logging.level=warning",
+]
 
 
 def _free_port() -> int:
@@ -52,9 +59,22 @@ def test_join_existing_cluster_via_ray_address():
     # A head of its own, in its own process group: `ray stop` would kill every Ray process on the
     # machine, this test session's own cluster included.
     head = subprocess.Popen(
-        [str(ray_bin) if ray_bin.exists() else "ray", "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-         f"--port={port}", "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True,
+        [
+            str(ray_bin) if ray_bin.exists() else "ray",
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            f"--port={port}",
+            "--num-cpus=2",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            f"--temp-dir={temp_dir}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
     )
     try:
         _wait_listening(port)
@@ -118,9 +138,21 @@ def test_cli_run_writes_trajectories_and_leaves_nothing_behind(tmp_path):
     # reach the driver's stderr at the default log levels.
     small_kv = ["engines.preemption=avoid", "engines.vllm={kv_cache_gib: 0.01}"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rollout.cli", "run", "configs/tiny.yaml", "--out", str(out), "--no-progress",
-         *sum((["-o", o] for o in SMALL + small_kv), [])],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "rollout.cli",
+            "run",
+            "configs/tiny.yaml",
+            "--out",
+            str(out),
+            "--no-progress",
+            *sum((["-o", o] for o in SMALL + small_kv), []),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-3000:]
@@ -136,8 +168,21 @@ def test_cli_run_writes_trajectories_and_leaves_nothing_behind(tmp_path):
 def test_cli_bench_prints_ratio_against_raw_vllm(tmp_path):
     report = tmp_path / "r.json"
     result = subprocess.run(
-        [sys.executable, "-m", "rollout.cli", "bench", "configs/tiny.yaml", "--report", str(report), "--no-progress", *sum((["-o", o] for o in SMALL), [])],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "rollout.cli",
+            "bench",
+            "configs/tiny.yaml",
+            "--report",
+            str(report),
+            "--no-progress",
+            *sum((["-o", o] for o in SMALL), []),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "generated tokens/s" in result.stdout and "raw vLLM" in result.stdout
@@ -151,12 +196,18 @@ def test_cli_bench_prints_ratio_against_raw_vllm(tmp_path):
 def test_cli_rejects_bad_config_naming_the_key():
     result = subprocess.run(
         [sys.executable, "-m", "rollout.cli", "validate", "configs/tiny.yaml", "-o", "engines.vllm.not_an_arg=1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 2 and "engines.vllm.not_an_arg: unknown vLLM engine argument" in result.stderr
     result = subprocess.run(
         [sys.executable, "-m", "rollout.cli", "validate", "configs/tiny.yaml", "-o", "engines.cpus_per_engine=zero"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 2 and "engines.cpus_per_engine: expected `int`" in result.stderr
 
@@ -186,7 +237,9 @@ def test_cli_serve_with_two_front_ends_answers_one_conversation_and_stops_cleanl
         messages, turns = [{"role": "user", "content": "hello " * 60}], []  # a prefix over a KV block
         for k in range(3):
             with openai.OpenAI(base_url=url, api_key="k", max_retries=0, timeout=300) as client:
-                r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, extra_body={"episode_id": "e1"})
+                r = client.chat.completions.create(
+                    model="tiny", messages=messages, max_tokens=4, extra_body={"episode_id": "e1"}
+                )
             m = r.choices[0].message.model_dump()
             turns.append(m)
             messages = [*messages, m, {"role": "user", "content": f"and {k}"}]
@@ -194,7 +247,11 @@ def test_cli_serve_with_two_front_ends_answers_one_conversation_and_stops_cleanl
         for a, b in zip(turns, turns[1:]):
             before = a["prompt_token_ids"] + a["generation_token_ids"]
             assert b["prompt_token_ids"][: len(before)] == before and b["rollout"]["kv_reused"] > 0
-        reward = httpx.post(url.removesuffix("/v1") + "/v1/episodes/e1/reward", json={"reward": 1.0}, headers={"Authorization": "Bearer k"})
+        reward = httpx.post(
+            url.removesuffix("/v1") + "/v1/episodes/e1/reward",
+            json={"reward": 1.0},
+            headers={"Authorization": "Bearer k"},
+        )
         assert reward.status_code == 200 and reward.json()["turns"] == 3, reward.text
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from rollout.errors import InvalidPromptError
 from tests.integration.conftest import ROOT, leaked_shm, shm_segments
-from tests.test_fuzz import PROMPTS
 from tests.integration.test_shutdown import alive, descendants, wait_gone
+from tests.test_fuzz import PROMPTS
 
 SMALL = ["engines.count=1", "sampling.n=2", "sampling.max_tokens=8", "logging.level=warning", "ray.num_cpus=4"]
 
@@ -48,7 +48,7 @@ def listeners(pids: set[int]) -> list[tuple[str, str, int]]:
 def is_loopback(address: str) -> bool:
     host = address.rsplit(":", 1)[0].strip("[]")
     if host.startswith("::ffff:"):
-        host = host[len("::ffff:"):]
+        host = host[len("::ffff:") :]
     return host not in ("*", "0.0.0.0", "::") and ipaddress.ip_address(host).is_loopback
 
 
@@ -56,9 +56,13 @@ def join(port: int, **env_vars: str) -> subprocess.CompletedProcess:
     """A driver joining the cluster at loopback `port`, with `env_vars` saying which token it shows."""
     code = f"import ray; ray.init(address='127.0.0.1:{port}'); print('joined', flush=True); ray.shutdown()"
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_NUM_REDIS_GET_RETRIES="5", **env_vars)  # keep 127.0.0.1 as given
+    env.update(
+        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_NUM_REDIS_GET_RETRIES="5", **env_vars
+    )  # keep 127.0.0.1 as given
     try:
-        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, cwd="/")
+        return subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, cwd="/"
+        )
     except subprocess.TimeoutExpired as e:
         return subprocess.CompletedProcess(e.cmd, -9, e.stdout or "", e.stderr or "")
 
@@ -70,7 +74,11 @@ def test_a_local_cluster_listens_on_loopback_takes_no_stranger_and_a_group_sigte
     pids: set[int] = set()
     try:
         deadline = time.monotonic() + 420
-        while not (out.exists() and out.read_text().count("\n") >= 2) and proc.poll() is None and time.monotonic() < deadline:
+        while (
+            not (out.exists() and out.read_text().count("\n") >= 2)
+            and proc.poll() is None
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.5)  # polling a file another process writes; nothing to wait on
         assert proc.poll() is None, proc.stderr.read()[-3000:]
         assert out.read_text().count("\n") >= 2, "the run wrote nothing within 7 minutes"
@@ -84,9 +92,13 @@ def test_a_local_cluster_listens_on_loopback_takes_no_stranger_and_a_group_sigte
 
         # 2) Token authentication is on: a driver showing no token, or a wrong one, cannot join; with the token it can.
         gcs = next(int(addr.rsplit(":", 1)[1]) for name, addr, _ in socks if name == "gcs_server")
-        assert "joined" not in join(gcs, RAY_AUTH_MODE="disabled", HOME=str(tmp_path)).stdout, "a driver without a token joined"
+        assert "joined" not in join(gcs, RAY_AUTH_MODE="disabled", HOME=str(tmp_path)).stdout, (
+            "a driver without a token joined"
+        )
         assert "joined" not in join(gcs, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 32).stdout, "a wrong token joined"
-        assert "joined" in join(gcs, RAY_AUTH_MODE="token").stdout, "the token (~/.ray/auth_token) should let a driver join"
+        assert "joined" in join(gcs, RAY_AUTH_MODE="token").stdout, (
+            "the token (~/.ray/auth_token) should let a driver join"
+        )
 
         # 3) SIGTERM to the whole process group: the driver stops the engines, then exits 128+15.
         pids = descendants(proc.pid) | {proc.pid}
@@ -116,7 +128,9 @@ def test_an_engine_that_cannot_start_says_why_in_one_line_and_leaves_nothing(tmp
     assert proc.returncode == 1, stderr[-3000:]
     line = next((x for x in stderr.splitlines() if x.startswith("rollout: EngineDeadError:")), stderr[-3000:])
     assert re.match(r"rollout: EngineDeadError: engine 0 failed to start: \w+Error: \S", line), line
-    assert "Engine core initialization failed" not in line and "cache" in line, line  # vLLM's cause, not its pointer to it
+    assert "Engine core initialization failed" not in line and "cache" in line, (
+        line
+    )  # vLLM's cause, not its pointer to it
     assert not wait_gone(pids)
     assert not leaked_shm(before_shm), f"leaked /dev/shm segments: {leaked_shm(before_shm)}"
 
@@ -125,7 +139,10 @@ def test_missing_gpus_and_an_address_where_nothing_answers_fail_at_once(tmp_path
     t0 = time.monotonic()
     proc = rollout_run(tmp_path / "t.jsonl", "engines.gpus_per_engine=1")
     _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 2 and "engines.count=1 x engines.gpus_per_engine=1.0 need 1 GPU, the Ray cluster has 0" in stderr, stderr[-3000:]
+    assert (
+        proc.returncode == 2
+        and "engines.count=1 x engines.gpus_per_engine=1.0 need 1 GPU, the Ray cluster has 0" in stderr
+    ), stderr[-3000:]
     assert time.monotonic() - t0 < 120, "should fail once Ray is up, not after engines.start_timeout_s"
 
     import socket

@@ -78,22 +78,38 @@ async def test_served_turns_match_the_oracle_across_updates_and_a_killed_engine(
     async with connected(server) as client:
         base = load_file(f"{engine.model_path}/model.safetensors")
         weights = {0: base}
-        landed, piloted, pilot_turns = [asyncio.Event() for _ in range(TURNS)], [asyncio.Event() for _ in range(TURNS)], [0] * TURNS
+        landed, piloted, pilot_turns = (
+            [asyncio.Event() for _ in range(TURNS)],
+            [asyncio.Event() for _ in range(TURNS)],
+            [0] * TURNS,
+        )
 
         async def conversation(c: int) -> list[dict]:
-            pilot = c < PILOTS  # short turns: once all of turn k's are served, update k commits (the long turns mid-way)
+            pilot = (
+                c < PILOTS
+            )  # short turns: once all of turn k's are served, update k commits (the long turns mid-way)
             messages, out = [{"role": "user", "content": f"conversation {c}: " + "z" * (3 * c)}], []
             for k in range(TURNS):
                 if k >= 2:
                     await landed[k - 1].wait()  # update k-1 lands between turns k-1 and k (turns 0 and 1 share epoch 0)
-                kwargs = {"max_tokens": 8 if pilot else 160, "extra_body": {**EXTRA, "min_tokens": 8} if pilot else EXTRA, **SAMPLING}
+                kwargs = {
+                    "max_tokens": 8 if pilot else 160,
+                    "extra_body": {**EXTRA, "min_tokens": 8} if pilot else EXTRA,
+                    **SAMPLING,
+                }
                 if c % 2:  # as agents that always stream: the message arrives as one delta
                     chunks = [chunk async for chunk in await client.chat.completions.create(
                         model=server.model, messages=messages, stream=True, **kwargs)]  # fmt: skip
                     m = chunks[0].choices[0].delta.model_dump()
-                    assert chunks[-1].choices[0].finish_reason and m["content"] == "".join(x.choices[0].delta.content or "" for x in chunks)
+                    assert chunks[-1].choices[0].finish_reason and m["content"] == "".join(
+                        x.choices[0].delta.content or "" for x in chunks
+                    )
                 else:
-                    m = (await client.chat.completions.create(model=server.model, messages=messages, **kwargs)).choices[0].message.model_dump()
+                    m = (
+                        (await client.chat.completions.create(model=server.model, messages=messages, **kwargs))
+                        .choices[0]
+                        .message.model_dump()
+                    )
                 out.append(m)
                 messages = [*messages, m, {"role": "user", "content": f"next {k}"}]
                 if pilot:
@@ -109,7 +125,9 @@ async def test_served_turns_match_the_oracle_across_updates_and_a_killed_engine(
                 landed[k].set()
                 if k == 2:
                     loads = engine._scheduler.runner.loads
-                    victim = max(range(len(loads)), key=lambda i: (loads[i].healthy, loads[i].requests))  # one mid-request
+                    victim = max(
+                        range(len(loads)), key=lambda i: (loads[i].healthy, loads[i].requests)
+                    )  # one mid-request
                     await kill(engine._scheduler.runner.engines[victim], "actor")
                     while loads[victim].healthy:  # out of rotation before the next update stages
                         await asyncio.sleep(0.05)
@@ -126,13 +144,19 @@ async def test_served_turns_match_the_oracle_across_updates_and_a_killed_engine(
         for a, b in zip(turns, turns[1:]):
             before = a.prompt_token_ids + a.token_ids
             assert b.prompt_token_ids[: len(before)] == before, "a turn's prompt extends the one before"
-        episodes.append(Trajectory(request_id=f"c{len(episodes)}", prompt_token_ids=turns[0].prompt_token_ids, turns=turns))
+        episodes.append(
+            Trajectory(request_id=f"c{len(episodes)}", prompt_token_ids=turns[0].prompt_token_ids, turns=turns)
+        )
     served = [t for e in episodes for t in e.turns]
-    assert {epoch for t in served for _, epoch in t.policy_epochs} == {0, 1, 2, 3}, "updates must land while turns are served"
+    assert {epoch for t in served for _, epoch in t.policy_epochs} == {0, 1, 2, 3}, (
+        "updates must land while turns are served"
+    )
     assert any(len(t.policy_epochs) > 1 for t in served), "an update inside a turn"
     assert any(t.kv_reused for t in served), "turns reuse the KV of the turns before"
     report = await asyncio.to_thread(compare, oracle, episodes, 1e-3, 20, processing)
-    assert report.ok and report.tokens == sum(len(t.token_ids) for t in served), msgspec.json.encode(report).decode()[:2000]
+    assert report.ok and report.tokens == sum(len(t.token_ids) for t in served), msgspec.json.encode(report).decode()[
+        :2000
+    ]
 
 
 async def test_512_concurrent_requests_are_each_answered_once_in_bounded_memory(served):
@@ -145,14 +169,21 @@ async def test_512_concurrent_requests_are_each_answered_once_in_bounded_memory(
             for i in range(512)
         ))  # fmt: skip
         rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        assert len(results) == 512 and all(len(r.choices[0].message.model_extra["generation_token_ids"]) == 8 for r in results)
+        assert len(results) == 512 and all(
+            len(r.choices[0].message.model_extra["generation_token_ids"]) == 8 for r in results
+        )
         prompts = [r.choices[0].message.model_extra["prompt_token_ids"] for r in results]
         assert len({tuple(p) for p in prompts}) == 512, "every request answered once, with its own prompt"
         assert server.inflight == 0
-        assert (rss_after - rss_before) * 1024 < 512 * 2**20, f"driver grew {rss_after - rss_before} KiB (pid {os.getpid()})"
+        assert (rss_after - rss_before) * 1024 < 512 * 2**20, (
+            f"driver grew {rss_after - rss_before} KiB (pid {os.getpid()})"
+        )
 
 
-STOPS = [*"eao", *"bcdfghijklmnpqrstuvwxyz0123456789"]  # single characters: a 64-token turn of the random model hits one
+STOPS = [
+    *"eao",
+    *"bcdfghijklmnpqrstuvwxyz0123456789",
+]  # single characters: a 64-token turn of the random model hits one
 
 
 async def test_seed_repeats_the_tokens_and_stop_strings_leave_the_text_as_vllms_server(served):
@@ -161,13 +192,23 @@ async def test_seed_repeats_the_tokens_and_stop_strings_leave_the_text_as_vllms_
     the text before it, as vLLM's server does; the token ids keep the token that completed it."""
     _, server = served
     async with connected(server) as client:
-        chat = {"model": server.model, "messages": [{"role": "user", "content": "seeded"}], "max_tokens": 24, "temperature": 1.0}
+        chat = {
+            "model": server.model,
+            "messages": [{"role": "user", "content": "seeded"}],
+            "max_tokens": 24,
+            "temperature": 1.0,
+        }
         a, b = [(await client.chat.completions.create(**chat, seed=7)).choices[0].message.model_extra for _ in range(2)]
         assert a["generation_token_ids"] == b["generation_token_ids"]
-        unseeded = [(await client.chat.completions.create(**chat)).choices[0].message.model_extra["generation_token_ids"] for _ in range(2)]
+        unseeded = [
+            (await client.chat.completions.create(**chat)).choices[0].message.model_extra["generation_token_ids"]
+            for _ in range(2)
+        ]
         assert unseeded[0] != unseeded[1], "temperature 1 without a seed: two samples"
         text = {"model": server.model, "prompt": "seeded", "max_tokens": 24, "temperature": 1.0, "seed": 11}
-        c, d = [(await client.completions.create(**text)).choices[0].model_extra["generation_token_ids"] for _ in range(2)]
+        c, d = [
+            (await client.completions.create(**text)).choices[0].model_extra["generation_token_ids"] for _ in range(2)
+        ]
         assert c == d
 
         tokenizer = server.chat
@@ -181,7 +222,12 @@ async def test_seed_repeats_the_tokens_and_stop_strings_leave_the_text_as_vllms_
             full = tokenizer.decode(ids)
             assert not any(s in choice.message.content for s in STOPS), choice.message.content
             assert full.startswith(choice.message.content) and full[len(choice.message.content)] in STOPS
-            streamed = [x async for x in await client.chat.completions.create(**{**chat, "max_tokens": 64}, stop=STOPS, seed=seed, stream=True)]
+            streamed = [
+                x
+                async for x in await client.chat.completions.create(
+                    **{**chat, "max_tokens": 64}, stop=STOPS, seed=seed, stream=True
+                )
+            ]
             assert "".join(x.choices[0].delta.content or "" for x in streamed if x.choices) == choice.message.content
             t = await client.completions.create(model=server.model, prompt=[int(i) for i in r.model_extra.get("prompt_token_ids") or
                                                                            choice.message.model_extra["prompt_token_ids"]],

@@ -122,7 +122,9 @@ def kill_orphans(pids: set[int]) -> None:
             return
 
 
-async def test_after_sigkill_the_next_start_removes_what_was_left_and_hands_out_exactly_the_untaken_groups(tmp_path, capsys):
+async def test_after_sigkill_the_next_start_removes_what_was_left_and_hands_out_exactly_the_untaken_groups(
+    tmp_path, capsys
+):
     durable = tmp_path / "log"
     before_shm = shm_segments()
     proc = start_driver(f"queue.durable_dir={durable}", "queue.max_groups=16")
@@ -151,7 +153,9 @@ async def test_after_sigkill_the_next_start_removes_what_was_left_and_hands_out_
         async with RolloutEngine(integration_config("engines.count=1", f"queue.durable_dir={durable}")) as engine:
             # The start removed what the killed run left: its Ray processes, its engine's segments.
             assert not alive(left), f"a killed run's processes outlived the next start: {alive(left)}"
-            assert not leaked & shm_segments(), f"a killed run's /dev/shm segments outlived the next start: {leaked & shm_segments()}"
+            assert not leaked & shm_segments(), (
+                f"a killed run's /dev/shm segments outlived the next start: {leaked & shm_segments()}"
+            )
             again = [g async for g in engine.groups()]
     finally:
         proc.kill()

@@ -64,7 +64,12 @@ def test_engine_args_check_options_against_vllm():
     from policies.vllm_args import engine_args
 
     args = engine_args(integration_config(*SPEC), "/m")
-    assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    assert args.speculative_config == {
+        "method": "ngram",
+        "num_speculative_tokens": K,
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 4,
+    }
     with pytest.raises(InvalidConfigError, match=r"^speculative\.options\.no_such_field: not a field"):
         engine_args(integration_config(*SPEC, "speculative.options={no_such_field: 1}"), "/m")
     with pytest.raises(InvalidConfigError, match=r"^speculative\.options\.target_model_config"):
@@ -77,7 +82,9 @@ def test_cpu_expand_fix_matches_vllm_semantics():
     from policies.vllm_adapter.worker import expand_batch_to_tokens
 
     # request i's value over its rows (ends at cu[i]); a request with no rows takes none; 0 -> 1
-    got = expand_batch_to_tokens(torch.tensor([0.5, 0.0, 0.8, 2.0]), torch.tensor([2, 3, 3, 5], dtype=torch.int32), 5, 0, 1)
+    got = expand_batch_to_tokens(
+        torch.tensor([0.5, 0.0, 0.8, 2.0]), torch.tensor([2, 3, 3, 5], dtype=torch.int32), 5, 0, 1
+    )
     assert got.tolist() == pytest.approx([0.5, 0.5, 1.0, 2.0, 2.0])
     assert expand_batch_to_tokens(torch.tensor([7, 0]), torch.tensor([1, 3]), 3).tolist() == [7, 0, 0]
 
@@ -89,7 +96,9 @@ async def test_oracle_and_counters_with_ngram_speculation_across_updates():
         weights = {0: load_file(f"{engine.model_path}/model.safetensors")}
         meter = await SpecDecodeMeter.open(engine)
         # 3 parts of 8 prompts (16 samples, all running at once), an update between parts
-        trajectories = await run_with_updates(engine, [batch[8 * k : 8 * (k + 1)] for k in range(3)], engine.update_weights, weights)
+        trajectories = await run_with_updates(
+            engine, [batch[8 * k : 8 * (k + 1)] for k in range(3)], engine.update_weights, weights
+        )
         report = await meter.read()
         updates = [(u.epoch, round(u.prepare_s, 2), round(u.seconds, 2)) for u in engine.weight_updates]
 
@@ -100,12 +109,16 @@ async def test_oracle_and_counters_with_ngram_speculation_across_updates():
     tokens = sum(len(t.token_ids) for t in trajectories)
     assert {e for t in trajectories for e in t.token_epochs()} == {0, 1, 2}
     straddling = [t for t in trajectories if len(t.policy_epochs) > 1]
-    assert len(straddling) >= 8, f"only {len(straddling)} trajectories saw an update mid-stream; updates (epoch, phase 1 s, phase 2 s): {updates}"
+    assert len(straddling) >= 8, (
+        f"only {len(straddling)} trajectories saw an update mid-stream; updates (epoch, phase 1 s, phase 2 s): {updates}"
+    )
     oracle = Oracle(engine.model_path, weights)
     sampled = msgspec.structs.replace(engine.cfg.sampling, max_tokens=384, min_tokens=352)  # as the prompts ask
 
     def processing(t: Trajectory) -> Processing:  # behaviour logprobs are processed: each prompt's own temperature
-        how = Processing.of(msgspec.structs.replace(sampled, temperature=0.0 if int(t.prompt_id[1:]) % 2 == 0 else 0.8), stop_ids=[2])
+        how = Processing.of(
+            msgspec.structs.replace(sampled, temperature=0.0 if int(t.prompt_id[1:]) % 2 == 0 else 0.8), stop_ids=[2]
+        )
         return msgspec.structs.replace(how, spec_tokens=K)
 
     result = await asyncio.to_thread(compare, oracle, trajectories, 1e-3, 20, processing)

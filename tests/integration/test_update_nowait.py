@@ -31,12 +31,16 @@ async def handed_off_trainer(engine: RolloutEngine, weights: dict) -> tuple[obje
 
     client, source = engine.weight_sync_client(wait=False), StateDictSource(weights)
     init = GlooTrainerInitInfo(world_size=1 + client.world_size(), rank=0, timeout_s=600, hand_off=True)
-    trainer = await anyio.to_thread.run_sync(lambda: WeightTransferTrainerFactory.trainer_init(init, client=client, source=source))
+    trainer = await anyio.to_thread.run_sync(
+        lambda: WeightTransferTrainerFactory.trainer_init(init, client=client, source=source)
+    )
     return trainer, source
 
 
 async def test_updates_that_do_not_wait_keep_every_epoch_exact():
-    cfg = integration_config("weight_sync.mode=keep", "engines.count=2", "engines.max_inflight_per_engine=16", SMALL_KV, *SAMPLING)
+    cfg = integration_config(
+        "weight_sync.mode=keep", "engines.count=2", "engines.max_inflight_per_engine=16", SMALL_KV, *SAMPLING
+    )
     async with RolloutEngine(cfg) as engine:
         weights = {0: load_file(f"{engine.model_path}/model.safetensors")}
         trainer, source = await handed_off_trainer(engine, weights[0])
@@ -54,7 +58,9 @@ async def test_updates_that_do_not_wait_keep_every_epoch_exact():
             return epoch
 
         batch = prompts(32, seed=11)
-        trajectories = await run_with_updates(engine, [batch[8 * k : 8 * (k + 1)] for k in range(UPDATES + 1)], update, weights)
+        trajectories = await run_with_updates(
+            engine, [batch[8 * k : 8 * (k + 1)] for k in range(UPDATES + 1)], update, weights
+        )
         await anyio.to_thread.run_sync(trainer.settle)
         assert await engine.weights_loaded() == UPDATES
         await anyio.to_thread.run_sync(trainer.shutdown)
@@ -63,7 +69,9 @@ async def test_updates_that_do_not_wait_keep_every_epoch_exact():
     assert {e for t in trajectories for e in t.token_epochs()} == {0, 1, 2, 3}
     assert sum(len(t.policy_epochs) > 1 for t in trajectories) >= 8
     oracle = Oracle(engine.model_path, weights)
-    processed = Processing.of(msgspec.structs.replace(engine.cfg.sampling, max_tokens=200, min_tokens=160), stop_ids=[2])
+    processed = Processing.of(
+        msgspec.structs.replace(engine.cfg.sampling, max_tokens=200, min_tokens=160), stop_ids=[2]
+    )
     report = await asyncio.to_thread(compare, oracle, trajectories, 1e-3, 20, processed)
     assert report.tokens == sum(len(t.token_ids) for t in trajectories)
     assert report.ok, msgspec.json.encode(report).decode()[:2000]

@@ -19,8 +19,10 @@ from rollout.errors import InvalidWeightsError, WeightSyncError
 from .conftest import integration_config
 from .test_weights import random_weights
 
-
-PROMPTS = [Prompt(token_ids=[5 + i, 17, 80 + 3 * i, 9], id=f"wt{i}", sampling={"temperature": 0.0, "max_tokens": 12, "n": 1}) for i in range(6)]
+PROMPTS = [
+    Prompt(token_ids=[5 + i, 17, 80 + 3 * i, 9], id=f"wt{i}", sampling={"temperature": 0.0, "max_tokens": 12, "n": 1})
+    for i in range(6)
+]
 
 
 async def greedy(engine) -> list[tuple[list[int], list[float], int]]:
@@ -54,10 +56,14 @@ async def test_vllm_trainer_loads_exactly_what_the_object_store_loads():
         before = await greedy(engine)
         client = engine.weight_sync_client()
         weights = random_weights(base, seed=7)
-        t, source = await anyio.to_thread.run_sync(lambda: trainer(client, weights, bucket_bytes=48 << 10, timeout_s=60))
+        t, source = await anyio.to_thread.run_sync(
+            lambda: trainer(client, weights, bucket_bytes=48 << 10, timeout_s=60)
+        )
         await send(t, source, weights)
         epoch = engine.epoch
-        assert epoch == 1 and engine.weight_updates[-1].failed == [] and [s.epoch for s in await engine.stats()] == [1, 1]
+        assert (
+            epoch == 1 and engine.weight_updates[-1].failed == [] and [s.epoch for s in await engine.stats()] == [1, 1]
+        )
         via_transfer = await greedy(engine)
         assert await engine.update_weights(weights) == 2
         via_store = await greedy(engine)
@@ -79,12 +85,16 @@ async def test_vllm_trainer_loads_exactly_what_the_object_store_loads():
         with pytest.raises(InvalidWeightsError, match="unknown net.norm.weight"):
             await anyio.to_thread.run_sync(t.send_weights)
         t.source = source
-        with pytest.raises(WeightSyncError, match="finish_weight_update called without start_weight_update; the epoch stays 2"):
+        with pytest.raises(
+            WeightSyncError, match="finish_weight_update called without start_weight_update; the epoch stays 2"
+        ):
             await anyio.to_thread.run_sync(client.finish_weight_update)
         with pytest.raises(WeightSyncError, match="update_weights called without start_weight_update"):
             await anyio.to_thread.run_sync(client.update_weights, {"names": [], "dtype_names": [], "shapes": []})
         assert engine.epoch == 2 and [s.epoch for s in await engine.stats()] == [2, 2]
-        assert [(i, lp) for i, lp, _ in await greedy(engine)] == [(i, lp) for i, lp, _ in via_store]  # the old weights, intact
+        assert [(i, lp) for i, lp, _ in await greedy(engine)] == [
+            (i, lp) for i, lp, _ in via_store
+        ]  # the old weights, intact
 
         # a round called off after the engines started vLLM's update (another engine could not):
         # vLLM's finish with nothing loaded puts the old tensors back; the epoch stays

@@ -43,7 +43,10 @@ SMALL_KV = "engines.vllm={kv_cache_gib: 0.003}"  # ~3k float32 tokens of the tin
 
 def random_weights(base: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {k: torch.randn(v.shape, generator=g) * 0.08 if v.dim() > 1 else 1.0 + 0.1 * torch.randn(v.shape, generator=g) for k, v in base.items()}
+    return {
+        k: torch.randn(v.shape, generator=g) * 0.08 if v.dim() > 1 else 1.0 + 0.1 * torch.randn(v.shape, generator=g)
+        for k, v in base.items()
+    }
 
 
 def prompts(count: int, seed: int) -> list[Prompt]:
@@ -115,7 +118,9 @@ def land_inside(engine: RolloutEngine, before: Callable[[int], Awaitable[Any]], 
 
     async def step(seconds: float) -> list[int]:
         live = [i for i, load in enumerate(runner.loads) if load.healthy]
-        await asyncio.gather(*(runner.engines[i].actor.__ray_call__.remote(_generate_then_pause, seconds) for i in live))
+        await asyncio.gather(
+            *(runner.engines[i].actor.__ray_call__.remote(_generate_then_pause, seconds) for i in live)
+        )
         return live
 
     async def ready(epoch: int) -> None:
@@ -136,7 +141,9 @@ def land_inside(engine: RolloutEngine, before: Callable[[int], Awaitable[Any]], 
     commit_when(engine, ready)
 
 
-async def run_with_updates(engine: RolloutEngine, parts: list[list[Prompt]], update: Any, weights: dict[int, dict]) -> list[Trajectory]:
+async def run_with_updates(
+    engine: RolloutEngine, parts: list[list[Prompt]], update: Any, weights: dict[int, dict]
+) -> list[Trajectory]:
     """Feed `parts` in order, an update between consecutive ones. Update k+1 goes out as soon as
     update k is in; part k is fed once update k+1's transfer is done and part k-1 is all done,
     and update k+1 commits once 12 of part k's samples are generating (`land_inside`). So every
@@ -187,7 +194,9 @@ async def run_with_updates(engine: RolloutEngine, parts: list[list[Prompt]], upd
     return trajectories
 
 
-async def vllm_trainer_update(engine: RolloutEngine, weights: dict, backend: str = "gloo") -> Callable[[dict], Awaitable[int]]:
+async def vllm_trainer_update(
+    engine: RolloutEngine, weights: dict, backend: str = "gloo"
+) -> Callable[[dict], Awaitable[int]]:
     """An update through vLLM's trainer API: its factory's trainer engine of `backend` (ours, gloo
     or shm) + our client."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -198,7 +207,9 @@ async def vllm_trainer_update(engine: RolloutEngine, weights: dict, backend: str
     client, source = engine.weight_sync_client(), StateDictSource(weights)
     info = {"gloo": GlooTrainerInitInfo, "shm": ShmTrainerInitInfo}[backend]
     init = info(world_size=1 + client.world_size(), rank=0, timeout_s=600)
-    trainer = await anyio.to_thread.run_sync(lambda: WeightTransferTrainerFactory.trainer_init(init, client=client, source=source))
+    trainer = await anyio.to_thread.run_sync(
+        lambda: WeightTransferTrainerFactory.trainer_init(init, client=client, source=source)
+    )
 
     async def update(w: dict) -> int:
         source.update(w)
@@ -215,7 +226,9 @@ async def stream_with_updates(mode: str) -> tuple[list[Trajectory], dict[int, di
     # node would, the engines started with shm): every path lands inside running requests in every
     # mode, on one pair of engines.
     shm = "engines.vllm={kv_cache_gib: 0.003, weight_transfer_config: {backend: shm}}"  # SMALL_KV's cache
-    cfg = integration_config(f"weight_sync.mode={mode}", "engines.count=2", "engines.max_inflight_per_engine=16", shm, *SAMPLING)
+    cfg = integration_config(
+        f"weight_sync.mode={mode}", "engines.count=2", "engines.max_inflight_per_engine=16", shm, *SAMPLING
+    )
     async with RolloutEngine(cfg) as engine:
         weights = {0: load_file(f"{engine.model_path}/model.safetensors")}
         batch = prompts(32, seed=len(mode))
@@ -232,7 +245,9 @@ async def stream_with_updates(mode: str) -> tuple[list[Trajectory], dict[int, di
         async def update(w: dict) -> int:
             return await paths[next(calls)](w)
 
-        trajectories = await run_with_updates(engine, [batch[8 * k : 8 * (k + 1)] for k in range(UPDATES + 1)], update, weights)
+        trajectories = await run_with_updates(
+            engine, [batch[8 * k : 8 * (k + 1)] for k in range(UPDATES + 1)], update, weights
+        )
         engine.final_stats = await engine.stats()  # type: ignore[attr-defined]
         return trajectories, weights, engine
 
@@ -257,7 +272,9 @@ async def test_epochs_match_the_oracle(mode: str):
     evictions = sum(s.preemptions for s in engine.final_stats)
     recomputed = sum(t.num_preemptions for t in trajectories)
     assert evictions >= 8 and recomputed >= 8, f"vLLM preempted {evictions} requests, {recomputed} recomputes recorded"
-    boundaries_recomputed = all({s for s, _ in t.policy_epochs[1:]} <= {j for j, _ in t.kv_recomputes} for t in trajectories)
+    boundaries_recomputed = all(
+        {s for s, _ in t.policy_epochs[1:]} <= {j for j, _ in t.kv_recomputes} for t in trajectories
+    )
     if mode == "drain":  # no update inside a request: an epoch changes only where an evicted one resumed
         assert boundaries_recomputed
     else:
@@ -281,7 +298,9 @@ async def test_epochs_match_the_oracle(mode: str):
     else:  # drain: claim the last 10 tokens came from the next epoch
         t = max(trajectories, key=lambda t: len(t.token_ids))
         last = t.policy_epochs[-1][1]
-        bad = msgspec.structs.replace(t, policy_epochs=[*t.policy_epochs, (len(t.token_ids) - 10, (last + 1) % 4)], kv_recomputes=[])
+        bad = msgspec.structs.replace(
+            t, policy_epochs=[*t.policy_epochs, (len(t.token_ids) - 10, (last + 1) % 4)], kv_recomputes=[]
+        )
     assert mode == "drain" or movable
     assert not (await asyncio.to_thread(compare, oracle, [bad], 1e-3, 20, processed)).ok
 
