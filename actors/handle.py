@@ -198,7 +198,8 @@ class RayEngine:
             except Exception as e:
                 self._fail(
                     InvalidPromptError(
-                        f"request {req.request_id} (prompt {req.prompt_id!r}) cannot be sent to engine {self.engine_id}: {type(e).__name__}: {e}"
+                        f"request {req.request_id} (prompt {req.prompt_id!r}) cannot be sent to engine "
+                        f"{self.engine_id}: {type(e).__name__}: {e}"
                     ),
                     [key],
                 )

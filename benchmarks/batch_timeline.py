@@ -9,7 +9,8 @@ side each line of the timeline reads: engine 0's clock, its mean running and wai
 the line before, requests the driver counts on engine 0 / engine 1, and the learner's queue
 (finished + running groups). A gap between lines is a Ray call into a busy engine actor.
 
-    flock /tmp/rollout-engine.lock .venv/bin/python benchmarks/batch_timeline.py prompts.count=1024 logging.level=warning
+    flock /tmp/rollout-engine.lock .venv/bin/python benchmarks/batch_timeline.py
+        prompts.count=1024 logging.level=warning
 """
 
 import asyncio
@@ -68,7 +69,8 @@ async def timeline(engine: RolloutEngine) -> None:
         ready, depth = int(figures["rollout/queue_ready"]), int(figures["rollout/queue_depth"])
         dt = max(cur[2] - prev[2], 1e-9)
         print(f"    {cur[2] - t0:5.1f}s run {(cur[0] - prev[0]) / dt:5.0f} wait {(cur[1] - prev[1]) / dt:5.0f} "
-              f"driver {runner.loads[0].requests:4d}/{runner.loads[1].requests:4d} queue {ready}+{depth - ready}", flush=True)  # fmt: skip
+              f"driver {runner.loads[0].requests:4d}/{runner.loads[1].requests:4d} queue {ready}+{depth - ready}",
+              flush=True)  # fmt: skip
         prev = cur
 
 
@@ -95,8 +97,9 @@ async def main() -> None:
                     tokens = (await bench._raw_baseline(engine, cfg, same))["generated_tokens"]
                 elapsed, after = time.time() - start, cpu_times()
                 mb = bench._mean_batch(b0, await bench._batch(engine))
-                print(f"round {r + 1} {side}: {elapsed:.2f} s, {tokens / elapsed:.0f} tokens/s, running {mb['mean_running']:.1f}, "
-                      f"waiting {mb['mean_waiting']:.1f}, CPU s {cpu_by_kind(before, after, mine)}", flush=True)  # fmt: skip
+                print(f"round {r + 1} {side}: {elapsed:.2f} s, {tokens / elapsed:.0f} tokens/s, "
+                      f"running {mb['mean_running']:.1f}, waiting {mb['mean_waiting']:.1f}, "
+                      f"CPU s {cpu_by_kind(before, after, mine)}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

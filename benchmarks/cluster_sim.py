@@ -4,9 +4,10 @@ and per trajectory, the latency it adds, its memory per in-flight trajectory, an
 The driver is the real one: `RolloutEngine` with its scheduler, runner, staleness checks, hand-out,
 metrics, in-flight weight updates (`update_weights` every `--update-every` s) and, with `--durable`,
 the durable log; its engines are `actors.handle.RayEngine` handles, unchanged. Behind them, instead of
-vLLM, `benchmarks.sim_engine.SimEngine`s (hosted by `benchmarks.sim_pool`): simulated GPU engines (throughput, time to first token,
-output lengths with long tails, continuous batching, per-token epochs across updates, preemptions)
-run by `--hosts` Ray actors of many engines each, so every group crosses the real Ray hop.
+vLLM, `benchmarks.sim_engine.SimEngine`s (hosted by `benchmarks.sim_pool`): simulated GPU engines
+(throughput, time to first token, output lengths with long tails, continuous batching, per-token epochs
+across updates, preemptions) run by `--hosts` Ray actors of many engines each, so every group crosses
+the real Ray hop.
 
 A learner takes batches of `--batch` groups as fast as they come. After `--warmup` s a window of
 `--duration` s is measured: tokens and trajectories handed out, the driver's process CPU time
@@ -22,7 +23,8 @@ This machine's cores are shared by the driver, the sim hosts and Ray: the offere
 `--tokens-per-s`) is scaled down from a GPU cluster's (~20k tokens/s per H100 engine on a 1-8B policy);
 what carries over is the driver's CPU per token and per trajectory, and where it saturates.
 
-    flock /tmp/rollout-engine.lock .venv/bin/python benchmarks/cluster_sim.py --engines 8,32,128,256 --report cluster_sim.json
+    flock /tmp/rollout-engine.lock .venv/bin/python benchmarks/cluster_sim.py
+        --engines 8,32,128,256 --report cluster_sim.json
 """
 
 from __future__ import annotations
@@ -92,16 +94,16 @@ def check(o: Options) -> None:
     s = o.spec
     if not o.engines or any(n < 1 for n in o.engines):
         raise ValueError(f"--engines: every engine count must be >= 1, got {o.engines}")
-    for flag, value in (("--tokens-per-s", s.tokens_per_s), ("--ttft", s.ttft_s), ("--load-s", s.load_s), ("--warmup", o.warmup),
-                        ("--update-every", o.update_every)):  # fmt: skip
+    for flag, value in (("--tokens-per-s", s.tokens_per_s), ("--ttft", s.ttft_s), ("--load-s", s.load_s),
+                        ("--warmup", o.warmup), ("--update-every", o.update_every)):  # fmt: skip
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"{flag}: expected a finite number >= 0, got {value}")
     if s.tokens_per_s == 0:
         raise ValueError("--tokens-per-s: expected > 0, got 0")
     if not math.isfinite(o.duration) or o.duration <= 0:
         raise ValueError(f"--duration: expected > 0, got {o.duration}")
-    for flag, value in (("--capacity", s.capacity), ("--max-tokens", o.max_tokens), ("--prompt-len", o.prompt_len), ("--n", o.n),
-                        ("--batch", o.batch), ("--hosts", o.hosts)):  # fmt: skip
+    for flag, value in (("--capacity", s.capacity), ("--max-tokens", o.max_tokens), ("--prompt-len", o.prompt_len),
+                        ("--n", o.n), ("--batch", o.batch), ("--hosts", o.hosts)):  # fmt: skip
         if value < 1:
             raise ValueError(f"{flag}: expected >= 1, got {value}")
     if o.queued < 0:
@@ -157,7 +159,8 @@ def config(o: Options, engines: int, model_dir: str) -> Config:
     inflight = engines * (o.spec.capacity + o.queued) // o.n + engines  # groups running, with room to refill
     return load_config(None, [
         f"model.path={model_dir}", f"model.max_model_len={o.prompt_len + o.max_tokens + 1}",
-        f"engines.count={engines}", f"engines.max_inflight_per_engine={o.spec.capacity}", f"engines.queued_per_engine={o.queued}",
+        f"engines.count={engines}", f"engines.max_inflight_per_engine={o.spec.capacity}",
+        f"engines.queued_per_engine={o.queued}",
         "engines.health_interval_s=2", "engines.health_timeout_s=4", "engines.restart_backoff_s=0",
         f"sampling.n={o.n}", f"sampling.max_tokens={o.max_tokens}", f"queue.max_groups={2 * inflight + o.batch}",
         "logging.level=error", "metrics.port=null", *([f"queue.durable_dir={o.durable}"] if o.durable else []),
@@ -273,7 +276,8 @@ async def _drive(o: Options, engine: RolloutEngine, pool: SimPool, prompts: list
         cpu, wall, after = time.process_time() - cpu0, time.perf_counter() - wall0, await pool.counts()
         rss = rss_bytes()
         threads = thread_cpu()
-        result["threads_cpu"] = {k: (v - threads0.get(k, 0.0)) / wall for k, v in sorted(threads.items(), key=lambda kv: -kv[1])
+        result["threads_cpu"] = {k: (v - threads0.get(k, 0.0)) / wall
+                                 for k, v in sorted(threads.items(), key=lambda kv: -kv[1])
                                  if v - threads0.get(k, 0.0) > 0.005 * wall}  # fmt: skip
         feeding.clear()
         result.update(_figures(o, len(pool.engines), window, cpu, wall, before, after, inflight, rss - rss0))
@@ -292,8 +296,9 @@ async def _drive(o: Options, engine: RolloutEngine, pool: SimPool, prompts: list
             raise t.exception()
         t.cancel()
     fed_ids = fed if prompts is not None else (f"q{i}" for i in range(endless_fed))
-    result.update(fed=len(fed) if prompts is not None else endless_fed, out=len(out), lost=out.missing(fed_ids), duplicated=out.duplicated(),
-                  failed_trajectories=window["errors"], restarts=len(pool.restarts), epoch=engine.epoch)  # fmt: skip
+    result.update(fed=len(fed) if prompts is not None else endless_fed, out=len(out), lost=out.missing(fed_ids),
+                  duplicated=out.duplicated(), failed_trajectories=window["errors"], restarts=len(pool.restarts),
+                  epoch=engine.epoch)  # fmt: skip
     moved = (await pool.counts()).get("resumed", 0)
     result["resumed_samples"] = int(moved)
     if prompts is not None:
@@ -315,7 +320,8 @@ def _figures(
         "driver_cpu": cpu / wall, "sim_cpu": (after["cpu_s"] - before["cpu_s"]) / wall,
         "us_per_token": 1e6 * cpu / max(toks, 1), "us_per_traj": 1e6 * cpu / max(trajs, 1),
         "lat_p50_ms": 1e3 * lat[len(lat) // 2], "lat_p99_ms": 1e3 * lat[min(len(lat) - 1, int(len(lat) * 0.99))],
-        "ray_calls_per_group": {k[6:]: o.n * (after[k] - before.get(k, 0)) / max(trajs, 1) for k in after if k.startswith("calls.")},
+        "ray_calls_per_group": {k[6:]: o.n * (after[k] - before.get(k, 0)) / max(trajs, 1)
+                                for k in after if k.startswith("calls.")},
         "inflight": inflight, "rss_mib": rss / 2**20, "kib_per_inflight": rss / 1024 / max(inflight, 1),
     }  # fmt: skip
 
@@ -331,11 +337,15 @@ def _top(profiler: cProfile.Profile, k: int = 15) -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = f"{'N':>4} {'offered tok/s':>13} {'tok/s':>9} {'traj/s':>7} {'occup':>5} {'drv cpu':>7} {'sim cpu':>7} {'us/tok':>7} {'us/traj':>8} {'p50 ms':>7} {'p99 ms':>7} {'KiB/inflt':>9} {'lost':>4}"
+    head = (
+        f"{'N':>4} {'offered tok/s':>13} {'tok/s':>9} {'traj/s':>7} {'occup':>5} {'drv cpu':>7} {'sim cpu':>7} "
+        f"{'us/tok':>7} {'us/traj':>8} {'p50 ms':>7} {'p99 ms':>7} {'KiB/inflt':>9} {'lost':>4}"
+    )
     lines = [head]
     for r in rows:
-        lines.append(f"{r['engines']:>4} {r['offered_tok_s']:>13,.0f} {r['tok_s']:>9,.0f} {r['traj_s']:>7,.0f} {r['occupancy']:>5.2f} {r['driver_cpu']:>7.2f} "
-                     f"{r['sim_cpu']:>7.2f} {r['us_per_token']:>7.2f} {r['us_per_traj']:>8.0f} {r['lat_p50_ms']:>7.1f} {r['lat_p99_ms']:>7.1f} "
+        lines.append(f"{r['engines']:>4} {r['offered_tok_s']:>13,.0f} {r['tok_s']:>9,.0f} {r['traj_s']:>7,.0f} "
+                     f"{r['occupancy']:>5.2f} {r['driver_cpu']:>7.2f} {r['sim_cpu']:>7.2f} {r['us_per_token']:>7.2f} "
+                     f"{r['us_per_traj']:>8.0f} {r['lat_p50_ms']:>7.1f} {r['lat_p99_ms']:>7.1f} "
                      f"{r['kib_per_inflight']:>9.1f} {r['lost']:>4}")  # fmt: skip
     return "\n".join(lines)
 
@@ -361,7 +371,8 @@ def parse(argv: list[str] | None) -> tuple[Options, str | None]:
     p.add_argument("--update-every", type=float, default=5.0, help="s between weight updates (0: none)")
     p.add_argument("--update-with", choices=("store", "dir"), default="store",
                    help="store: a state dict through Ray's object store (its ObjectRef takes a Ray call per engine); "
-                        "dir: a model directory (every call of the update a frame on the data path, as the trainer API's)")  # fmt: skip
+                        "dir: a model directory (every call of the update a frame on the data path, "
+                        "as the trainer API's)")  # fmt: skip
     p.add_argument("--queued", type=int, default=None, help="engines.queued_per_engine (default: --capacity)")
     p.add_argument("--batch", type=int, default=8, help="groups per learner batch")
     p.add_argument("--hosts", type=int, default=4, help="Ray actors simulating the engines")
@@ -393,9 +404,12 @@ def parse(argv: list[str] | None) -> tuple[Options, str | None]:
         preempt=a.preempt,
         load_s=a.load_s,
     )
-    o = Options(engines=engines, spec=spec, max_tokens=a.max_tokens, prompt_len=a.prompt_len, n=a.n, batch=a.batch, queued=a.capacity if a.queued is None else a.queued, hosts=a.hosts,
-                warmup=a.warmup, duration=a.duration, update_every=a.update_every, update_with=a.update_with, durable=a.durable, profile=a.profile, freeze=a.freeze, gc_threshold=threshold,
-                kill=_event(a.kill, "--kill") if a.kill else None, stall=_event(a.stall, "--stall") if a.stall else None)  # fmt: skip
+    o = Options(engines=engines, spec=spec, max_tokens=a.max_tokens, prompt_len=a.prompt_len, n=a.n, batch=a.batch,
+                queued=a.capacity if a.queued is None else a.queued, hosts=a.hosts, warmup=a.warmup,
+                duration=a.duration, update_every=a.update_every, update_with=a.update_with, durable=a.durable,
+                profile=a.profile, freeze=a.freeze, gc_threshold=threshold,
+                kill=_event(a.kill, "--kill") if a.kill else None,
+                stall=_event(a.stall, "--stall") if a.stall else None)  # fmt: skip
     check(o)
     return o, a.report
 

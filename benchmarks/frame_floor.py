@@ -15,7 +15,8 @@ thread) and the kernel's (system time). One engine's results frame carries what 
 in one turn of its loop: 1-4 samples at 256 engines (`cluster_sim --profile`: ~3); a frame per node
 per tick (README, "Past one driver") would carry tens.
 
-    .venv/bin/python benchmarks/frame_floor.py [--per-frame 1,4,16,64] [--traj-per-s 4000] [--duration 4] [--report floor.json]
+    .venv/bin/python benchmarks/frame_floor.py [--per-frame 1,4,16,64] [--traj-per-s 4000] [--duration 4]
+        [--report floor.json]
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def payload(k: int, tokens: int, prompt_len: int) -> bytes:
     now = time.time()
     trajs = [
         Trajectory(
-            request_id=f"g123456-{i}", prompt_id="q123456", sample_index=i, prompt_token_ids=TokenIds(range(prompt_len)),
+            request_id=f"g123456-{i}", prompt_id="q123456", sample_index=i,
+            prompt_token_ids=TokenIds(range(prompt_len)),
             token_ids=TokenIds(range(tokens)), logprobs=Logprobs([-0.5] * tokens), finish_reason="stop",
             policy_epochs=[(0, 6), (tokens // 2, 7)], kv_epochs=[(0, 6), (prompt_len + tokens // 2, 7)],
             engine_id=17, submitted_at=now, first_token_at=now, finished_at=now,
@@ -136,10 +138,12 @@ async def receive(o: Options, k: int) -> dict[str, float]:
     threads = {name: threads1[name] - seen["threads0"].get(name, 0.0) for name in threads1}
     t0 = seen["times0"]
     return {
-        "per_frame": k, "frames": seen["frames"], "frames_per_s": counted / (t1 - seen["t0"]), "traj_per_s": counted * k / (t1 - seen["t0"]),
+        "per_frame": k, "frames": seen["frames"], "frames_per_s": counted / (t1 - seen["t0"]),
+        "traj_per_s": counted * k / (t1 - seen["t0"]),
         "us_per_frame": 1e6 * cpu / counted, "us_per_traj": 1e6 * cpu / (counted * k),
         "samples_decoded": seen["samples"], "lost": frames - seen["frames"],
-        "loop_share": threads.get("main", 0.0) / cpu if cpu else 0.0, "sys_share": (times1.system - t0.system) / cpu if cpu else 0.0,
+        "loop_share": threads.get("main", 0.0) / cpu if cpu else 0.0,
+        "sys_share": (times1.system - t0.system) / cpu if cpu else 0.0,
     }  # fmt: skip
 
 
@@ -194,13 +198,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows = []
     print(
-        f"{'per frame':>9} {'frames/s':>9} {'traj/s':>8} {'us/frame':>9} {'us/traj':>8} {'loop':>5} {'sys':>5} {'lost':>5}"
+        f"{'per frame':>9} {'frames/s':>9} {'traj/s':>8} {'us/frame':>9} {'us/traj':>8} "
+        f"{'loop':>5} {'sys':>5} {'lost':>5}"
     )
     for k in o.per_frame:
         r = asyncio.run(receive(o, k))
         rows.append(r)
         print(
-            f"{k:>9} {r['frames_per_s']:>9,.0f} {r['traj_per_s']:>8,.0f} {r['us_per_frame']:>9.1f} {r['us_per_traj']:>8.1f} {r['loop_share']:>5.0%} {r['sys_share']:>5.0%} {r['lost']:>5}",
+            f"{k:>9} {r['frames_per_s']:>9,.0f} {r['traj_per_s']:>8,.0f} {r['us_per_frame']:>9.1f} "
+            f"{r['us_per_traj']:>8.1f} {r['loop_share']:>5.0%} {r['sys_share']:>5.0%} {r['lost']:>5}",
             flush=True,
         )
     if report:

@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = long_tail(a.count, a.long_fraction, a.short_tokens, a.long_tokens, seed=a.seed)
     a.out.write_bytes(b"".join(msgspec.json.encode(x) + b"\n" for x in prompts))
     print(
-        f"{a.out}: {len(prompts)} prompts, {sum(x.id.startswith('long') for x in prompts)} generating {a.long_tokens} tokens"
+        f"{a.out}: {len(prompts)} prompts, {sum(x.id.startswith('long') for x in prompts)} generating "
+        f"{a.long_tokens} tokens"
     )
     return 0
 

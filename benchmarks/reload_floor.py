@@ -111,8 +111,8 @@ def gloo_loopback(nbytes: int, bucket_bytes: int = 64 << 20) -> dict[str, float]
     start = time.perf_counter()
     torch.empty_like(src).copy_(src)
     fresh = time.perf_counter() - start
-    return {"bytes": n * bucket_bytes, "memcpy_fresh_s": fresh, "gloo_1_touched_s": run(1, True), "gloo_1_fresh_s": run(1, False),
-            "gloo_2_fresh_s": run(2, False)}  # fmt: skip
+    return {"bytes": n * bucket_bytes, "memcpy_fresh_s": fresh, "gloo_1_touched_s": run(1, True),
+            "gloo_1_fresh_s": run(1, False), "gloo_2_fresh_s": run(2, False)}  # fmt: skip
 
 
 def shm_ring(nbytes: int, workers: int = 2, slot_bytes: int = 64 << 20) -> dict[str, float]:
@@ -207,7 +207,8 @@ def floors(path: Path, count: int, repeats: int) -> dict[str, Any]:
         shutil.rmtree(shm_dir, ignore_errors=True)
     steps = [k for k, v in got[0].items() if isinstance(v, list)]
     return {"engines": count, "bytes": got[0]["bytes"], "runs": got,
-            "median": {k: statistics.median(max(r[k][i] for r in got) for i in range(repeats)) for k in steps}}  # fmt: skip
+            "median": {k: statistics.median(max(r[k][i] for r in got) for i in range(repeats))
+                       for k in steps}}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         med = f["median"]
         print(f"{args.size}: {f['bytes'] / 2**30:.2f} GiB, {count} engine(s) at once: memcpy {med['memcpy_s']:.3f} s  "
               f"reload from memory {med['reload_memory_s']:.3f} s ({med['reload_memory_s'] / med['memcpy_s']:.1f}x)  "
-              f"reload from /dev/shm {med['reload_dir_s']:.3f} s ({med['reload_dir_s'] / med['memcpy_s']:.1f}x)", flush=True)  # fmt: skip
+              f"reload from /dev/shm {med['reload_dir_s']:.3f} s ({med['reload_dir_s'] / med['memcpy_s']:.1f}x)",
+              flush=True)  # fmt: skip
     if not args.no_transport:
         from safetensors import safe_open
 
@@ -241,13 +243,16 @@ def main(argv: list[str] | None = None) -> int:
             nbytes = sum(math.prod(f.get_slice(k).get_shape()) * 2 for k in f.keys())  # bf16
         r = report["shm_ring"] = shm_ring(nbytes)
         gb = r["bytes"] / 1e9
-        print(f"shm ring, {r['bytes'] / 2**30:.2f} GiB to 2 workers' staging: {r['shm_2_fresh_s']:.3f} s into fresh pages "
-              f"({2 * gb / r['shm_2_fresh_s']:.2f} GB/s in all), {r['shm_2_touched_s']:.3f} s into touched ({2 * gb / r['shm_2_touched_s']:.2f} GB/s); "
-              f"peak /dev/shm {r['shm_peak_bytes'] / 2**20:.0f} MiB, shmem {r['shmem_peak_bytes'] / 2**20:.0f} MiB (the ring: 4 x 64 MiB)")  # fmt: skip
+        print(f"shm ring, {r['bytes'] / 2**30:.2f} GiB to 2 workers' staging: {r['shm_2_fresh_s']:.3f} s "
+              f"into fresh pages ({2 * gb / r['shm_2_fresh_s']:.2f} GB/s in all), {r['shm_2_touched_s']:.3f} s "
+              f"into touched ({2 * gb / r['shm_2_touched_s']:.2f} GB/s); peak /dev/shm "
+              f"{r['shm_peak_bytes'] / 2**20:.0f} MiB, shmem {r['shmem_peak_bytes'] / 2**20:.0f} MiB "
+              "(the ring: 4 x 64 MiB)")  # fmt: skip
         g = report["gloo_loopback"] = gloo_loopback(nbytes)
         gb = g["bytes"] / 1e9
-        print(f"gloo loopback, {g['bytes'] / 2**30:.2f} GiB: 1 worker {g['gloo_1_touched_s']:.3f} s into touched memory "
-              f"({gb / g['gloo_1_touched_s']:.2f} GB/s), {g['gloo_1_fresh_s']:.3f} s into fresh ({gb / g['gloo_1_fresh_s']:.2f} GB/s); "
+        print(f"gloo loopback, {g['bytes'] / 2**30:.2f} GiB: 1 worker {g['gloo_1_touched_s']:.3f} s "
+              f"into touched memory ({gb / g['gloo_1_touched_s']:.2f} GB/s), {g['gloo_1_fresh_s']:.3f} s into fresh "
+              f"({gb / g['gloo_1_fresh_s']:.2f} GB/s); "
               f"2 workers side by side {g['gloo_2_fresh_s']:.3f} s ({2 * gb / g['gloo_2_fresh_s']:.2f} GB/s in all); "
               f"memcpy into fresh pages {g['memcpy_fresh_s']:.3f} s")  # fmt: skip
     Path(args.report).write_text(json.dumps(report))

@@ -18,7 +18,8 @@ whose forward pass costs more than the front end's parsing, as every real one do
 server's CPU is then theirs plus the driver's, and the driver's share per request is reported
 apart (how many front ends one driver feeds).
 
-    python benchmarks/serve.py [CONFIG] [--requests 512] [--max-tokens 64] [--rounds 4] [--client aiohttp|openai] [--size 60M] [-o k=v] [--report FILE]
+    python benchmarks/serve.py [CONFIG] [--requests 512] [--max-tokens 64] [--rounds 4] [--client aiohttp|openai]
+        [--size 60M] [-o k=v] [--report FILE]
 """
 
 from __future__ import annotations
@@ -117,20 +118,24 @@ async def run(
                 row["ratio_paced"] = row["http"] / row["paced"]
                 row["http_client_cpu_s"] = client_cpu[-1]
                 table.append(row)
-                print(f"round {r + 1}: http {row['http']:.1f} tokens/s, in-process {row['in_process']:.1f} (ratio {row['ratio']:.3f}), "
+                print(f"round {r + 1}: http {row['http']:.1f} tokens/s, in-process {row['in_process']:.1f} "
+                      f"(ratio {row['ratio']:.3f}), "
                       f"in-process paced as HTTP arrived over {row['http_arrival_spread_s']:.2f} s {row['paced']:.1f} "
                       f"(ratio {row['ratio_paced']:.3f}); CPU s: server process {row['http_server_cpu_s']:.2f} "
-                      f"(in-process {row['in_process_server_cpu_s']:.2f}), client process {row['http_client_cpu_s']:.2f}; "
+                      f"(in-process {row['in_process_server_cpu_s']:.2f}), "
+                      f"client process {row['http_client_cpu_s']:.2f}; "
                       f"HTTP requests/s {row['http_requests_s']:.0f}, server CPU per request "
                       f"{1e6 * row['http_server_cpu_s'] / requests:.0f} us (front-end processes "
-                      f"{1e6 * row['http_front_ends_cpu_s'] / requests:.0f}; in-process {1e6 * row['in_process_server_cpu_s'] / requests:.0f})",
+                      f"{1e6 * row['http_front_ends_cpu_s'] / requests:.0f}; "
+                      f"in-process {1e6 * row['in_process_server_cpu_s'] / requests:.0f})",
                       flush=True)  # fmt: skip
     us = {
         side: statistics.median(1e6 * r[f"{side}_server_cpu_s"] / requests for r in table)
         for side in ("http", "in_process")
     }
     driver_us = statistics.median(1e6 * (r["http_server_cpu_s"] - r["http_front_ends_cpu_s"]) / requests for r in table)
-    return {"requests": requests, "max_tokens": max_tokens, "client": client, "model": cfg.model.path, "sim_engines": sim,
+    return {"requests": requests, "max_tokens": max_tokens, "client": client, "model": cfg.model.path,
+            "sim_engines": sim,
             "api_servers": cfg.serve.api_servers, "rounds": table, "driver_us_per_request": driver_us,
             "ratio": statistics.median(r["ratio"] for r in table),
             "ratio_paced": statistics.median(r["ratio_paced"] for r in table),
@@ -188,8 +193,9 @@ async def _client(
 ) -> AsyncIterator[Callable[[list, dict], Awaitable[int]]]:
     """A client process of `kind`; yields a function sending one round of chat requests at once
     and returning the tokens generated (its CPU seconds appended to `client_cpu`)."""
-    proc = await asyncio.create_subprocess_exec(sys.executable, __file__, "--client-of", url, "--model", model, "--client", kind,
-                                                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(sys.executable, __file__, "--client-of", url, "--model", model,
+                                                "--client", kind, stdin=asyncio.subprocess.PIPE,
+                                                stdout=asyncio.subprocess.PIPE)  # fmt: skip
     assert proc.stdin is not None and proc.stdout is not None
     stdin, stdout = proc.stdin, proc.stdout
     try:
@@ -266,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--client", choices=["aiohttp", "openai"], default="aiohttp",
-                    help="the client process's HTTP client: aiohttp (as vLLM's serving benchmark) or the OpenAI SDK")  # fmt: skip
+                    help="the client process's HTTP client: aiohttp (as vLLM's serving benchmark) "
+                         "or the OpenAI SDK")  # fmt: skip
     ap.add_argument(
         "--size",
         choices=list(SIZES),
@@ -274,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--cache", default=str(cache_root()), help="where --size models are built")
     ap.add_argument("--sim", type=int, default=0, metavar="N",
-                    help="N simulated GPU engines (benchmarks/sim_pool.py) instead of vLLM: the front end's own requests/s and CPU per request")  # fmt: skip
+                    help="N simulated GPU engines (benchmarks/sim_pool.py) instead of vLLM: "
+                         "the front end's own requests/s and CPU per request")  # fmt: skip
     ap.add_argument("--report", default="serve_report.json")
     ap.add_argument("--client-of", help=argparse.SUPPRESS)  # internal: run as the client process of this URL
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -289,8 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     report = asyncio.run(run(cfg, args.requests, args.max_tokens, args.rounds, args.client, args.sim))
     print(f"HTTP / in-process generated tokens/s, median of {args.rounds} rounds: {report['ratio']:.3f} "
           f"(against in-process paced as the HTTP requests arrived: {report['ratio_paced']:.3f})")  # fmt: skip
-    print(f"HTTP requests/s {report['http_requests_s']:.0f} with {report['api_servers']} front-end process(es); the server's CPU per "
-          f"request {report['server_us_per_request']:.0f} us, the driver's share {report['driver_us_per_request']:.0f} us "
+    print(f"HTTP requests/s {report['http_requests_s']:.0f} with {report['api_servers']} front-end process(es); "
+          f"the server's CPU per request {report['server_us_per_request']:.0f} us, "
+          f"the driver's share {report['driver_us_per_request']:.0f} us "
           f"(in-process {report['in_process_us_per_request']:.0f} us)")  # fmt: skip
     Path(args.report).write_text(msgspec.json.encode(report).decode())
     print(f"report: {args.report}")

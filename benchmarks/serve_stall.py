@@ -57,8 +57,10 @@ async def round_(url: str, big: int, body: bytes, small: bytes) -> dict:
         while any(t.is_alive() for t in threads):
             await anyio.sleep(0.05)
         stop.set()
-    return {"big": big, "worst_stall_s": round(worst[0], 3), "big_answered_s": [round(s, 2) for _, s in sorted(answers, key=lambda a: a[1])],
-            "big_status": sorted({c for c, _ in answers}), "small_s": round(small_answer[0][1], 3), "small_status": small_answer[0][0]}  # fmt: skip
+    return {"big": big, "worst_stall_s": round(worst[0], 3),
+            "big_answered_s": [round(s, 2) for _, s in sorted(answers, key=lambda a: a[1])],
+            "big_status": sorted({c for c, _ in answers}), "small_s": round(small_answer[0][1], 3),
+            "small_status": small_answer[0][0]}  # fmt: skip
 
 
 async def main(args: argparse.Namespace) -> list[dict]:
@@ -87,6 +89,7 @@ if __name__ == "__main__":
     )
     for r in rows:
         print(
-            f"{r['big']:>10} {r['worst_stall_s']:>19} {str(r['big_answered_s']):>24} {str(r['big_status']):>7} {r['small_s']:>16}"
+            f"{r['big']:>10} {r['worst_stall_s']:>19} {str(r['big_answered_s']):>24} {str(r['big_status']):>7} "
+            f"{r['small_s']:>16}"
         )
     Path(args.json).write_text(json.dumps({"mib": args.mib, "rows": rows}, indent=1))

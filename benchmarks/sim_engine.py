@@ -16,7 +16,8 @@ a GPU engine with continuous batching and computes nothing:
 - a `preempt` fraction of samples is preempted once at a random token: it waits `ttft_s` again (the
   recompute) and records it in `kv_recomputes`, as the real policy records vLLM's evictions.
 Each sequence costs one timer and its tokens and logprobs are slices of a pre-made packed pool (as
-a real engine's, `rollout.packed`), so an engine costs far less CPU than the driver it feeds. Hosting them (many per Ray actor): `benchmarks.sim_pool`.
+a real engine's, `rollout.packed`), so an engine costs far less CPU than the driver it feeds. Hosting
+them (many per Ray actor): `benchmarks.sim_pool`.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ class LengthDist:
         want = {"fixed": 1, "uniform": 2, "lognormal": 2, "pareto": 2}
         if kind not in want:
             raise ValueError(
-                f"{spec!r}: unknown distribution {kind!r} (fixed:N, uniform:A:B, lognormal:MEDIAN:SIGMA, pareto:MIN:ALPHA)"
+                f"{spec!r}: unknown distribution {kind!r} "
+                "(fixed:N, uniform:A:B, lognormal:MEDIAN:SIGMA, pareto:MIN:ALPHA)"
             )
         if len(args) != want[kind] or any(not math.isfinite(a) for a in args):
             raise ValueError(f"{spec!r}: {kind} takes {want[kind]} finite number(s)")
@@ -205,7 +207,8 @@ class SimEngine(GroupCalls):
             finish_reason="length" if seq.length >= seq.req.sampling.max_tokens else "stop",
             policy_epochs=seq.epochs, kv_recomputes=seq.recomputes, num_preemptions=len(seq.recomputes),
             kv_epochs=kv_runs(len(prompt), len(tokens), seq.epochs, seq.recomputes),
-            engine_id=self.engine_id, submitted_at=seq.submitted, first_token_at=seq.submitted + self.spec.ttft_s, finished_at=now,
+            engine_id=self.engine_id, submitted_at=seq.submitted, first_token_at=seq.submitted + self.spec.ttft_s,
+            finished_at=now,
         )  # fmt: skip
         self.counts["trajectories"] += 1
         self.counts["tokens"] += seq.length - seq.done0
@@ -254,7 +257,8 @@ class SimEngine(GroupCalls):
             out.append(Trajectory(
                 request_id=seq.req.request_id, prompt_id=seq.req.prompt_id, sample_index=seq.req.sample_index,
                 prompt_token_ids=TokenIds(seq.req.token_ids or ()), token_ids=tokens, logprobs=logprobs,
-                policy_epochs=[(s, e) for s, e in seq.epochs if s < n], kv_recomputes=[(j, e) for j, e in seq.recomputes if j < n],
+                policy_epochs=[(s, e) for s, e in seq.epochs if s < n],
+                kv_recomputes=[(j, e) for j, e in seq.recomputes if j < n],
                 engine_id=self.engine_id,
             ))  # fmt: skip
         return encode(out)
@@ -270,7 +274,8 @@ class SimEngine(GroupCalls):
 
     async def stats(self) -> EngineStats:
         return EngineStats(engine_id=self.engine_id, epoch=self.epoch, running=len(self.running),
-                           requests_finished=self.counts["trajectories"], tokens_generated=self.counts["tokens"])  # fmt: skip
+                           requests_finished=self.counts["trajectories"],
+                           tokens_generated=self.counts["tokens"])  # fmt: skip
 
     async def reset_prefix_cache(self) -> None:
         pass

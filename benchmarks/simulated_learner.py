@@ -76,7 +76,8 @@ async def learner_loop(cfg: Config, groups: int, warmup: int, steps: int, step_t
         # gone (an async run on the object store ran out with 2 batches to spare)
         count = 2 * (warmup + steps + (cfg.staleness.max_lag or 0) + 2) * groups
         push = await learner_update(engine, weights, transfer, wait)
-        freeze_heap()  # as `rollout bench` does once started: else the driver's full collections (seconds) hold the learner
+        # as `rollout bench` does once started: else the driver's full collections (seconds) hold the learner
+        freeze_heap()
         engine.feed(configured_prompts(msgspec.structs.replace(cfg.prompts, count=count), engine.limits.vocab_size))
         rows: list[dict[str, float]] = []
         lag_before: dict[int, int] = {}
@@ -131,14 +132,17 @@ def table(sync: dict[str, Any], async_: dict[str, Any]) -> str:
         return " ".join(f"{k}:{v / total:.0%}" for k, v in r["lag_tokens"].items())
 
     lines = [
-        f"learner step {sync['step_time_s']:.2f} s (= batch generation time), {sync['steps']} steps per run, weights through "
-        f"{sync['path']}; learner idle: waiting for a batch, blocked: in the update call (shares of its wall time)",
-        f"{'run':<6} {'max_lag':>7} {'mode':<6} {'push':<9} {'samples/s':>10} {'learner idle':>12} {'blocked':>8} {'stall med':>10}  lag (share of tokens)",
+        f"learner step {sync['step_time_s']:.2f} s (= batch generation time), {sync['steps']} steps per run, "
+        f"weights through {sync['path']}; learner idle: waiting for a batch, blocked: in the update call "
+        "(shares of its wall time)",
+        f"{'run':<6} {'max_lag':>7} {'mode':<6} {'push':<9} {'samples/s':>10} {'learner idle':>12} {'blocked':>8} "
+        f"{'stall med':>10}  lag (share of tokens)",
     ]
     for name, r in (("sync", sync), ("async", async_)):
         lines.append(
-            f"{name:<6} {r['max_lag']:>7} {r['weight_sync_mode']:<6} {'waits' if r['push_waits'] else 'no wait':<9} {r['samples_per_s']:>10.2f} "
-            f"{r['learner_idle_fraction']:>12.1%} {r['push_fraction']:>8.1%} {r['stall_s_median'] * 1e3:>8.1f}ms  {lag(r)}"
+            f"{name:<6} {r['max_lag']:>7} {r['weight_sync_mode']:<6} {'waits' if r['push_waits'] else 'no wait':<9} "
+            f"{r['samples_per_s']:>10.2f} {r['learner_idle_fraction']:>12.1%} {r['push_fraction']:>8.1%} "
+            f"{r['stall_s_median'] * 1e3:>8.1f}ms  {lag(r)}"
         )
     lines.append(f"async / sync samples/s: {async_['samples_per_s'] / sync['samples_per_s']:.2f}x")
     return "\n".join(lines)
@@ -180,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     print(f"sync: {sync['samples_per_s']:.2f} samples/s, step {sync['step_time_s']:.2f} s", flush=True)
-    async_ = asyncio.run(learner_loop(configured(cfg, args.max_lag, "keep", args.groups), args.groups, args.warmup, args.steps, sync["step_time_s"],
-                                    args.transfer, args.wait))  # fmt: skip
+    async_ = asyncio.run(learner_loop(configured(cfg, args.max_lag, "keep", args.groups), args.groups, args.warmup,
+                                      args.steps, sync["step_time_s"], args.transfer, args.wait))  # fmt: skip
     print(table(sync, async_))
     report = {"config": args.config, "overrides": args.override, "groups": args.groups, "sync": sync, "async": async_,
               "speedup": async_["samples_per_s"] / sync["samples_per_s"]}  # fmt: skip

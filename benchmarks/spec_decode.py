@@ -95,9 +95,11 @@ def table(report: dict[str, Any]) -> str:
 
     lines = [
         f"ngram speculation on a repetitive workload: {report['prompts']} prompts x n={report['n']}, "
-        f"{report['max_tokens']} tokens, temperature {report['temperature']:g}, {report['engines']} engine(s), model {Path(report['model']).name}",
+        f"{report['max_tokens']} tokens, temperature {report['temperature']:g}, {report['engines']} engine(s), "
+        f"model {Path(report['model']).name}",
         f"{'':<28}{'off':>14}{'on':>14}{'on/off':>9}",
-        f"{'generated tokens/s (median)':<28}{off['tokens_per_s']:>14.1f}{on['tokens_per_s']:>14.1f}{report['ratio_tokens_per_s']:>9.3f}",
+        f"{'generated tokens/s (median)':<28}{off['tokens_per_s']:>14.1f}{on['tokens_per_s']:>14.1f}"
+        f"{report['ratio_tokens_per_s']:>9.3f}",
         f"{'  per round':<28}{rounds(off):>14}{rounds(on):>14}",
     ]
     return "\n".join(lines + spec_decode_rows(on["speculative"], on["spec_decode"], None))
@@ -125,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = repetitive_prompts(args.prompts, cfg, args.temperature, seed=0)
     warmup = repetitive_prompts(max(8, args.prompts // 4), cfg, args.temperature, seed=1)
     report: dict[str, Any] = {
-        "config": args.config, "overrides": overrides, "model": cfg.model.path, "prompts": args.prompts, "n": cfg.sampling.n,
+        "config": args.config, "overrides": overrides, "model": cfg.model.path, "prompts": args.prompts,
+        "n": cfg.sampling.n,
         "max_tokens": cfg.sampling.max_tokens, "temperature": args.temperature, "engines": cfg.engines.count,
     }  # fmt: skip
     for name, s in (("off", SpeculativeConfig()), ("on", spec)):

@@ -223,7 +223,8 @@ async def bench_size(size: str, methods: list[str], repeats: int, args: argparse
                     u = engine.weight_updates[-1]
                     peak, peak_shmem = shm.stop()
                     runs.append({
-                        "update_s": seconds, "prepare_s": u.prepare_s, "load_phase_s": u.seconds, "stall_s": max(u.stall_s.values()),
+                        "update_s": seconds, "prepare_s": u.prepare_s, "load_phase_s": u.seconds,
+                        "stall_s": max(u.stall_s.values()),
                         "memcpy_s": copy, "shm_peak_bytes": peak, "shmem_peak_bytes": peak_shmem,
                         "send_s": seconds - sum(update.calls.values()) if hasattr(update, "calls") else float("nan"),
                     })  # fmt: skip
@@ -237,8 +238,9 @@ def floor(size: str, args: argparse.Namespace) -> dict[str, float]:
     """vLLM's reload floor (`benchmarks/reload_floor.py`, its own processes, after the engines are
     gone): seconds of one engine alone and of `args.engines` loading at once."""
     report = Path(args.report).with_suffix(f".floor-{size}.json")
-    subprocess.run([sys.executable, str(Path(__file__).with_name("reload_floor.py")), "--size", size, "--engines", f"1,{args.engines}",
-                    "--repeats", str(args.repeats), "--no-transport", "--cache", args.cache, "--report", str(report)], check=True)  # fmt: skip
+    subprocess.run([sys.executable, str(Path(__file__).with_name("reload_floor.py")), "--size", size,
+                    "--engines", f"1,{args.engines}", "--repeats", str(args.repeats), "--no-transport",
+                    "--cache", args.cache, "--report", str(report)], check=True)  # fmt: skip
     got = msgspec.json.decode(report.read_bytes())["floors"]
     return {"alone_s": got[0]["median"]["reload_memory_s"], "together_s": got[-1]["median"]["reload_memory_s"]}
 
@@ -250,15 +252,15 @@ def row(size: str, nbytes: int, method: str, m: dict[str, float], fl: dict[str, 
         else f"{'':>8} {'':>8}"
     )
     return (
-        f"{size:>5} {nbytes / 2**30:>6.2f} {method:>6} {m['update_s']:>8.3f} {m['prepare_s']:>8.3f} {m['load_phase_s']:>8.3f} "
-        f"{m['stall_s']:>8.3f} {m['memcpy_s']:>8.3f} {ratios} "
+        f"{size:>5} {nbytes / 2**30:>6.2f} {method:>6} {m['update_s']:>8.3f} {m['prepare_s']:>8.3f} "
+        f"{m['load_phase_s']:>8.3f} {m['stall_s']:>8.3f} {m['memcpy_s']:>8.3f} {ratios} "
         f"{m['shm_peak_bytes'] / 2**20:>9.0f} {m['shmem_peak_bytes'] / 2**20:>10.0f} {m['send_s']:>7.3f}"
     )
 
 
 HEADER = (
-    f"{'size':>5} {'GiB':>6} {'method':>6} {'update s':>8} {'prepare':>8} {'phase 2':>8} {'stall s':>8} {'memcpy s':>8} "
-    f"{'upd/flr':>8} {'stl/flr':>8} {'shm MiB':>9} {'shmem MiB':>10} {'send s':>7}"
+    f"{'size':>5} {'GiB':>6} {'method':>6} {'update s':>8} {'prepare':>8} {'phase 2':>8} {'stall s':>8} "
+    f"{'memcpy s':>8} {'upd/flr':>8} {'stl/flr':>8} {'shm MiB':>9} {'shmem MiB':>10} {'send s':>7}"
 )
 
 
@@ -290,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         for method, m in r["methods"].items():
             print(row(r["size"], r["bytes"], method, m["median"], r["floor"]))
         if r["floor"]:
-            print(f"{r['size']:>5} vLLM's reload floor: {r['floor']['together_s']:.3f} s for {args.engines} engines loading at once "
+            print(f"{r['size']:>5} vLLM's reload floor: {r['floor']['together_s']:.3f} s for {args.engines} engines "
+                  "loading at once "
                   f"(upd/flr, stl/flr against it), {r['floor']['alone_s']:.3f} s for one alone")  # fmt: skip
     Path(args.report).write_text(msgspec.json.encode({"args": vars(args), "results": results}).decode())
     print(f"report: {args.report}")

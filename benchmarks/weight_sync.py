@@ -18,10 +18,12 @@ back, so every round generates the same distribution of tokens). Reports per mod
   than the update interval (or whose rounds take twice as long with updates): it would spend its
   time recomputing instead of decoding.
 
-    python benchmarks/weight_sync.py configs/tiny.yaml -o prompts.count=128 --report weight_sync.json --plot weight_sync.png
+    python benchmarks/weight_sync.py configs/tiny.yaml -o prompts.count=128 --report weight_sync.json
+        --plot weight_sync.png
 
 `--transfer` sends every update through vLLM's trainer API (its trainer factory's gloo engine and
-`engine.weight_sync_client()`) instead of Ray's object store; `--transfer shm` through the shm engine. `--no-wait` makes the learner's call
+`engine.weight_sync_client()`) instead of Ray's object store; `--transfer shm` through the shm engine.
+`--no-wait` makes the learner's call
 the one that does not wait for the engines to load (`update_weights(wait=False)`, the client's
 `wait=False`): the table shows that call, and beside it the time until every engine serves the epoch.
 """
@@ -110,7 +112,8 @@ async def one_round(
     await watch
     if task:
         await task
-    return {"tokens": tokens, "elapsed_s": elapsed, "tokens_per_s": tokens / elapsed, "updates": engine.weight_updates[first_update:], "update_s": calls,
+    return {"tokens": tokens, "elapsed_s": elapsed, "tokens_per_s": tokens / elapsed,
+            "updates": engine.weight_updates[first_update:], "update_s": calls,
             "loaded_s": loaded, "phases": phases, "loop_lag_s": lags, "gc_s": pauses}  # fmt: skip
 
 
@@ -179,7 +182,9 @@ async def bench_mode(
         weights = {}
         for f in sorted(Path(engine.model_path).glob("*.safetensors")):
             weights.update(load_file(str(f)))
-        freeze_heap()  # as `rollout bench` does once started: else the driver's full collections walk torch's, Ray's and vLLM's heap
+        # as `rollout bench` does once started: else the driver's full collections walk torch's, Ray's and
+        # vLLM's heap
+        freeze_heap()
         warm = msgspec.structs.replace(cfg.prompts, count=cfg.bench.warmup_prompts or 64)
         await one_round(engine, warm, weights, interval=None)
         update = await learner_update(engine, weights, transfer, wait)
@@ -262,32 +267,36 @@ def _median(xs: list[float]) -> float:
 
 def table(results: list[dict[str, Any]], interval: float) -> str:
     lines = [
-        f"update every {interval:g} s | stall per engine and update (pause -> resume) | update call (median) generating vs idle "
-        "| tokens/s updating / not",
-        f"{'mode':<13} {'updates':>7} {'stall med':>10} {'stall max':>10} {'load med':>9} {'recompute':>10} {'upd gen':>9} "
-        f"{'upd idle':>9} {'gen/idle':>8} {'ratio':>7}  per round",
+        f"update every {interval:g} s | stall per engine and update (pause -> resume) | "
+        "update call (median) generating vs idle | tokens/s updating / not",
+        f"{'mode':<13} {'updates':>7} {'stall med':>10} {'stall max':>10} {'load med':>9} {'recompute':>10} "
+        f"{'upd gen':>9} {'upd idle':>9} {'gen/idle':>8} {'ratio':>7}  per round",
     ]
     for r in results:
         u = r["update_s"]
         lines.append(
-            f"{r['mode']:<13} {r['updates']:>7} {r['stall_s']['median'] * 1e3:>8.1f}ms {r['stall_s']['max'] * 1e3:>8.1f}ms "
-            f"{r['load_s']['median'] * 1e3:>7.1f}ms {r['recompute_s_per_update'] * 1e3:>8.1f}ms {u['generating_median'] * 1e3:>7.1f}ms "
+            f"{r['mode']:<13} {r['updates']:>7} {r['stall_s']['median'] * 1e3:>8.1f}ms "
+            f"{r['stall_s']['max'] * 1e3:>8.1f}ms {r['load_s']['median'] * 1e3:>7.1f}ms "
+            f"{r['recompute_s_per_update'] * 1e3:>8.1f}ms {u['generating_median'] * 1e3:>7.1f}ms "
             f"{u['idle_median'] * 1e3:>7.1f}ms {u['generating_median'] / u['idle_median']:>8.2f} {r['ratio']:>7.3f}  "
             + " ".join(f"{x:.3f}" for x in r["ratios"])
         )
     for r in results:
         lines.append(f"{r['mode']}: the driver's event loop while generating, how late a 10 ms sleep wakes: median "
-                     f"{r['loop_lag_s']['median'] * 1e3:.1f}ms, p90 {r['loop_lag_s']['p90'] * 1e3:.1f}ms, max {r['loop_lag_s']['max'] * 1e3:.1f}ms; "
+                     f"{r['loop_lag_s']['median'] * 1e3:.1f}ms, p90 {r['loop_lag_s']['p90'] * 1e3:.1f}ms, "
+                     f"max {r['loop_lag_s']['max'] * 1e3:.1f}ms; "
                      f"its garbage collections: {r['gc_s']['count']}, longest {r['gc_s']['max'] * 1e3:.1f}ms, "
                      f"{r['gc_s']['total'] * 1e3:.1f}ms in all")  # fmt: skip
         if not r["wait"]:
             u = r["loaded_s"]
-            lines.append(f"{r['mode']}: the call does not wait; until every engine serves the epoch (median): generating "
-                         f"{u['generating_median'] * 1e3:.1f}ms, idle {u['idle_median'] * 1e3:.1f}ms")  # fmt: skip
+            lines.append(f"{r['mode']}: the call does not wait; until every engine serves the epoch (median): "
+                         f"generating {u['generating_median'] * 1e3:.1f}ms, "
+                         f"idle {u['idle_median'] * 1e3:.1f}ms")  # fmt: skip
     for r in results:
         lines.append(
             f"{r['mode']}: each update while generating (median), the driver's view: checks, object store and staging "
-            f"{r['phases_s']['prepare_median'] * 1e3:.1f}ms, then every engine's pause..resume {r['phases_s']['commit_median'] * 1e3:.1f}ms"
+            f"{r['phases_s']['prepare_median'] * 1e3:.1f}ms, then every engine's pause..resume "
+            f"{r['phases_s']['commit_median'] * 1e3:.1f}ms"
         )
     for r in results:
         if calls := r["update_s"]["calls_generating_median"]:
@@ -298,9 +307,10 @@ def table(results: list[dict[str, Any]], interval: float) -> str:
     for r in results:
         if r["collapses"]:
             lines.append(
-                f"! {r['mode']}: each update makes the engines recompute ~{r['recomputed_tokens_per_update']:.0f} KV positions "
-                f"(~{r['recompute_s_per_update']:.2f} s at {r['prefill_tokens_per_s']:.0f} prefill tokens/s), against an update "
-                f"every {interval:g} s: updates this frequent keep it recomputing instead of decoding (use keep, or update less often)"
+                f"! {r['mode']}: each update makes the engines recompute ~{r['recomputed_tokens_per_update']:.0f} "
+                f"KV positions (~{r['recompute_s_per_update']:.2f} s at {r['prefill_tokens_per_s']:.0f} prefill "
+                f"tokens/s), against an update every {interval:g} s: updates this frequent keep it recomputing "
+                "instead of decoding (use keep, or update less often)"
             )
     return "\n".join(lines)
 

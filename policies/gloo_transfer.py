@@ -307,8 +307,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             return engine
         i = init_info
         store = tcp_store(i.master_address, i.master_port, i.timeout_s, master=True)
-        worker = GlooInitInfo(master_address=i.master_address, master_port=store.port, rank_offset=1, world_size=i.world_size,
-                              session=engine.session, bucket_bytes=i.bucket_bytes, timeout_s=i.timeout_s)  # fmt: skip
+        worker = GlooInitInfo(master_address=i.master_address, master_port=store.port, rank_offset=1,
+                              world_size=i.world_size, session=engine.session, bucket_bytes=i.bucket_bytes,
+                              timeout_s=i.timeout_s)  # fmt: skip
         exe = ThreadPoolExecutor(max_workers=1)
         try:  # the workers wait inside init for the group's rendezvous, and so does rank 0
             joined = exe.submit(
@@ -417,7 +418,8 @@ def send(
             got, t = next(pairs)
             if got != name or t.dtype != dtype or list(t.shape) != shape:
                 raise ValueError(
-                    f"WeightSource yielded {got!r} {t.dtype} {list(t.shape)}, metadata() declared {name!r} {dtype} {shape}"
+                    f"WeightSource yielded {got!r} {t.dtype} {list(t.shape)}, "
+                    f"metadata() declared {name!r} {dtype} {shape}"
                 )
             flat = (
                 t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
@@ -434,8 +436,9 @@ class GlooCollective:
     `broadcast`s, in the order given to `prepare_refit_info`. Ranks 0..train_world_size-1 are
     the trainer's, the engines' workers follow; rank 0 hosts the store at (`ip`, `port`)."""
 
-    def __init__(self, ip: str, port: int, world_size: int, *, rank: int, train_world_size: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 timeout_s: float = 300.0, session: str = "rollout"):  # fmt: skip
+    def __init__(self, ip: str, port: int, world_size: int, *, rank: int, train_world_size: int,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 300.0,
+                 session: str = "rollout"):  # fmt: skip
         self.rank, self.workers_from, self.world_size, self.session = rank, train_world_size, world_size, session
         self.bucket_bytes, self.timeout_s, self.round = bucket_bytes, timeout_s, 0
         self.store = tcp_store(ip, port, timeout_s, master=rank == 0)

@@ -100,7 +100,8 @@ class ChatParsers:
         )
         if not request.include_reasoning:
             reasoning = None
-        tool_calls = [{"id": c.id or make_tool_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        tool_calls = [{"id": c.id or make_tool_call_id(), "type": "function",
+                       "function": {"name": c.name, "arguments": c.arguments}}
                       for c in (calls or [])]  # fmt: skip
         return {"reasoning": reasoning, "content": content, "tool_calls": tool_calls}
 

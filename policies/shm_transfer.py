@@ -94,7 +94,8 @@ class ShmTrainerInitInfo(TrainerInitInfo):
     def __post_init__(self) -> None:
         if self.slots < 2 or self.slot_bytes < ALIGN:
             raise ValueError(
-                f"shm transfer: slots {self.slots} (at least 2, to fill one while another drains), slot_bytes {self.slot_bytes} (at least {ALIGN})"
+                f"shm transfer: slots {self.slots} (at least 2, to fill one while another drains), "
+                f"slot_bytes {self.slot_bytes} (at least {ALIGN})"
             )
 
 
@@ -186,7 +187,8 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         except Exception as e:
             sock.close()
             raise RuntimeError(
-                f"shm transfer: worker rank {rank} could not join the learner at {init_info.address}: {type(e).__name__}: {e}"
+                f"shm transfer: worker rank {rank} could not join the learner at {init_info.address}: "
+                f"{type(e).__name__}: {e}"
             ) from e
         self.sock, self.info = sock, init_info
 
@@ -333,8 +335,10 @@ class ShmTrainerWeightTransferEngine(TrainerWeightTransferEngine[ShmTrainerInitI
             listener.listen(i.world_size)
             listener.settimeout(i.timeout_s)
             joined = exe.submit(engine._accept, listener, fd, i.world_size - 1)
-            client.init_weight_transfer_engine(asdict(ShmInitInfo(address=address, rank_offset=1, world_size=i.world_size, slots=i.slots,
-                                                                  slot_bytes=i.slot_bytes, timeout_s=i.timeout_s)))  # fmt: skip
+            client.init_weight_transfer_engine(asdict(ShmInitInfo(
+                address=address, rank_offset=1, world_size=i.world_size, slots=i.slots, slot_bytes=i.slot_bytes,
+                timeout_s=i.timeout_s,
+            )))  # fmt: skip
             joined.result()
         except BaseException:
             engine.shutdown()
@@ -410,7 +414,8 @@ class ShmTrainerWeightTransferEngine(TrainerWeightTransferEngine[ShmTrainerInitI
                 got, t = next(pairs)
                 if got != name or t.dtype != dtype or list(t.shape) != shape:
                     raise ValueError(
-                        f"WeightSource yielded {got!r} {t.dtype} {list(t.shape)}, metadata() declared {name!r} {dtype} {shape}"
+                        f"WeightSource yielded {got!r} {t.dtype} {list(t.shape)}, "
+                        f"metadata() declared {name!r} {dtype} {shape}"
                     )
                 flat = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
                 done = 0

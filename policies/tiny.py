@@ -26,8 +26,10 @@ CHAT_TEMPLATE = (
     "{%- if tools %}<tools>{{ tools | tojson }}<eos>{% endif -%}"
     "{%- for m in messages -%}"
     "<{{ m['role'] }}>{% if m['content'] %}{{ m['content'] }}{% endif %}"
-    "{%- for c in m.get('tool_calls') or [] %}<tool_call>{\"name\": {{ c['function']['name'] | tojson }}, \"arguments\": "
-    "{% if c['function']['arguments'] is string %}{{ c['function']['arguments'] }}{% else %}{{ c['function']['arguments'] | tojson }}{% endif %}"
+    "{%- for c in m.get('tool_calls') or [] %}<tool_call>{\"name\": {{ c['function']['name'] | tojson }}, "
+    '"arguments": '
+    "{% if c['function']['arguments'] is string %}{{ c['function']['arguments'] }}"
+    "{% else %}{{ c['function']['arguments'] | tojson }}{% endif %}"
     "}</tool_call>{%- endfor %}<eos>"
     "{%- endfor -%}"
     "{%- if add_generation_prompt %}<assistant>{% endif -%}"

@@ -182,7 +182,8 @@ class VLLMPolicy(GroupCalls, WeightLoading):
         if fits >= want:
             return want + queued  # vLLM runs at most `want` (max_num_seqs): the rest wait in its queue
         log.warning(
-            "KV cache holds fewer full-length requests than max_inflight_per_engine; capping (engines.preemption: avoid)",
+            "KV cache holds fewer full-length requests than max_inflight_per_engine; "
+            "capping (engines.preemption: avoid)",
             engine=self.engine_id, fits=fits, max_inflight_per_engine=want,
         )  # fmt: skip
         return max(1, fits)

@@ -179,7 +179,8 @@ class WeightLoading:
         t3 = time.perf_counter()
         if staged:  # received: from the transfer call to this one; load: the pause's load, tag and resume
             return {"pause_s": t2 - self._transfer_t0, "load_s": t3 - t2, "stall_s": t3 - self._transfer_t0,
-                    "recomputed_tokens": self._recomputed, "received": self._transfer_t0 - (self._transfer_t1 or t2)}  # fmt: skip
+                    "recomputed_tokens": self._recomputed,
+                    "received": self._transfer_t0 - (self._transfer_t1 or t2)}  # fmt: skip
         t0, t1 = self._transfer_t0, self._transfer_t1 or t2
         return {
             "pause_s": t1 - t0,

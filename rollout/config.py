@@ -68,8 +68,9 @@ class EnginesConfig(Struct, frozen=True, forbid_unknown_fields=True):
         q = self.queued_per_engine
         if q is not None and q > self.max_inflight_per_engine:
             raise ValueError(
-                f"queued_per_engine: {q} exceeds engines.max_inflight_per_engine {self.max_inflight_per_engine} (vLLM's "
-                "max_num_seqs): a queue deeper than the batch it refills only holds requests back from other engines"
+                f"queued_per_engine: {q} exceeds engines.max_inflight_per_engine {self.max_inflight_per_engine} "
+                "(vLLM's max_num_seqs): a queue deeper than the batch it refills only holds requests back "
+                "from other engines"
             )
 
 
@@ -193,7 +194,8 @@ class BenchConfig(Struct, frozen=True, forbid_unknown_fields=True):
         if self.repeats is not None:
             if self.rounds != _BENCH_ROUNDS and self.rounds != self.repeats:
                 raise ValueError(
-                    f"repeats: the old name of rounds; give one of them, not repeats {self.repeats} and rounds {self.rounds}"
+                    f"repeats: the old name of rounds; give one of them, not repeats {self.repeats} "
+                    f"and rounds {self.rounds}"
                 )
             msgspec.structs.force_setattr(self, "rounds", self.repeats)
 
@@ -282,7 +284,8 @@ def _check_raw_speculative_args(engines: EnginesConfig) -> None:
         if key in engines.vllm:
             raise ValueError(
                 f"engines.vllm.{key}: configure speculative decoding in the `speculative:` block "
-                "(method, num_speculative_tokens, prompt_lookup_min/max, model; other vLLM fields under speculative.options)"
+                "(method, num_speculative_tokens, prompt_lookup_min/max, model; "
+                "other vLLM fields under speculative.options)"
             )
 
 

@@ -3,8 +3,8 @@
 Public surfaces used: `AsyncLLM.from_vllm_config`, `generate` (one output per request, vLLM's
 non-streaming mode), `abort`, `pause_generation`, `resume_generation`, `is_paused`, `update_weight_version`,
 `collective_rpc("reload_weights")`, the weight-transfer calls (`init_weight_transfer_engine`,
-`start_weight_update`, `update_weights`, `finish_weight_update`), `reset_prefix_cache`, `shutdown`, `RequestOutput` with its
-`weight_versions` spans, `SamplingParams(flat_logprobs=True)`.
+`start_weight_update`, `update_weights`, `finish_weight_update`), `reset_prefix_cache`, `shutdown`,
+`RequestOutput` with its `weight_versions` spans, `SamplingParams(flat_logprobs=True)`.
 Private internals, each checked at start (`probe`), failing closed:
 - `AsyncLLM._logger_ref`: vLLM's output loop calls the stat logger in it once per engine step;
   `StepWatch` takes that slot (times first tokens within a step).

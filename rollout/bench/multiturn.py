@@ -107,8 +107,9 @@ async def _raw(engine: RolloutEngine, cfg: Config, prompts: list[Prompt]) -> dic
     async def one(e: int, prompt: Prompt, turns: _Turns) -> None:
         async def run_turn(req: Request) -> Trajectory:
             ids, lps, reason = await turns.turn(req)
-            return Trajectory(request_id=req.request_id, prompt_token_ids=list(req.token_ids or []), token_ids=list(ids),
-                              logprobs=list(lps), finish_reason=reason if reason in ("stop", "length") else "stop",
+            return Trajectory(request_id=req.request_id, prompt_token_ids=list(req.token_ids or []),
+                              token_ids=list(ids), logprobs=list(lps),
+                              finish_reason=reason if reason in ("stop", "length") else "stop",
                               policy_epochs=[(0, 0)] if ids else [], engine_id=e % len(engines))  # fmt: skip
 
         sampling = effective_sampling(cfg.sampling, prompt)
@@ -137,9 +138,10 @@ def _figures(episodes: list[Trajectory], elapsed: float) -> dict[str, Any]:
     ok = [t for t in episodes if t.ok]
     tokens = sum(len(turn.token_ids) for t in ok for turn in t.turns)
     later = [turn for t in ok for turn in t.turns[1:]]  # turns that could reuse the KV of the turns before
-    return {"elapsed_s": elapsed, "episodes": len(episodes), "failed": len(episodes) - len(ok), "generated_tokens": tokens,
-            "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
-            "kv_reused_fraction": sum(turn.kv_reused for turn in later) / max(1, sum(len(turn.prompt_token_ids) for turn in later))}  # fmt: skip
+    return {"elapsed_s": elapsed, "episodes": len(episodes), "failed": len(episodes) - len(ok),
+            "generated_tokens": tokens, "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+            "kv_reused_fraction": sum(turn.kv_reused for turn in later)
+                                  / max(1, sum(len(turn.prompt_token_ids) for turn in later))}  # fmt: skip
 
 
 def format_table(report: dict[str, Any]) -> str:

@@ -85,7 +85,8 @@ def bench_figure(report: dict[str, Any], path: str) -> None:
         for q, ls in (("p50", "-"), ("p90", "--"), ("p99", ":")):
             ax.axvline(p[q], color="black", ls=ls, lw=1, label=f"{q} {p[q]:.2f} s")
         ax.set(title=f"this engine: {label}, {len(values)} trajectories over {ours['runs']} round(s)",
-               xlabel=f"{label} (s), queued to {'finished' if key == 'latency_s' else 'first token'}", ylabel="trajectories")  # fmt: skip
+               xlabel=f"{label} (s), queued to {'finished' if key == 'latency_s' else 'first token'}",
+               ylabel="trajectories")  # fmt: skip
         ax.legend(loc="upper right")
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -112,7 +113,8 @@ def weight_sync_figure(report: dict[str, Any], path: str) -> None:
     left.set(xticks=range(len(modes)), xticklabels=modes, ylabel="tokens/s updating / not",
              title="throughput while updating (bar: median; dots: rounds)")  # fmt: skip
     right.set_yscale("log")  # drain's stalls are 10-100x the others'
-    right.set(xticks=range(len(modes)), xticklabels=modes, ylabel="stall (ms, log scale)", xlim=(-0.5, len(modes) - 0.2),
+    right.set(xticks=range(len(modes)), xticklabels=modes, ylabel="stall (ms, log scale)",
+              xlim=(-0.5, len(modes) - 0.2),
               title="each engine's stall per update, pause to resume (line: median)")  # fmt: skip
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -195,8 +195,8 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "trajectories_per_s": statistics.median(r["trajectories_per_s"] for r in runs),
         "mean_running": statistics.median(r["mean_running"] for r in runs),
         "mean_waiting": statistics.median(r["mean_waiting"] for r in runs),
-        "per_run": [{k: r[k] for k in ("elapsed_s", "generated_tokens", "tokens_per_s", "trajectories_per_s", "mean_running",
-                                       "mean_waiting")} for r in runs],
+        "per_run": [{k: r[k] for k in ("elapsed_s", "generated_tokens", "tokens_per_s", "trajectories_per_s",
+                                       "mean_running", "mean_waiting")} for r in runs],
     }  # fmt: skip
     if "latencies_s" in runs[0]:
         latencies = [x for r in runs for x in r["latencies_s"]]

@@ -29,7 +29,8 @@ def format_table(report: dict[str, Any]) -> str:
             (f"  {ci['coverage']:.1%} interval {ci['low']:.3f}-{ci['high']:.3f}, width {ci['width']:.3f} "
              f"(sign test; more rounds narrow it: --rounds 12)"),
             "",
-            f"{'round':>5}  {'first':<12}{'this engine tok/s':>19}{'raw vLLM tok/s':>16}{'ratio':>8}{'batch (ours/raw)':>18}",
+            f"{'round':>5}  {'first':<12}{'this engine tok/s':>19}{'raw vLLM tok/s':>16}{'ratio':>8}"
+            f"{'batch (ours/raw)':>18}",
         ]  # fmt: skip
 
         def batch(r: dict[str, Any], a: str, b: str) -> str:  # reports written before the running batch have none
@@ -39,8 +40,10 @@ def format_table(report: dict[str, Any]) -> str:
             first = "this engine" if r["order"] == "engine first" else "raw vLLM"
             lines.append(f"{r['round']:>5}  {first:<12}{r['engine']:>19.1f}{r['raw_vllm']:>16.1f}{r['ratio']:>8.3f}"
                          f"{batch(r, 'engine_batch', 'raw_vllm_batch')}")  # fmt: skip
-        lines.append(f"{'median':>5}  {'':<12}{ours['tokens_per_s']:>19.1f}{raw['tokens_per_s']:>16.1f}{report['ratio_tokens_per_s']:>8.3f}"
-                     f"{batch({'a': ours.get('mean_running'), 'b': raw.get('mean_running')} if 'mean_running' in ours else {}, 'a', 'b')}")  # fmt: skip
+        lines.append(f"{'median':>5}  {'':<12}{ours['tokens_per_s']:>19.1f}{raw['tokens_per_s']:>16.1f}"
+                     f"{report['ratio_tokens_per_s']:>8.3f}"
+                     + batch({"a": ours.get("mean_running"), "b": raw.get("mean_running")}
+                             if "mean_running" in ours else {}, "a", "b"))  # fmt: skip
     runs = ours["runs"]
     lines += ["", f"{f'over {runs} run(s), median':<38}{'this engine':>14}{'raw vLLM' if raw else '':>14}"]
 

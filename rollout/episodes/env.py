@@ -159,7 +159,8 @@ def _tool_calls(calls: Any, where: str) -> None:
         isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls
     ):
         raise EnvError(
-            f"{where}: expected a list of {{'type': 'function', 'function': {{'name': ..., 'arguments': ...}}}}, got {shown(calls)}"
+            f"{where}: expected a list of {{'type': 'function', 'function': {{'name': ..., 'arguments': ...}}}}, "
+            f"got {shown(calls)}"
         )
     for i, call in enumerate(calls):
         fn = call["function"]

@@ -149,7 +149,10 @@ class DurableLog:
                 payload = self._encoder.encode(GroupRecord(rid, group))
                 self._decoder.decode(payload)  # what would not read back must not reach the log
             except (TypeError, ValueError, OverflowError, msgspec.MsgspecError) as e:
-                group.error = f"queue.durable_dir={self.dir}: this group cannot be logged ({type(e).__name__}: {e}); handed out failed"
+                group.error = (
+                    f"queue.durable_dir={self.dir}: this group cannot be logged ({type(e).__name__}: {e}); "
+                    "handed out failed"
+                )
                 log.error("durable log: group cannot be logged", prompt=group.prompt_id, error=str(e))
                 return
             self._next_id += 1
@@ -180,7 +183,8 @@ class DurableLog:
                 self._compact()
 
     def set_epoch(self, epoch: int) -> None:
-        """Record the engine's new epoch (a new run resumes there). Never raises: a failed write marks the log `failed`."""
+        """Record the engine's new epoch (a new run resumes there). Never raises: a failed write marks the
+        log `failed`."""
         with self._mutex:
             self.epoch = epoch
             if self.failed is None:
@@ -293,8 +297,9 @@ class DurableLog:
             os.close(fd)
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                 raise DurableLogError(
-                    f"queue.durable_dir={self.dir}: another run holds it (lock {lock_path}, pid {holder}); two runs on one "
-                    "log would hand out and acknowledge each other's groups. Give each run its own directory"
+                    f"queue.durable_dir={self.dir}: another run holds it (lock {lock_path}, pid {holder}); "
+                    "two runs on one log would hand out and acknowledge each other's groups. "
+                    "Give each run its own directory"
                 ) from e
             raise self._error("cannot lock it", e) from e
         with contextlib.suppress(OSError):  # only for the message above: a full disk must not stop the run here

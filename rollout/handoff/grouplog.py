@@ -91,7 +91,8 @@ class LogReader:
             return
         if f.read(len(MAGIC)) != MAGIC:
             raise DurableLogError(
-                f"{self.path}: not a v2 groups log (no {MAGIC[:-1].decode()!r} line): an older rollout's log or not ours; "
+                f"{self.path}: not a v2 groups log (no {MAGIC[:-1].decode()!r} line): "
+                "an older rollout's log or not ours; "
                 "hand out its groups with the version that wrote it, or move it away"
             )
         pos = self.end = len(MAGIC)
@@ -102,7 +103,8 @@ class LogReader:
             length, crc, head_crc = HEADER.unpack(head)
             if zlib.crc32(head[:8]) != head_crc:
                 if self._zeros_from(pos + HEADER.size - 1):
-                    return  # torn: the file's new size reached the disk, its data (from some byte of this header on) did not
+                    # torn: the file's new size reached the disk, its data (from some byte of this header on) did not
+                    return
                 raise self._damaged(pos, "header checksum mismatch")
             if pos + HEADER.size + length > size:
                 return  # torn: a verified header whose payload never fully reached the disk

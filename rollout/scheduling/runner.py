@@ -137,7 +137,8 @@ class Runner:
         return await self.carry_on(i, pending, cost, finish, failure, moved)
 
     async def carry_on(
-        self, i: int, pending: dict[int, Request], cost: int, finish: Callable[[Trajectory], None], failure: str | None, moved: bool
+        self, i: int, pending: dict[int, Request], cost: int, finish: Callable[[Trajectory], None], failure: str | None,
+        moved: bool
     ) -> int:  # fmt: skip
         """After an attempt on engine `i` ended (`failure`: why, if it failed) with `pending` still
         unfinished (their room there given back): while they may move (`moved`: the engine died or
@@ -161,8 +162,9 @@ class Runner:
             except EngineDeadError as e:
                 failure = str(e)
                 break
-            log.warning("samples moved to another engine", prompt=next(iter(pending.values())).prompt_id, samples=len(pending), engine=i,
-                        reason=failure, resumed_tokens=sum(len(r.resume.token_ids) for r in pending.values() if r.resume))  # fmt: skip
+            log.warning("samples moved to another engine", prompt=next(iter(pending.values())).prompt_id,
+                        samples=len(pending), engine=i, reason=failure,
+                        resumed_tokens=sum(len(r.resume.token_ids) for r in pending.values() if r.resume))  # fmt: skip
             failure, moved = await self._attempt(i, pending, cost, finish, timeout)
         for req in pending.values():
             reason = failure or "engine returned no result"

@@ -363,8 +363,8 @@ class Scheduler:
         """Remember where a session's turn ran and what its KV holds, for the session's next turn."""
         if not turn.ok:
             return
-        turn.kv_epochs = kv_runs(len(turn.prompt_token_ids), len(turn.token_ids), turn.policy_epochs, turn.kv_recomputes,
-                                 turn.kv_reused, before)  # fmt: skip
+        turn.kv_epochs = kv_runs(len(turn.prompt_token_ids), len(turn.token_ids), turn.policy_epochs,
+                                 turn.kv_recomputes, turn.kv_reused, before)  # fmt: skip
         self._sessions[session] = (turn.engine_id, turn.cache_salt, turn.kv_epochs)
         self._sessions.move_to_end(session)
         while len(self._sessions) > MAX_SESSIONS:

@@ -106,8 +106,8 @@ class Desk:
 
     # -- requests ----------------------------------------------------------------------------
 
-    async def run(self, prompt_ids: list[int], sampling: dict[str, Any], session: str | None, prefix: int, episode: str | None,
-                  rid: str | None) -> list[Trajectory]:  # fmt: skip
+    async def run(self, prompt_ids: list[int], sampling: dict[str, Any], session: str | None, prefix: int,
+                  episode: str | None, rid: str | None) -> list[Trajectory]:  # fmt: skip
         """One prompt (its `n` samples) through the engine, in the session of the turn it continues.
         Cancelled (the client gone), it aborts the engine request; `/abort_requests` naming `rid`
         (else its prompt id) answers 499. Raises InvalidPromptError for what the engine refused."""

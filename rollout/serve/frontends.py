@@ -56,8 +56,9 @@ if TYPE_CHECKING:
     from rollout.serve.desk import ServedEngine
 
 log = get_logger(__name__)
-CALLS = frozenset({"run", "reward", "metrics", "healthy", "pause", "resume", "is_paused", "abort", "init", "shutdown", "start", "update",
-                   "finish", "label", "weight_info", "world_size"})  # fmt: skip  # the desk's methods a front end awaits
+# the desk's methods a front end awaits
+CALLS = frozenset({"run", "reward", "metrics", "healthy", "pause", "resume", "is_paused", "abort", "init", "shutdown",
+                   "start", "update", "finish", "label", "weight_info", "world_size"})  # fmt: skip
 NOTES = frozenset({"record", "ready"})  # sent, never answered
 ERRORS = (InvalidPromptError, RetryableError, EngineDeadError, EngineClosedError)  # cross as themselves
 RETURNS: dict[str, Any] = {"run": list[Trajectory]}  # how a call's answer decodes (the rest: plain data)

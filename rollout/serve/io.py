@@ -58,8 +58,9 @@ class ServedChat(ChatRenderer):
 
     def encode(self, text: str) -> list[int]:
         if self.max_chars is not None and len(text) > self.max_chars:
-            raise api.ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                                    f"messages have {len(text)} characters, more than {self.max_chars} cannot fit it.", "messages")  # fmt: skip
+            raise api.ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens. "
+                                    f"However, your messages have {len(text)} characters, "
+                                    f"more than {self.max_chars} cannot fit it.", "messages")  # fmt: skip
         return super().encode(text)
 
 
@@ -203,8 +204,8 @@ def check_api_key(key: str | None) -> str | None:
         raise InvalidConfigError("serve.api_key (--api-key): empty; leave it out to serve without a key")
     for i, c in enumerate(key):
         if not 0x21 <= ord(c) <= 0x7E:
-            raise InvalidConfigError(f"serve.api_key (--api-key): character {i} ({c!r}) cannot travel in an HTTP header: "
-                                     "use printable ASCII without spaces")  # fmt: skip
+            raise InvalidConfigError(f"serve.api_key (--api-key): character {i} ({c!r}) cannot travel "
+                                     "in an HTTP header: use printable ASCII without spaces")  # fmt: skip
     return key
 
 
@@ -236,14 +237,17 @@ class Stats:
         self.requests = Counter(
             "rollout_http_requests", "HTTP requests by path and status", ["path", "status"], registry=self.registry
         )
-        self.latency = Histogram("rollout_http_latency_seconds", "HTTP request latency", ["path"], registry=self.registry,
+        self.latency = Histogram("rollout_http_latency_seconds", "HTTP request latency", ["path"],
+                                 registry=self.registry,
                                  buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))  # fmt: skip
         self.prompt_tokens = Counter("rollout_http_prompt_tokens", "prompt tokens served", registry=self.registry)
         self.generated = Counter(
             "rollout_http_generated_tokens", "tokens generated for HTTP requests", registry=self.registry
         )
-        self.episodes_forgotten = Counter("rollout_http_episodes_forgotten", "open episodes (turns kept, never rewarded) "
-                                          "forgotten, the oldest first, past the server's bound", registry=self.registry)  # fmt: skip
+        self.episodes_forgotten = Counter("rollout_http_episodes_forgotten",
+                                          "open episodes (turns kept, never rewarded) "
+                                          "forgotten, the oldest first, past the server's bound",
+                                          registry=self.registry)  # fmt: skip
 
     def request(self, path: str, status: int, seconds: float) -> None:
         self.requests.labels(path, str(status)).inc()

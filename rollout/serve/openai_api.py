@@ -106,7 +106,8 @@ def chat(
         except ValueError as e:  # vLLM's request model refuses a field the parsers read
             raise ApiError(400, str(e), str(e).split(":")[0]) from e
     return Call(ids, sampling(data), session, _str(data, "episode_id"), bool(data.get("logprobs")), prefix,
-                bool(data.get("return_tokens_as_token_ids")), bool(data.get("return_token_ids")), parse, streamed(data)[0])  # fmt: skip
+                bool(data.get("return_tokens_as_token_ids")), bool(data.get("return_token_ids")), parse,
+                streamed(data)[0])  # fmt: skip
 
 
 def prompt_ids(messages: list[dict[str, Any]], tools: Any, required: Any, chat: ChatRenderer) -> tuple[list[int], int]:
@@ -165,8 +166,8 @@ def generate(data: dict[str, Any]) -> Call:
     params = data.get("sampling_params", {})
     if not isinstance(params, dict):
         raise ApiError(400, "sampling_params: expected an object", "sampling_params")
-    return Call(ids, {**sampling(params, "sampling_params."), "n": _n(params, "sampling_params.")}, logprobs=True, as_token_ids=True,
-                return_token_ids=True, ids_param="token_ids", where="sampling_params.")  # fmt: skip
+    return Call(ids, {**sampling(params, "sampling_params."), "n": _n(params, "sampling_params.")}, logprobs=True,
+                as_token_ids=True, return_token_ids=True, ids_param="token_ids", where="sampling_params.")  # fmt: skip
 
 
 def sampling(data: dict[str, Any], where: str = "") -> dict[str, Any]:
@@ -218,8 +219,10 @@ def chat_response(
                                "reasoning_content": parsed["reasoning"], **token_fields(traj)}  # fmt: skip
     if parsed["tool_calls"]:
         message["tool_calls"] = parsed["tool_calls"]
-    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": "tool_calls" if parsed["tool_calls"] else finish(traj),
-                              "logprobs": {"content": logprob_items(traj, call.as_token_ids, chat)} if call.logprobs else None}  # fmt: skip
+    choice: dict[str, Any] = {"index": 0, "message": message,
+                              "finish_reason": "tool_calls" if parsed["tool_calls"] else finish(traj),
+                              "logprobs": {"content": logprob_items(traj, call.as_token_ids, chat)}
+                                          if call.logprobs else None}  # fmt: skip
     if call.stream and parsers is not None and call.parse is not None and chat is not None:
         # vLLM's streaming path, one token per step (some parsers stream nothing given a whole call
         # at once), on the text the client sees (a stop string cut as above); `events` sends the
@@ -243,8 +246,10 @@ def chat_response(
 def completion_response(call: Call, trajs: list[Trajectory], model: str, chat: ChatRenderer | None) -> dict[str, Any]:
     choices = []
     for i, traj in enumerate(trajs):
-        choice: dict[str, Any] = {"index": i, "text": visible_text(chat, traj.token_ids, traj.finish_reason, call.stop, call.stop_ids),
-                                  "finish_reason": finish(traj), "logprobs": None, **token_fields(traj)}  # fmt: skip
+        choice: dict[str, Any] = {
+            "index": i, "text": visible_text(chat, traj.token_ids, traj.finish_reason, call.stop, call.stop_ids),
+            "finish_reason": finish(traj), "logprobs": None, **token_fields(traj),
+        }  # fmt: skip
         if call.logprobs:
             choice["logprobs"] = {
                 "tokens": [f"token_id:{t}" for t in traj.token_ids],
@@ -290,8 +295,8 @@ def events(body: dict[str, Any], usage: bool) -> bytes:
     parsers, the role and token fields then the parser's delta for the turn, `chat_response`),
     the finish reason in the next; the usage last if asked (`stream_options.include_usage`), [DONE]."""
     chat = body["object"] == "chat.completion"
-    head = {"id": body["id"], "object": "chat.completion.chunk" if chat else "text_completion", "created": body["created"],
-            "model": body["model"]}  # fmt: skip
+    head = {"id": body["id"], "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": body["created"], "model": body["model"]}  # fmt: skip
     chunks = []
     for choice in body["choices"]:
         i = choice["index"]
@@ -362,8 +367,8 @@ def generate_response(trajs: list[Trajectory], request_id: str) -> dict[str, Any
     choices = []
     for i, traj in enumerate(trajs):
         items = [{"token": f"token_id:{t}", "logprob": lp} for t, lp in zip(traj.token_ids, traj.logprobs)]
-        choices.append({"index": i, "token_ids": list(traj.token_ids), "finish_reason": finish(traj), "logprobs": {"content": items},
-                        **token_fields(traj)})  # fmt: skip
+        choices.append({"index": i, "token_ids": list(traj.token_ids), "finish_reason": finish(traj),
+                        "logprobs": {"content": items}, **token_fields(traj)})  # fmt: skip
     return {"request_id": request_id, "prompt_token_ids": list(trajs[0].prompt_token_ids), "choices": choices}
 
 

@@ -18,8 +18,8 @@ Errors in vLLM's shape (`{"error": {"message", "type", "param", "code"}}`): a ca
 call, and the epoch stays. Bodies are read like every other route's (`serve.max_body_bytes`,
 UTF-8, depth) and mirrored as msgspec Structs: vLLM declares them as FastAPI `Body(embed=True)`
 parameters, not models we could import, and its pydantic would bypass that reading.
-Does not own: the work (`rollout.serve.desk`), the update itself (`rollout.weights.transfer`), auth (the app's `server_io.ApiKey`
-covers these routes like the rest), pausing vLLM (`policies.vllm_policy`).
+Does not own: the work (`rollout.serve.desk`), the update itself (`rollout.weights.transfer`), auth (the
+app's `server_io.ApiKey` covers these routes like the rest), pausing vLLM (`policies.vllm_policy`).
 """
 
 # No `from __future__ import annotations`: FastAPI reads the endpoints' annotations.

@@ -132,8 +132,8 @@ class Server:
             try:
                 body = await io.read_body(request, self.cfg.max_body_bytes)
                 if self.inflight >= self.cfg.max_concurrency:
-                    raise api.ApiError(429, f"busy: {self.inflight} requests in flight (serve.max_concurrency)", kind="rate_limit_error",
-                                       headers=RETRY_AFTER)  # fmt: skip
+                    raise api.ApiError(429, f"busy: {self.inflight} requests in flight (serve.max_concurrency)",
+                                       kind="rate_limit_error", headers=RETRY_AFTER)  # fmt: skip
                 self.inflight += 1
                 try:
                     data, call, (stream, usage) = await self._prepare.run(
@@ -203,7 +203,8 @@ class Server:
 
         @app.get("/v1/models")
         async def models() -> Any:
-            return {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "rollout",
+            return {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0,
+                                                "owned_by": "rollout",
                                                 "max_model_len": self.max_model_len}]}  # fmt: skip
 
         @app.get("/health")
@@ -241,8 +242,8 @@ class Server:
     def _check_model(self, data: dict[str, Any]) -> None:
         model = data.get("model")
         if model is not None and model != self.model:
-            raise api.ApiError(404, f"model {printable(model)!r} does not exist; this server serves {self.model!r}", "model",
-                               "not_found_error")  # fmt: skip
+            raise api.ApiError(404, f"model {printable(model)!r} does not exist; this server serves {self.model!r}",
+                               "model", "not_found_error")  # fmt: skip
 
     # -- endpoints -----------------------------------------------------------------------------
 
@@ -264,8 +265,9 @@ class Server:
         room = self.max_model_len - len(call.prompt_ids)
         if room < 1 or call.sampling.get("max_tokens", 1) > room:
             asked = len(call.prompt_ids) + call.sampling.get("max_tokens", 0)
-            raise api.ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                                    f"{asked} tokens ({len(call.prompt_ids)} in the messages).", call.ids_param)  # fmt: skip
+            raise api.ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens. "
+                                    f"However, you requested {asked} tokens ({len(call.prompt_ids)} in the messages).",
+                                    call.ids_param)  # fmt: skip
         base = self.sampling
         call.sampling.setdefault("max_tokens", min(base.max_tokens, room))
         call.sampling.setdefault("min_tokens", 0)

@@ -97,7 +97,8 @@ class WeightTransfer:
             if "world_size" in init_info and int(init_info["world_size"]) != offset + len(live) * workers:
                 raise WeightSyncError(
                     f"init_weight_transfer_engine: world_size {init_info['world_size']}, but the learner's "
-                    f"{offset} rank(s) and {len(live)} engines x {workers} model workers make {offset + len(live) * workers}", [],
+                    f"{offset} rank(s) and {len(live)} engines x {workers} model workers make "
+                    f"{offset + len(live) * workers}", [],
                 )  # fmt: skip
             infos = [
                 {**init_info, "rank_offset": offset + k * workers} if "rank_offset" in init_info else init_info
@@ -130,7 +131,8 @@ class WeightTransfer:
             if gone or set(live) != set(self.members):
                 raise WeightSyncError(
                     f"start_weight_update: engines {sorted(set(gone) | (set(live) - set(self.members)))} restarted or "
-                    "left since init_weight_transfer_engine: call it again (the learner's trainer_init); no engine changed",
+                    "left since init_weight_transfer_engine: call it again (the learner's trainer_init); "
+                    "no engine changed",
                     sorted(gone),
                 )  # fmt: skip
         except BaseException:
@@ -220,8 +222,8 @@ class WeightTransfer:
                 self._close(rnd)
                 raise InvalidWeightsError(f"the learner's weights do not fit the model: {shown}; no engine changed")
             self._fail_all(rnd, f"update_weights: {shown}")
-            raise InvalidWeightsError(f"the learner's weights do not fit the model: {shown}; engines {rnd.live} had loaded "
-                                      f"earlier chunks of epoch {rnd.epoch}: out of rotation")  # fmt: skip
+            raise InvalidWeightsError(f"the learner's weights do not fit the model: {shown}; engines {rnd.live} "
+                                      f"had loaded earlier chunks of epoch {rnd.epoch}: out of rotation")  # fmt: skip
         rnd.nbytes += sum(math.prod(s) * _itemsize(d) for d, s in zip(dtypes, shapes))
         return names
 
@@ -256,7 +258,8 @@ class WeightTransfer:
         if missing := sorted(set(self.u.manifest) - rnd.names):
             self._fail_all(rnd, f"the update left out {missing[:4]}")
             raise InvalidWeightsError(f"epoch {rnd.epoch}: the learner sent no {', '.join(missing[:4])}"
-                                      f"{' ...' if len(missing) > 4 else ''}; engines {rnd.live} out of rotation")  # fmt: skip
+                                      f"{' ...' if len(missing) > 4 else ''}; "
+                                      f"engines {rnd.live} out of rotation")  # fmt: skip
 
     async def _finish(self, rnd: _Round, weight_version: str | None) -> int:
         if not rnd.started:  # nothing was sent: no engine changed
@@ -273,12 +276,14 @@ class WeightTransfer:
         self.u.history.append(UpdateStats(
             epoch=rnd.epoch, mode=self.u.cfg.weight_sync.mode, bytes=rnd.nbytes, bytes_received=rnd.nbytes * len(done),
             seconds=time.perf_counter() - t0, prepare_s=t0 - rnd.t0, stall_s={i: r["stall_s"] for i, r in done.items()},
-            load_s={i: r["load_s"] for i, r in done.items()}, recomputed_tokens={i: int(r["recomputed_tokens"]) for i, r in done.items()},
+            load_s={i: r["load_s"] for i, r in done.items()},
+            recomputed_tokens={i: int(r["recomputed_tokens"]) for i, r in done.items()},
             failed=sorted(rnd.bad),
         ))  # fmt: skip
         if not done:
             raise WeightSyncError(
-                f"epoch {rnd.epoch}: every engine failed to load it: {describe(rnd.bad)}; the epoch stays {self.u.epoch}",
+                f"epoch {rnd.epoch}: every engine failed to load it: {describe(rnd.bad)}; "
+                f"the epoch stays {self.u.epoch}",
                 sorted(rnd.bad),
             )
         self.u.weights, self.u.weights_stamp = (
@@ -397,7 +402,8 @@ def loop_caller(loop: asyncio.AbstractEventLoop) -> Callable[..., Any]:
             return fn(*args) if threading.get_ident() == home else _on(loop, fn, *args)
         if threading.get_ident() == home:
             raise RuntimeError(
-                "the weight-sync client blocks: call it from a thread, e.g. await anyio.to_thread.run_sync(trainer.send_weights)"
+                "the weight-sync client blocks: call it from a thread, "
+                "e.g. await anyio.to_thread.run_sync(trainer.send_weights)"
             )
         return asyncio.run_coroutine_threadsafe(fn(*args), loop).result()
 

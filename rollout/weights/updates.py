@@ -187,7 +187,8 @@ class WeightUpdates:
             live = self.members()
             engines = [pool.engines[i] for i in live]
             epoch = max(self.epoch, self.allocated) + 1
-            # a copy into the object store: on the loop when small (a worker thread's GIL hand-offs cost more than the copy)
+            # a copy into the object store: on the loop when small (a worker thread's GIL hand-offs cost more than
+            # the copy)
             small = isinstance(payload, str) or payload.nbytes <= SHARE_ON_LOOP_BYTES
             shared = pool.share(payload) if small else await anyio.to_thread.run_sync(pool.share, payload)
             if handed is not None:  # the caller goes on from here: the epoch is its, failed or not
@@ -333,7 +334,8 @@ class WeightUpdates:
                     self._parked[i] = engine
                     log.warning(
                         "engine restarted; it waits out of rotation for the next weight update (the current epoch came "
-                        "from a learner's transfer, and its bytes live only in the learner)", engine=i, epoch=self.epoch,
+                        "from a learner's transfer, and its bytes live only in the learner)",
+                        engine=i, epoch=self.epoch,
                     )  # fmt: skip
                     return
                 if self.weights is not None:  # none yet (a resumed run): it serves the model's, like the others
