@@ -8,7 +8,7 @@ CONFIG ?= configs/tiny.yaml
 BENCH_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup bench test test-unit test-integration test-fuzz clean
+.PHONY: setup bench lint test test-unit test-integration test-fuzz clean
 
 setup: $(STAMP)
 
@@ -31,7 +31,11 @@ endif
 bench: setup
 	$(VENV)/bin/rollout bench $(CONFIG) $(BENCH_ARGS)
 
-test: setup
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
 	$(VENV)/bin/python -m pytest tests $(PYTEST_ARGS)
 
 test-unit: setup

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 from typing import Any
 
 import ray
@@ -30,7 +31,7 @@ from policies.vllm_args import checked_engine_args, engine_env
 from policies.vllm_policy import VLLMPolicy
 from rollout.config import Config
 from rollout.errors import EngineDeadError, InvalidConfigError, RolloutError
-from rollout.log import get_logger
+from rollout.log import get_logger, record_engine_start
 
 log = get_logger(__name__)
 ENGINE_ACTOR = shell(VLLMPolicy)  # what `ray.remote` gets: Ray's tracing wrappers stay on the driver's calls
@@ -55,6 +56,7 @@ class RayEnginePool:
     @classmethod
     async def start(cls, cfg: Config, model_path: str) -> RayEnginePool:
         """Start every engine concurrently; raises EngineDeadError if one fails or times out."""
+        t0 = time.perf_counter()
         checked_engine_args(cfg, model_path)  # bad engine args, and what vLLM's model config refuses, fail here
         await asyncio.to_thread(reap)  # what killed drivers on this machine left
         children = descendants(os.getpid())
@@ -101,6 +103,7 @@ class RayEnginePool:
                 ) from err
             raise
         log.info("engines ready", count=e.count)
+        record_engine_start("pool", e.count, time.perf_counter() - t0)
         return pool
 
     def _spawn(self, i: int) -> Any:
@@ -121,6 +124,7 @@ class RayEnginePool:
 
     async def restart(self, i: int) -> RayEngine:
         """Replace engine `i` (killed first, freeing its bundle) with a fresh one at epoch 0."""
+        t0 = time.perf_counter()
         ray.kill(self.actors[i], no_restart=True)
         self.engines[i].close()
         actor = self.actors[i] = self._spawn(i)
@@ -144,6 +148,7 @@ class RayEnginePool:
             ) from err
         self._shm[i] = held
         self._remember(i)
+        record_engine_start("restart", 1, time.perf_counter() - t0)
         return self.engines[i]
 
     def _remember(self, i: int) -> None:

@@ -1,4 +1,9 @@
-"""Every tier: no test may leave an asyncio transport for the garbage collector to close.
+"""Every tier: engine starts counted, and no test may leave an asyncio transport for the garbage
+collector to close.
+
+Engine starts: every pool start and engine restart, in this process or any process it starts
+(`rollout.log.record_engine_start` appends to the file `$ROLLOUT_ENGINE_STARTS` names), is summed
+at the end of the run: the count cannot drift from what the suite really started.
 
 asyncio's `_SelectorTransport.__del__` closes the socket without unregistering it from its loop's
 selector (CPython 3.11). The loop's selector map keeps the fd; the kernel's epoll set drops it. A
@@ -14,11 +19,18 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
+import os
 import socket
+import tempfile
 import traceback
 from asyncio import selector_events
 
 import pytest
+
+from rollout.log import STARTS_ENV
+
+pytest_plugins = ["tests.support.fixtures"]  # the unit tier's shared fixtures (make_cfg, model_dir, ...)
 
 _leaked: list[str] = []
 _created = [0]  # transports made since the last check: only then can one be left to the collector
@@ -70,3 +82,31 @@ def no_transport_left_to_the_garbage_collector():
     assert not leaked, (
         f"transports closed by the garbage collector, not by their owner (close the client): {leaked[:4]}"
     )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not os.environ.get(STARTS_ENV):  # inherited by every process the suite starts
+        fd, path = tempfile.mkstemp(prefix="rollout-engine-starts-", suffix=".jsonl")
+        os.close(fd)
+        os.environ[STARTS_ENV] = path
+        config.stash[_starts_file] = path
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:  # noqa: ANN001
+    path = config.stash.get(_starts_file, None)
+    if path is None:
+        return
+    with open(path) as f:
+        starts = [json.loads(line) for line in f if line.strip()]
+    os.unlink(path)
+    pools = [s for s in starts if s["kind"] == "pool"]
+    restarts = [s for s in starts if s["kind"] == "restart"]
+    seconds = sum(s["seconds"] for s in starts)
+    terminalreporter.write_sep("=", "engine starts")
+    terminalreporter.write_line(
+        f"{len(pools)} engine pools ({sum(s['engines'] for s in pools)} engines) and {len(restarts)} engine restarts: "
+        f"{len(pools) + len(restarts)} starts, {seconds:.0f} s of start-up"
+    )
+
+
+_starts_file = pytest.StashKey[str]()

@@ -4,15 +4,19 @@ that survives whatever stops the run (`rollout.engine.start_pool` replaced by a 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import structlog
 
 import rollout.engine
 from rollout.cli import main
-from tests.fakes import FakeEngine, FakePool
-from tests.on_fakes import settled
+from tests.support.fake_engine_runs import settled
+from tests.support.fakes import FakeEngine, FakePool
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -130,3 +134,22 @@ def test_bench_without_a_config_writes_its_report_naming_the_packaged_one(tmp_pa
     written = json.loads(report.read_text())
     assert written["config"].endswith("tiny.yaml") and written["engine"]["trajectories"] == 6
     assert "tokens/s" in capsys.readouterr().out
+
+
+def test_cli_rejects_bad_config_naming_the_key():
+    result = subprocess.run(
+        [sys.executable, "-m", "rollout.cli", "validate", "configs/tiny.yaml", "-o", "engines.vllm.not_an_arg=1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and "engines.vllm.not_an_arg: unknown vLLM engine argument" in result.stderr
+    result = subprocess.run(
+        [sys.executable, "-m", "rollout.cli", "validate", "configs/tiny.yaml", "-o", "engines.cpus_per_engine=zero"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and "engines.cpus_per_engine: expected `int`" in result.stderr

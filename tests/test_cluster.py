@@ -90,10 +90,12 @@ Traceback (most recent call last):
     engine_core = EngineCoreProc(*args, **kwargs)
   File "/venv/vllm/v1/core/kv_cache_utils.py", line 700, in check_enough_kv_cache_memory
     raise ValueError(
-ValueError: To serve at least one request with the models's max seq len (2048), (0.03 GiB KV cache is needed, which is larger than the available KV cache memory (0.0 GiB).
+ValueError: To serve at least one request with the models's max seq len (2048), (0.03 GiB KV cache is needed, \
+which is larger than the available KV cache memory (0.0 GiB).
 Process EngineCore_DP0:
 Traceback (most recent call last):
-ValueError: To serve at least one request with the models's max seq len (2048), (0.03 GiB KV cache is needed, which is larger than the available KV cache memory (0.0 GiB).
+ValueError: To serve at least one request with the models's max seq len (2048), (0.03 GiB KV cache is needed, \
+which is larger than the available KV cache memory (0.0 GiB).
 Traceback (most recent call last):
 RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {'EngineCore_DP0': 1}
 """

@@ -169,7 +169,8 @@ def test_speculative_is_off_by_default_and_translates_to_vllm():
     gpu = load_config(
         None,
         [
-            "speculative={method: eagle3, model: /m/head, num_speculative_tokens: 2, options: {draft_tensor_parallel_size: 1}}"
+            "speculative={method: eagle3, model: /m/head, num_speculative_tokens: 2, "
+            "options: {draft_tensor_parallel_size: 1}}"
         ],
     )
     assert gpu.speculative.vllm_config() == {
@@ -183,24 +184,53 @@ def test_speculative_is_off_by_default_and_translates_to_vllm():
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        (["speculative.method=foo", "speculative.num_speculative_tokens=3"], "speculative.method: unknown speculative method 'foo'"),
-        (["speculative.method=ngram", "speculative.num_speculative_tokens=0"], "speculative.num_speculative_tokens: expected `int` >= 1"),
-        (["speculative.method=ngram", "speculative.num_speculative_tokens=-2"], "speculative.num_speculative_tokens: expected `int` >= 1"),
+        (
+            ["speculative.method=foo", "speculative.num_speculative_tokens=3"],
+            "speculative.method: unknown speculative method 'foo'",
+        ),
+        (
+            ["speculative.method=ngram", "speculative.num_speculative_tokens=0"],
+            "speculative.num_speculative_tokens: expected `int` >= 1",
+        ),
+        (
+            ["speculative.method=ngram", "speculative.num_speculative_tokens=-2"],
+            "speculative.num_speculative_tokens: expected `int` >= 1",
+        ),
         (["speculative.method=ngram"], "speculative.num_speculative_tokens: required for method 'ngram'"),
         (["speculative.num_speculative_tokens=3"], "speculative.method: required"),
-        (["speculative.method=eagle", "speculative.num_speculative_tokens=3"], "speculative.model: required for method 'eagle'"),
-        (["speculative.method=ngram", "speculative.num_speculative_tokens=3", "speculative.prompt_lookup_min=0"], "speculative.prompt_lookup_min: expected `int` >= 1"),
         (
-            ["speculative.method=ngram", "speculative.num_speculative_tokens=3", "speculative.prompt_lookup_min=4", "speculative.prompt_lookup_max=2"],
+            ["speculative.method=eagle", "speculative.num_speculative_tokens=3"],
+            "speculative.model: required for method 'eagle'",
+        ),
+        (
+            ["speculative.method=ngram", "speculative.num_speculative_tokens=3", "speculative.prompt_lookup_min=0"],
+            "speculative.prompt_lookup_min: expected `int` >= 1",
+        ),
+        (
+            [
+                "speculative.method=ngram",
+                "speculative.num_speculative_tokens=3",
+                "speculative.prompt_lookup_min=4",
+                "speculative.prompt_lookup_max=2",
+            ],
             "speculative.prompt_lookup_min: 4 exceeds prompt_lookup_max 2",
         ),
-        (["speculative.method=mtp", "speculative.prompt_lookup_max=2"], "speculative.prompt_lookup_max: only for the ngram methods"),
-        (["speculative.method=ngram", "speculative.num_speculative_tokens=3", "speculative.options={method: x}"], "speculative.options.method: set speculative.method"),
+        (
+            ["speculative.method=mtp", "speculative.prompt_lookup_max=2"],
+            "speculative.prompt_lookup_max: only for the ngram methods",
+        ),
+        (
+            ["speculative.method=ngram", "speculative.num_speculative_tokens=3", "speculative.options={method: x}"],
+            "speculative.options.method: set speculative.method",
+        ),
         (["speculative.methd=ngram"], "speculative.methd: unknown key"),
-        (["engines.vllm.speculative_config={method: ngram, num_speculative_tokens: 3}"], "engines.vllm.speculative_config: configure speculative decoding in the `speculative:` block"),
+        (
+            ["engines.vllm.speculative_config={method: ngram, num_speculative_tokens: 3}"],
+            "engines.vllm.speculative_config: configure speculative decoding in the `speculative:` block",
+        ),
         (["engines.vllm.spec_method=ngram"], "engines.vllm.spec_method: configure speculative decoding"),
     ],
-)  # fmt: skip
+)
 def test_bad_speculative_settings_name_the_key(overrides, expected):
     with pytest.raises(InvalidConfigError) as e:
         load_config(None, overrides)

@@ -30,7 +30,8 @@ def in_own_session(code: str) -> str:
 def test_behind_driver_lowers_the_autogroup_and_leaves_the_callers_alone():
     ours = Path(AUTOGROUP).read_text()
     said = in_own_session(
-        "from policies.cpu_engine import behind_driver; print(behind_driver()); print(open('/proc/self/autogroup').read())"
+        "from policies.cpu_engine import behind_driver; print(behind_driver()); "
+        "print(open('/proc/self/autogroup').read())"
     )
     reported, actual = said.splitlines()
     assert reported == actual.strip() and actual.endswith(f" nice {ENGINE_NICE}"), said
@@ -40,7 +41,8 @@ def test_behind_driver_lowers_the_autogroup_and_leaves_the_callers_alone():
 @pytest.mark.skipif(not HAS_AUTOGROUP, reason="a kernel without autogroups")
 def test_behind_driver_never_raises_a_priority():
     said = in_own_session(
-        "open('/proc/self/autogroup', 'w').write('19')\nfrom policies.cpu_engine import behind_driver; print(behind_driver())"
+        "open('/proc/self/autogroup', 'w').write('19')\n"
+        "from policies.cpu_engine import behind_driver; print(behind_driver())"
     )
     assert said.endswith(" nice 19"), said
 

@@ -1,5 +1,5 @@
 """The learner's plain groups run by callbacks, not tasks (`rollout.scheduling.direct`), over real
-`RayEngine` handles and `VLLMPolicy` objects talking msgpack (`tests.wire`): what ends a group in
+`RayEngine` handles and `VLLMPolicy` objects talking msgpack (`tests.support.wire`): what ends a group in
 the data path's reader callback (its engine failed it, its engine died) reaches the learner once,
 with the reason, its admission slot given back once, and a dead engine is restarted while its
 samples move on. Every wait is bounded by `anyio.fail_after`.
@@ -14,19 +14,18 @@ import pytest
 
 from actors.handle import RayEngine
 from policies.vllm_policy import VLLMPolicy
-from rollout.config import Config, load_config
+from rollout.config import Config
 from rollout.engine import RolloutEngine
 from rollout.errors import EngineDeadError
-from tests.wire import LocalActor, TextVllm, WirePool
+from tests.support.wire import LocalActor, TextVllm, WirePool
 
 TIMEOUT = 10  # seconds; reached only by a test about to fail (a hang)
 
 
 @pytest.fixture
-def cfg(tmp_path) -> Config:
-    (tmp_path / "config.json").write_text('{"vocab_size": 260}')
-    return load_config(None, ["sampling.n=2", "sampling.max_tokens=6", "engines.count=2", "model.max_model_len=64",
-                              "engines.restart_backoff_s=0", "logging.level=error", f"model.path={tmp_path}"])  # fmt: skip
+def cfg(make_cfg) -> Config:
+    """A dead engine restarts at once."""
+    return make_cfg("engines.restart_backoff_s=0")
 
 
 class RestartingPool(WirePool):

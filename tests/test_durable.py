@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import queue
-import subprocess
 import threading
 import tracemalloc
 from pathlib import Path
@@ -17,30 +16,9 @@ import msgspec
 import pytest
 
 from rollout.handoff.durable import LOCK_NAME, LOG_NAME, DurableLog, DurableLogError
-from rollout.handoff.grouplog import HEADER, MAGIC, AckRecord, GroupRecord, LogReader, frame
-from rollout.types import Group, Prompt, Trajectory
-
-
-def group(pid: str, tokens: int = 3, epoch: int = 0, metadata: dict | None = None) -> Group:
-    t = Trajectory(prompt_id=pid, prompt_token_ids=[5], token_ids=[9] * tokens, logprobs=[-0.5] * tokens,
-                   policy_epochs=[(0, epoch)])  # fmt: skip
-    return Group(prompt_id=pid, prompt=Prompt(id=pid, token_ids=[5], metadata=metadata or {}), trajectories=[t])
-
-
-def write_log(directory: Path, count: int) -> list[Group]:
-    d = DurableLog(directory)
-    d.open()
-    groups = [group(f"g{i}") for i in range(count)]
-    for g in groups:
-        d.append(g)
-    d.close()
-    return groups
-
-
-def offsets(path: Path) -> list[int]:
-    """Where each record of a readable log starts (the first is the epoch written by the last open)."""
-    with open(path, "rb") as f:
-        return [offset for offset, _, _ in LogReader(f, path)]
+from rollout.handoff.grouplog import HEADER, MAGIC, AckRecord, GroupRecord, frame
+from rollout.types import Group
+from tests.support.durable_log import fill_the_disk, group, offsets, read_only, write_log
 
 
 def recovered(directory: Path) -> list[str]:
@@ -337,17 +315,6 @@ def test_a_group_the_log_cannot_hold_fails_alone(tmp_path, metadata, reason):
 # -- a directory or disk that refuses writes ---------------------------------------------------
 
 
-def read_only(directory: Path):
-    """Make `directory` refuse new entries; skips where this cannot be done honestly. Returns an undo."""
-    if os.geteuid() != 0:
-        directory.chmod(0o555)
-        return lambda: directory.chmod(0o755)
-    # root ignores a 0o555 mode; the immutable attribute (ext4, CAP_LINUX_IMMUTABLE) stops root too
-    if subprocess.run(["chattr", "+i", str(directory)], capture_output=True, check=False).returncode != 0:
-        pytest.skip("running as root without `chattr +i`: no honest way to make a directory read-only")
-    return lambda: subprocess.run(["chattr", "-i", str(directory)], check=True)
-
-
 @pytest.mark.parametrize("lock_file", [True, False], ids=["lock-file-left", "no-lock-file"])
 def test_a_read_only_directory_is_an_error_naming_it_and_the_cause(tmp_path, lock_file):
     write_log(tmp_path, 2)
@@ -382,12 +349,6 @@ def test_a_directory_that_turns_read_only_keeps_the_old_log_when_compaction_fail
         undo()
     d.close()
     assert recovered(tmp_path) == ["keep", "after"]
-
-
-def fill_the_disk(d: DurableLog) -> None:
-    """From now on the log's writes go to /dev/full, which refuses every write with ENOSPC, as a full disk does."""
-    real, d._file = d._file, open("/dev/full", "wb", buffering=0)  # noqa: SIM115 - the log closes it
-    real.close()
 
 
 def test_a_full_disk_fails_the_group_and_the_log_and_keeps_what_was_logged(tmp_path):

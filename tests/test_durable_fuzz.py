@@ -16,12 +16,17 @@ from hypothesis import strategies as st
 
 from rollout.handoff.durable import LOG_NAME, DurableLog, DurableLogError
 from rollout.handoff.grouplog import MAGIC, LogReader
-from tests.test_durable import group
+from tests.support.durable_log import group
 
 pytestmark = pytest.mark.fuzz
 EXAMPLES = int(os.environ.get("ROLLOUT_FUZZ_EXAMPLES", "400"))
-FUZZ = settings(max_examples=EXAMPLES // 4, deadline=None, derandomize=not os.environ.get("ROLLOUT_FUZZ_RANDOM"), database=None,
-                suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+FUZZ = settings(
+    max_examples=EXAMPLES // 4,
+    deadline=None,
+    derandomize=not os.environ.get("ROLLOUT_FUZZ_RANDOM"),
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 SIZES = st.lists(st.integers(0, 600), min_size=1, max_size=5)  # metadata bytes per group: records of many lengths
 
 

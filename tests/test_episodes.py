@@ -8,46 +8,16 @@ import pytest
 
 from benchmarks.envs import Calculator, evaluate
 from rollout.batch import Batch
-from rollout.config import load_config
 from rollout.engine import RolloutEngine
 from rollout.episodes.env import Step
 from rollout.errors import InvalidConfigError, InvalidPromptError
 from rollout.types import Prompt
-from tests.fakes import EOS_ID, FakePool
-
-TIMEOUT = 30  # a hang guard; the first episode pays the tokenizer import (seconds on a busy machine)
-
-
-def cfg(*overrides: str):
-    return load_config(None, ["model.path=tiny", "sampling.n=2", "sampling.max_tokens=5", "engines.count=2",
-                              "model.max_model_len=128", "logging.level=error", "engines.health_interval_s=0.01",
-                              "engines.restart_backoff_s=0", *overrides])  # fmt: skip
-
-
-class Echo:
-    """Three turns; each observation is a user message naming the turn; reward 1 per turn."""
-
-    def __init__(self, turns: int = 3):
-        self.turns = turns
-
-    async def reset(self, prompt: Prompt):
-        return None
-
-    async def step(self, action):
-        done = action.turn + 1 >= self.turns
-        return Step(None if done else f"turn {action.turn}", 1.0, done)
-
-
-async def episodes(config, env, prompts, pool=None):
-    pool = pool or FakePool(2)
-    with anyio.fail_after(TIMEOUT):
-        async with RolloutEngine(config, pool=pool, env=env) as engine:
-            engine.feed(prompts)
-            return [g async for g in engine.groups()], engine, pool
+from tests.support.episodes import TIMEOUT, Echo, episode_cfg, episodes
+from tests.support.fakes import EOS_ID, FakePool
 
 
 async def test_turns_are_token_exact_and_the_episode_is_one_masked_sample():
-    groups, engine, _ = await episodes(cfg(), Echo, [Prompt(text="hi", id="q")])
+    groups, engine, _ = await episodes(episode_cfg(), Echo, [Prompt(text="hi", id="q")])
     (group,) = groups
     assert group.ok and len(group.trajectories) == 2
     from rollout.episodes.chat import ChatRenderer
@@ -78,7 +48,7 @@ async def test_turns_are_token_exact_and_the_episode_is_one_masked_sample():
 
 
 async def test_each_turn_of_an_episode_stays_on_its_engine_and_passes_its_salt():
-    _, _, pool = await episodes(cfg("sampling.n=1"), Echo, [Prompt(text="a", id="q")])
+    _, _, pool = await episodes(episode_cfg("sampling.n=1"), Echo, [Prompt(text="a", id="q")])
     turns = [r for e in pool.engines for r in e.requests]
     assert len(turns) == 3 and len({id(e) for e in pool.engines if e.requests}) == 1
     assert [r.request_id for r in turns] == ["r1-0.t0", "r1-0.t1", "r1-0.t2"]
@@ -86,10 +56,14 @@ async def test_each_turn_of_an_episode_stays_on_its_engine_and_passes_its_salt()
 
 
 async def test_limits_end_an_episode_with_finish_reason_length():
-    groups, _, _ = await episodes(cfg("sampling.n=1", "episode.max_turns=2"), lambda: Echo(5), [Prompt(text="a")])
+    groups, _, _ = await episodes(
+        episode_cfg("sampling.n=1", "episode.max_turns=2"), lambda: Echo(5), [Prompt(text="a")]
+    )
     ep = groups[0].trajectories[0]
     assert ep.ok and ep.finish_reason == "length" and len(ep.turns) == 2
-    groups, _, _ = await episodes(cfg("sampling.n=1", "episode.max_tokens=40"), lambda: Echo(50), [Prompt(text="a")])
+    groups, _, _ = await episodes(
+        episode_cfg("sampling.n=1", "episode.max_tokens=40"), lambda: Echo(50), [Prompt(text="a")]
+    )
     ep = groups[0].trajectories[0]
     assert ep.ok and ep.finish_reason == "length" and len(ep.prompt_token_ids) + len(ep.token_ids) <= 40
 
@@ -97,7 +71,7 @@ async def test_limits_end_an_episode_with_finish_reason_length():
 async def test_an_episode_that_outgrows_the_context_ends_at_max_model_len_and_one_that_starts_over_it_fails_alone():
     """No `episode.max_tokens`: `model.max_model_len` bounds the whole conversation. A first prompt
     already over it fails its own episode, naming the episode and the limit; the others go on."""
-    groups, _, pool = await episodes(cfg("sampling.n=1", "model.max_model_len=64"), lambda: Echo(50),
+    groups, _, pool = await episodes(episode_cfg("sampling.n=1", "model.max_model_len=64"), lambda: Echo(50),
                                      [Prompt(text="a", id="fits"), Prompt(text="x" * 80, id="over")])  # fmt: skip
     by_id = {g.prompt_id: g for g in groups}
     ep = by_id["fits"].trajectories[0]
@@ -143,19 +117,23 @@ class Broken:
     ],
 )
 async def test_an_environment_that_fails_fails_its_episode_only(how, message):
-    groups, _, _ = await episodes(cfg("episode.step_timeout_s=0.05"), lambda: Broken(how), [Prompt(text="a", id="bad")])
+    groups, _, _ = await episodes(
+        episode_cfg("episode.step_timeout_s=0.05"), lambda: Broken(how), [Prompt(text="a", id="bad")]
+    )
     for ep in groups[0].trajectories:
         assert not ep.ok and message in ep.error and ep.request_id in ep.error
-    groups, _, _ = await episodes(cfg(), lambda: Broken("fine"), [Prompt(text="a")])  # and the same engine serves on
+    groups, _, _ = await episodes(
+        episode_cfg(), lambda: Broken("fine"), [Prompt(text="a")]
+    )  # and the same engine serves on
     assert groups[0].ok
 
 
 async def test_an_unknown_environment_path_is_a_config_error():
     with pytest.raises(InvalidConfigError, match="env: cannot import module 'no_such.mod'"):
-        async with RolloutEngine(cfg("env=no_such.mod:Env"), pool=FakePool(1)):
+        async with RolloutEngine(episode_cfg("env=no_such.mod:Env"), pool=FakePool(1)):
             pass
     with pytest.raises(InvalidConfigError, match="env_args: do not fit"):
-        async with RolloutEngine(cfg("env=benchmarks.envs:Digits", "env_args={wrong: 1}"), pool=FakePool(1)):
+        async with RolloutEngine(episode_cfg("env=benchmarks.envs:Digits", "env_args={wrong: 1}"), pool=FakePool(1)):
             pass
 
 
@@ -169,7 +147,7 @@ async def test_an_episode_continues_on_another_engine_when_its_engine_dies():
                 await pool.engines[0].kill()  # the engine it ran on (engine 0 has the lower load)
             return await super().step(action)
 
-    groups, _, _ = await episodes(cfg("sampling.n=1"), KillAfterFirstTurn, [Prompt(text="a")], pool)
+    groups, _, _ = await episodes(episode_cfg("sampling.n=1"), KillAfterFirstTurn, [Prompt(text="a")], pool)
     ep = groups[0].trajectories[0]
     assert ep.ok and len(ep.turns) == 3
     assert len({t.engine_id for t in ep.turns}) == 2  # moved after its engine died
@@ -193,14 +171,16 @@ async def test_calculator_tool_calls_and_malformed_ones():
 
 
 async def test_digits_episodes_through_the_engine():
-    groups, _, _ = await episodes(cfg("env=benchmarks.envs:Digits", "env_args={turns: 2}"), None, [Prompt(text="go")])
+    groups, _, _ = await episodes(
+        episode_cfg("env=benchmarks.envs:Digits", "env_args={turns: 2}"), None, [Prompt(text="go")]
+    )
     for ep in groups[0].trajectories:
         assert ep.ok and len(ep.turns) == 2 and 0.0 <= ep.reward <= 1.0
 
 
 async def test_submissions_get_their_own_groups_alongside_the_learner():
     with anyio.fail_after(TIMEOUT):
-        async with RolloutEngine(cfg("sampling.n=1"), pool=FakePool(2)) as engine:
+        async with RolloutEngine(episode_cfg("sampling.n=1"), pool=FakePool(2)) as engine:
             engine.feed([[5], [6], [7]])
             a = engine.submit([[8], [9]])
             b = engine.submit([Prompt(token_ids=[10], id="x")], train=False)
@@ -217,7 +197,7 @@ async def test_a_cancelled_submission_aborts_its_requests():
     pool = FakePool(1)
     gate = pool.engines[0].block()
     with anyio.fail_after(TIMEOUT):
-        async with RolloutEngine(cfg("sampling.n=2", "engines.count=1"), pool=pool) as engine:
+        async with RolloutEngine(episode_cfg("sampling.n=2", "engines.count=1"), pool=pool) as engine:
             sub = engine.submit([[5]])
             await pool.engines[0].wait_until(lambda e: e.inflight == 2)
             sub.cancel()

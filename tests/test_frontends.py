@@ -25,28 +25,23 @@ import httpx
 import openai
 import pytest
 
-from rollout.config import load_config
 from rollout.engine import RolloutEngine
 from rollout.errors import InvalidConfigError
 from rollout.serve import Desk, Server, frontends
 from rollout.serve.frontends import DeskService, RemoteDesk
 from rollout.serve.io import served_chat
-from tests.fakes import FakePool
+from tests.support.fakes import FakePool
+from tests.support.serving import serve_cfg
 
 TIMEOUT = 60
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def cfg(*overrides: str):
-    return load_config(None, ["model.path=tiny", "sampling.max_tokens=6", "engines.count=2", "model.max_model_len=256",
-                              "logging.level=error", *overrides])  # fmt: skip
 
 
 @contextlib.asynccontextmanager
 async def two_front_ends(*overrides: str) -> AsyncIterator[tuple[RolloutEngine, FakePool, list[httpx.AsyncClient]]]:
     pool = FakePool(2)
     with anyio.fail_after(TIMEOUT):
-        async with RolloutEngine(cfg(*overrides), pool=pool) as engine:
+        async with RolloutEngine(serve_cfg(*overrides), pool=pool) as engine:
             chat = served_chat(engine.model_path, engine.cfg.model.max_model_len)
             service = DeskService(Desk(engine, chat.end_of_turn), lambda index, pid: None)
             service.start()
@@ -184,7 +179,7 @@ async def test_the_engine_busy_crosses_as_429_with_retry_after():
 
 async def test_api_servers_processes_serve_one_engine_and_one_restarts_when_killed():
     with anyio.fail_after(TIMEOUT * 3):
-        async with RolloutEngine(cfg("serve.api_servers=2", "serve.api_key=k3y"), pool=FakePool(2)) as engine:
+        async with RolloutEngine(serve_cfg("serve.api_servers=2", "serve.api_key=k3y"), pool=FakePool(2)) as engine:
             front = await engine.serve(port=0)
             pids = dict(front.pids)
             assert sorted(pids) == [0, 1] and len(set(pids.values())) == 2 and os.getpid() not in pids.values()
@@ -219,7 +214,7 @@ async def test_api_servers_processes_serve_one_engine_and_one_restarts_when_kill
 async def test_a_front_end_that_cannot_start_fails_serve_naming_it_and_the_engine_serves_on(monkeypatch):
     monkeypatch.setattr(frontends.sys, "executable", "/bin/false")  # each front end exits at once
     with anyio.fail_after(TIMEOUT):
-        async with RolloutEngine(cfg("serve.api_servers=2"), pool=FakePool(2)) as engine:
+        async with RolloutEngine(serve_cfg("serve.api_servers=2"), pool=FakePool(2)) as engine:
             with pytest.raises(RuntimeError, match=r"front-end process \d exited with code 1 before serving"):
                 await engine.serve(port=0)
             groups = await engine.submit([[5, 6, 7]], train=False).result()
@@ -231,11 +226,11 @@ def test_front_ends_exit_when_the_driver_is_killed(tmp_path):
     script = tmp_path / "driver.py"
     script.write_text(
         "import anyio, os, sys\n"
-        "from tests.test_frontends import cfg\n"
-        "from tests.fakes import FakePool\n"
+        "from tests.support.fakes import FakePool\n"
+        "from tests.support.serving import serve_cfg\n"
         "from rollout.engine import RolloutEngine\n"
         "async def main():\n"
-        "    async with RolloutEngine(cfg('serve.api_servers=2'), pool=FakePool(2)) as engine:\n"
+        "    async with RolloutEngine(serve_cfg('serve.api_servers=2'), pool=FakePool(2)) as engine:\n"
         "        front = await engine.serve(port=0)\n"
         "        print(*front.pids.values(), flush=True)\n"
         "        await anyio.sleep_forever()\n"
@@ -272,4 +267,4 @@ def test_a_remote_desk_answers_to_every_desk_call_and_hides_none():
 def test_api_servers_out_of_range_names_the_key():
     for bad in ("0", "65", "-1"):
         with pytest.raises(InvalidConfigError, match="serve.api_servers"):
-            cfg(f"serve.api_servers={bad}")
+            serve_cfg(f"serve.api_servers={bad}")

@@ -5,13 +5,13 @@ wire, vLLM's own checks, the weight checks), which today would hang a group or f
 
 - prompts (token ids incl. huge, negative and bool; text incl. lone surrogates; dicts with odd
   fields and sampling overrides of every type) through `RolloutEngine` over real `RayEngine`
-  handles and `VLLMPolicy` objects on a fake vLLM (`tests.wire`): every request crosses msgpack;
+  handles and `VLLMPolicy` objects on a fake vLLM (`tests.support.wire`): every request crosses msgpack;
 - `Sampling` values: whatever the validator accepts encodes and decodes to itself, as a `Request`;
 - `-o key=value` overrides at random keys (known and unknown) with YAML values of every kind;
 - weight dicts (odd names, dtypes, shapes, values) through `update_weights` on fake engines.
 Deterministic (derandomized: the same examples every run, so CI is stable); `ROLLOUT_FUZZ_EXAMPLES`
-scales the number of examples (default below), `ROLLOUT_FUZZ_RANDOM=1` draws new ones each run. `tests/integration/test_robust.py` sends a few
-generated prompts through the real engines too.
+scales the number of examples (default below), `ROLLOUT_FUZZ_RANDOM=1` draws new ones each run.
+`tests/integration/test_robust.py` sends a few generated prompts through the real engines too.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ from rollout.engine import RolloutEngine
 from rollout.errors import InvalidConfigError, InvalidPromptError, InvalidWeightsError, RolloutError
 from rollout.inputs.prompts import effective_sampling
 from rollout.types import Prompt, Request, Sampling
-from tests.fakes import FakePool
-from tests.wire import WirePool
+from tests.support.fakes import FakePool
+from tests.support.strategies import FLOATS, INTS, OVERRIDES, PROMPTS, SAMPLING_FIELDS, SCALARS, TEXT, VALUES
+from tests.support.wire import WirePool
 
 try:
     import policies.vllm_args as vllm_args  # vLLM's argument classes, imported by engine_args (a few seconds)
@@ -43,65 +44,18 @@ pytestmark = pytest.mark.fuzz
 EXAMPLES = int(os.environ.get("ROLLOUT_FUZZ_EXAMPLES", "400"))
 BOUND_S = 5.0  # every example answers within this, or it hangs: a failure
 # ROLLOUT_FUZZ_RANDOM=1: fresh random examples each run (exploring), not CI's fixed ones
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=not os.environ.get("ROLLOUT_FUZZ_RANDOM"), database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
-
-# -- inputs -----------------------------------------------------------------------------------
-
-EDGE_INTS = [0, 1, 2, 259, 260, 2**31 - 1, 2**31, 2**32, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -1, -(2**63), -(2**63) - 1]
-INTS = st.one_of(st.integers(-3, 300), st.sampled_from(EDGE_INTS), st.integers(-(2**80), 2**80), st.booleans())
-FLOATS = st.one_of(
-    st.floats(),
-    st.sampled_from([0.0, 1e-6, 0.5, 1.0, 2.0, 2.0000001, -0.0, 1e308, float("nan"), float("inf"), -float("inf")]),
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=not os.environ.get("ROLLOUT_FUZZ_RANDOM"),
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-TEXT = st.text(alphabet=st.characters(categories=["L", "N", "P", "Zs", "Cc", "Cs"]), max_size=12)  # Cs: lone surrogates
-SCALARS = st.one_of(INTS, FLOATS, TEXT, st.none())
-VALUES = st.recursive(
-    SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3), max_leaves=5
-)
-SAMPLING_FIELDS = [
-    "n",
-    "temperature",
-    "top_p",
-    "top_k",
-    "max_tokens",
-    "min_tokens",
-    "stop_token_ids",
-    "stop",
-    "seed",
-    "logprobs",
-]
-SAMPLING_VALUES = st.one_of(
-    st.sampled_from([float("nan"), float("inf"), True, 2**64, -1, None, [], "\ud800"]),
-    INTS,
-    FLOATS,
-    TEXT,
-    st.lists(INTS, max_size=3),
-    st.lists(TEXT, max_size=3),
-    st.sampled_from(["processed", "raw"]),
-)
-OVERRIDES = st.dictionaries(st.sampled_from(SAMPLING_FIELDS) | TEXT, SAMPLING_VALUES, max_size=4)
-TOKEN_IDS = st.lists(INTS, max_size=10)
-PROMPT_DICTS = st.fixed_dictionaries(
-    {},
-    optional={"token_ids": TOKEN_IDS | VALUES, "text": TEXT | VALUES, "id": TEXT | INTS, "sampling": OVERRIDES | VALUES,
-              "metadata": st.dictionaries(TEXT, VALUES, max_size=2), "odd": VALUES},
-)  # fmt: skip
-PROMPT_OBJECTS = st.builds(
-    Prompt, token_ids=st.none() | TOKEN_IDS, text=st.none() | TEXT, id=TEXT, sampling=OVERRIDES
-)  # a Prompt made in code: its constructor checks no types
-GOOD_IDS = st.lists(st.integers(0, 259), min_size=1, max_size=10)
-GOOD_TEXT = st.text(alphabet=st.characters(categories=["L", "N", "P", "Zs"]), min_size=1, max_size=12)
-GOOD = st.one_of(
-    GOOD_IDS,
-    GOOD_TEXT,
-    st.fixed_dictionaries({"token_ids": GOOD_IDS}, optional={"sampling": OVERRIDES, "id": GOOD_TEXT}),
-)
-PROMPTS = st.one_of(GOOD, TOKEN_IDS, TEXT, PROMPT_DICTS, PROMPT_OBJECTS, SCALARS)  # well-formed ones too: both outcomes
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def fuzz_model_dir(tmp_path_factory):
+    """One model directory for the module: hypothesis runs every example within one test call."""
     d = tmp_path_factory.mktemp("model")
     (d / "config.json").write_text('{"vocab_size": 260}')
     save_file(
@@ -131,9 +85,9 @@ def bounded(fn, *args):
 
 @FUZZ
 @given(prompt=PROMPTS)
-def test_a_prompt_is_served_or_refused_as_documented(model_dir, prompt):
+def test_a_prompt_is_served_or_refused_as_documented(fuzz_model_dir, prompt):
     async def run():
-        cfg = config(model_dir)
+        cfg = config(fuzz_model_dir)
         async with RolloutEngine(cfg, pool=await WirePool.start(cfg)) as engine:
             try:
                 engine.feed([prompt])
@@ -172,23 +126,70 @@ def test_sampling_values_the_validator_accepts_cross_the_wire(raw):
 # -- config overrides -------------------------------------------------------------------------
 
 CONFIG_KEYS = [
-    "model.max_model_len", "model.seed", "model.dtype", "engines.count", "engines.cpus_per_engine", "engines.gpus_per_engine",
-    "engines.max_inflight_per_engine", "engines.queued_per_engine", "engines.start_timeout_s", "engines.health_interval_s",
-    "engines.request_timeout_s", "engines.vllm", "engines.vllm.kv_cache_gib", *(f"sampling.{f}" for f in SAMPLING_FIELDS),
-    "prompts.count", "prompts.min_len", "prompts.max_len", "weight_sync.mode", "weight_sync.timeout_s", "staleness.max_lag",
-    "staleness.batch_groups", "queue.max_groups", "queue.order", "reward", "env", "ray.address", "ray.num_cpus",
-    "metrics.port", "speculative.method", "speculative.num_speculative_tokens", "bench.rounds", "episode.max_turns",
-]  # fmt: skip
+    "model.max_model_len",
+    "model.seed",
+    "model.dtype",
+    "engines.count",
+    "engines.cpus_per_engine",
+    "engines.gpus_per_engine",
+    "engines.max_inflight_per_engine",
+    "engines.queued_per_engine",
+    "engines.start_timeout_s",
+    "engines.health_interval_s",
+    "engines.request_timeout_s",
+    "engines.vllm",
+    "engines.vllm.kv_cache_gib",
+    *(f"sampling.{f}" for f in SAMPLING_FIELDS),
+    "prompts.count",
+    "prompts.min_len",
+    "prompts.max_len",
+    "weight_sync.mode",
+    "weight_sync.timeout_s",
+    "staleness.max_lag",
+    "staleness.batch_groups",
+    "queue.max_groups",
+    "queue.order",
+    "reward",
+    "env",
+    "ray.address",
+    "ray.num_cpus",
+    "metrics.port",
+    "speculative.method",
+    "speculative.num_speculative_tokens",
+    "bench.rounds",
+    "episode.max_turns",
+]
 YAML_VALUES = st.one_of(
-    INTS.map(str), FLOATS.map(lambda f: {"nan": ".nan", "inf": ".inf", "-inf": "-.inf"}.get(str(f), repr(f))), st.sampled_from([".nan", ".inf", "-.inf", "true", "null", "[]", "{}", "[1, 2]", "~", "'x'", "{a: 1}", "[", "{",
-                                                     "{kv_cache_gib: .inf}", "{kv_cache_gib: .nan}", "{kv_cache_gib: 1e300}", "{max_num_seqs: -1}"]),
+    INTS.map(str),
+    FLOATS.map(lambda f: {"nan": ".nan", "inf": ".inf", "-inf": "-.inf"}.get(str(f), repr(f))),
+    st.sampled_from(
+        [
+            ".nan",
+            ".inf",
+            "-.inf",
+            "true",
+            "null",
+            "[]",
+            "{}",
+            "[1, 2]",
+            "~",
+            "'x'",
+            "{a: 1}",
+            "[",
+            "{",
+            "{kv_cache_gib: .inf}",
+            "{kv_cache_gib: .nan}",
+            "{kv_cache_gib: 1e300}",
+            "{max_num_seqs: -1}",
+        ]
+    ),
     TEXT,
-)  # fmt: skip
+)
 
 
 @FUZZ
 @given(pairs=st.lists(st.tuples(st.sampled_from(CONFIG_KEYS) | TEXT, YAML_VALUES), min_size=1, max_size=3))
-def test_a_config_override_loads_or_names_the_problem(model_dir, pairs):
+def test_a_config_override_loads_or_names_the_problem(fuzz_model_dir, pairs):
     overrides = [f"{key}={value}" for key, value in pairs]
     try:
         cfg = load_config(None, overrides)
@@ -202,7 +203,7 @@ def test_a_config_override_loads_or_names_the_problem(model_dir, pairs):
     assert sampling == cfg.sampling
     if vllm_args is not None:
         try:  # vLLM's engine arguments: built, or refused naming the key
-            vllm_args.engine_args(cfg, str(model_dir))
+            vllm_args.engine_args(cfg, str(fuzz_model_dir))
         except InvalidConfigError:
             pass
 
@@ -227,10 +228,10 @@ VLLM_KEYS = [
         {}, optional={k: st.one_of(st.sampled_from(EDGES), FLOATS, INTS, TEXT, VALUES) for k in VLLM_KEYS}
     )
 )
-def test_vllm_engine_args_are_built_or_refused_naming_the_key(model_dir, extra):
+def test_vllm_engine_args_are_built_or_refused_naming_the_key(fuzz_model_dir, extra):
     try:
         cfg = config_from_dict({"engines": {"vllm": extra}})
-        vllm_args.engine_args(cfg, str(model_dir))
+        vllm_args.engine_args(cfg, str(fuzz_model_dir))
     except InvalidConfigError:
         pass
 
@@ -280,9 +281,9 @@ WEIGHTS = st.one_of(
 
 @FUZZ
 @given(weights=WEIGHTS)
-def test_weights_load_or_are_refused_naming_the_tensor(model_dir, weights):
+def test_weights_load_or_are_refused_naming_the_tensor(fuzz_model_dir, weights):
     async def run():
-        async with RolloutEngine(config(model_dir), pool=FakePool(1)) as engine:
+        async with RolloutEngine(config(fuzz_model_dir), pool=FakePool(1)) as engine:
             try:
                 return await engine.update_weights(weights)
             except InvalidWeightsError:
@@ -293,11 +294,11 @@ def test_weights_load_or_are_refused_naming_the_tensor(model_dir, weights):
     assert epoch in (None, 1)
 
 
-def test_the_generated_inputs_reach_every_outcome(model_dir):
+def test_the_generated_inputs_reach_every_outcome(fuzz_model_dir):
     """The strategies are not vacuous: the fixed prompts below take every path the fuzz asserts on."""
 
     async def run():
-        cfg = config(model_dir)
+        cfg = config(fuzz_model_dir)
         async with RolloutEngine(cfg, pool=await WirePool.start(cfg)) as engine:
             with pytest.raises(InvalidPromptError):
                 engine.feed([{"text": "\ud800"}])

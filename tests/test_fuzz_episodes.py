@@ -25,14 +25,19 @@ from hypothesis import strategies as st
 from rollout.engine import RolloutEngine
 from rollout.episodes.env import Step
 from rollout.types import Prompt
-from tests.fakes import FakePool
-from tests.test_episodes import Echo, cfg
+from tests.support.episodes import Echo, episode_cfg
+from tests.support.fakes import FakePool
 
 pytestmark = pytest.mark.fuzz
 EXAMPLES = int(os.environ.get("ROLLOUT_FUZZ_EXAMPLES", "400"))
 BOUND_S = 10.0  # every example answers within this, or it hangs: a failure
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=not os.environ.get("ROLLOUT_FUZZ_RANDOM"), database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture])  # fmt: skip
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=not os.environ.get("ROLLOUT_FUZZ_RANDOM"),
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
+)
 
 # -- inputs -----------------------------------------------------------------------------------
 
@@ -57,8 +62,14 @@ TOOL_CALL = st.fixed_dictionaries(
 TOOL_CALLS = st.lists(TOOL_CALL, max_size=2) | VALUES
 MESSAGE = st.fixed_dictionaries(
     {"role": ROLES},
-    optional={"content": TEXT | VALUES, "tool_calls": TOOL_CALLS, "name": TEXT | VALUES, "tool_call_id": TEXT | VALUES, "odd": VALUES},
-)  # fmt: skip
+    optional={
+        "content": TEXT | VALUES,
+        "tool_calls": TOOL_CALLS,
+        "name": TEXT | VALUES,
+        "tool_call_id": TEXT | VALUES,
+        "odd": VALUES,
+    },
+)
 TOOL_MESSAGE = st.fixed_dictionaries(
     {"role": st.just("assistant"), "content": st.text(max_size=4), "tool_calls": TOOL_CALLS}
 )
@@ -94,8 +105,18 @@ ANSWERS = st.one_of(
 )
 
 
-OUTCOMES = ["Step.reward", "Step.done", "tool_calls", ".role", ".content", "Step.observation", "vocabulary", "returned no observation",
-            "raised", "expected a Step"]  # fmt: skip
+OUTCOMES = [
+    "Step.reward",
+    "Step.done",
+    "tool_calls",
+    ".role",
+    ".content",
+    "Step.observation",
+    "vocabulary",
+    "returned no observation",
+    "raised",
+    "expected a Step",
+]
 
 
 class Script:
@@ -136,7 +157,7 @@ SCRIPT = Script()
 @pytest.fixture(scope="module")
 def portal_engine():
     """One engine on fake engines for every example, on its own loop in a thread (`portal.call`)."""
-    config = cfg("sampling.n=3", "episode.max_turns=3", "episode.step_timeout_s=5")
+    config = episode_cfg("sampling.n=3", "episode.max_turns=3", "episode.step_timeout_s=5")
     with anyio.from_thread.start_blocking_portal() as portal:
         with portal.wrap_async_context_manager(RolloutEngine(config, pool=FakePool(2), env=SCRIPT.build)) as engine:
             yield portal, engine

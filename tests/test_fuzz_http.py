@@ -20,14 +20,19 @@ from hypothesis import strategies as st
 
 from rollout.engine import RolloutEngine
 from rollout.serve.openai_api import ROLES
-from tests.fakes import FakePool
-from tests.test_server import cfg
+from tests.support.fakes import FakePool
+from tests.support.serving import serve_cfg
 
 pytestmark = pytest.mark.fuzz
 EXAMPLES = int(os.environ.get("ROLLOUT_FUZZ_EXAMPLES", "400"))
 BOUND_S = 5.0  # every example is answered within this, or it hangs: a failure
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=not os.environ.get("ROLLOUT_FUZZ_RANDOM"), database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture])  # fmt: skip
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=not os.environ.get("ROLLOUT_FUZZ_RANDOM"),
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
+)
 
 POST_ROUTES = [
     "/v1/chat/completions",
@@ -57,19 +62,47 @@ PARTS = st.lists(
 )
 MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(ROLES) | TEXT},
-    optional={"content": TEXT | PARTS | VALUES, "tool_calls": VALUES | st.lists(st.fixed_dictionaries({"function": VALUES}), max_size=2),
-              "prompt_token_ids": IDS, "generation_token_ids": IDS, "name": TEXT | VALUES, "tool_call_id": VALUES},
-)  # fmt: skip
-SAMPLING = {"max_tokens": INTS | VALUES, "max_completion_tokens": INTS, "temperature": FLOATS | INTS | VALUES, "top_p": FLOATS | VALUES,
-            "top_k": INTS, "min_tokens": INTS, "seed": INTS | VALUES, "stop": TEXT | st.lists(TEXT, max_size=3) | VALUES,
-            "stop_token_ids": IDS, "n": INTS | VALUES}  # fmt: skip
-FIELDS = {"model": st.just("tiny") | VALUES, "messages": st.lists(MESSAGE, max_size=3) | VALUES,
-              "prompt": TEXT | IDS | st.lists(TEXT | IDS, max_size=2), "token_ids": IDS,
-              "sampling_params": st.fixed_dictionaries({}, optional=SAMPLING) | VALUES, "stream": st.booleans() | VALUES,
-              "stream_options": st.fixed_dictionaries({}, optional={"include_usage": VALUES}) | VALUES, "logprobs": VALUES,
-              "tools": st.lists(VALUES, max_size=2) | VALUES, "tool_choice": VALUES, "session_id": TEXT | VALUES,
-              "episode_id": TEXT | VALUES, "required_prefix_token_ids": IDS, "return_token_ids": VALUES,
-              "return_tokens_as_token_ids": VALUES, "reward": FLOATS | INTS | VALUES, "request_id": VALUES, **SAMPLING}  # fmt: skip
+    optional={
+        "content": TEXT | PARTS | VALUES,
+        "tool_calls": VALUES | st.lists(st.fixed_dictionaries({"function": VALUES}), max_size=2),
+        "prompt_token_ids": IDS,
+        "generation_token_ids": IDS,
+        "name": TEXT | VALUES,
+        "tool_call_id": VALUES,
+    },
+)
+SAMPLING = {
+    "max_tokens": INTS | VALUES,
+    "max_completion_tokens": INTS,
+    "temperature": FLOATS | INTS | VALUES,
+    "top_p": FLOATS | VALUES,
+    "top_k": INTS,
+    "min_tokens": INTS,
+    "seed": INTS | VALUES,
+    "stop": TEXT | st.lists(TEXT, max_size=3) | VALUES,
+    "stop_token_ids": IDS,
+    "n": INTS | VALUES,
+}
+FIELDS = {
+    "model": st.just("tiny") | VALUES,
+    "messages": st.lists(MESSAGE, max_size=3) | VALUES,
+    "prompt": TEXT | IDS | st.lists(TEXT | IDS, max_size=2),
+    "token_ids": IDS,
+    "sampling_params": st.fixed_dictionaries({}, optional=SAMPLING) | VALUES,
+    "stream": st.booleans() | VALUES,
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": VALUES}) | VALUES,
+    "logprobs": VALUES,
+    "tools": st.lists(VALUES, max_size=2) | VALUES,
+    "tool_choice": VALUES,
+    "session_id": TEXT | VALUES,
+    "episode_id": TEXT | VALUES,
+    "required_prefix_token_ids": IDS,
+    "return_token_ids": VALUES,
+    "return_tokens_as_token_ids": VALUES,
+    "reward": FLOATS | INTS | VALUES,
+    "request_id": VALUES,
+    **SAMPLING,
+}
 BODY = st.fixed_dictionaries({}, optional=FIELDS)  # anything, mostly wrong
 WELL_FORMED = {  # a body each route serves; a variant with one or two fields changed gets past the first checks
     "/v1/chat/completions": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
@@ -100,8 +133,10 @@ REQUESTS = st.sampled_from(ROUTES).flatmap(
 
 @contextlib.asynccontextmanager
 async def serving(api_servers: int):
-    async with RolloutEngine(cfg("sampling.max_tokens=4", "serve.max_concurrency=64", f"serve.api_servers={api_servers}"),
-                             pool=FakePool(2)) as engine:  # fmt: skip
+    async with RolloutEngine(
+        serve_cfg("sampling.max_tokens=4", "serve.max_concurrency=64", f"serve.api_servers={api_servers}"),
+        pool=FakePool(2),
+    ) as engine:
         yield await engine.serve(port=0)
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from policies.gloo_transfer import GlooTrainerInitInfo, GlooWeightTransferEngine, StateDictSource, buckets
-from tests.transfer_doubles import Client, Module, reload
+from tests.support.transfer_doubles import Client, Module, reload
 
 
 class Worker(GlooWeightTransferEngine):
@@ -192,8 +192,17 @@ def test_a_learner_gone_mid_transfer_fails_the_worker_naming_the_bucket():
     assert len(cut) >= 2
     child = subprocess.Popen([sys.executable, "-c", TRAINER, str(store.port), str(sum(x[3] for x in cut[0]))])
     wk = worker(0, w)
-    wk.init_transfer_engine(GlooInitInfo(master_address="127.0.0.1", master_port=store.port, rank_offset=1, world_size=2, session="t",
-                                         bucket_bytes=3000, timeout_s=600.0))  # fmt: skip
+    wk.init_transfer_engine(
+        GlooInitInfo(
+            master_address="127.0.0.1",
+            master_port=store.port,
+            rank_offset=1,
+            world_size=2,
+            session="t",
+            bucket_bytes=3000,
+            timeout_s=600.0,
+        )
+    )
     wk.start_weight_update()
     info = {
         "names": names,
@@ -203,7 +212,10 @@ def test_a_learner_gone_mid_transfer_fails_the_worker_naming_the_bucket():
     wk.update_weights(info)  # posts the receives
     # The closed socket ends it (a read error), not the timeout: nothing waits it out. The timeout
     # is long so that a slow start of the learner's process on a busy machine fails nothing.
-    gone = r"gloo transfer: bucket 2/\d+ \(model.layers.0.w.*: RuntimeError: .*(Read error|Connection reset|Connection closed).*the model is unchanged"
+    gone = (
+        r"gloo transfer: bucket 2/\d+ \(model.layers.0.w.*: RuntimeError: "
+        r".*(Read error|Connection reset|Connection closed).*the model is unchanged"
+    )
     with pytest.raises(RuntimeError, match=gone):
         wk.finish_weight_update()
     assert wk.model.loaded == [] and all(

@@ -15,8 +15,8 @@ import pytest
 from rollout.engine import RolloutEngine
 from rollout.episodes.env import Step
 from rollout.types import Prompt
-from tests.fakes import FakePool
-from tests.test_episodes import TIMEOUT, Echo, cfg, episodes
+from tests.support.episodes import TIMEOUT, Echo, episode_cfg, episodes
+from tests.support.fakes import FakePool
 
 
 class OneBad(Echo):
@@ -73,30 +73,60 @@ NOT_JSON = {
 @pytest.mark.parametrize(
     "env, how, message",
     [
-        (OneBad, lambda: Step("x", "1.0", False), "environment step of turn 0: Step.reward: expected a finite number, got '1.0'"),
+        (
+            OneBad,
+            lambda: Step("x", "1.0", False),
+            "environment step of turn 0: Step.reward: expected a finite number, got '1.0'",
+        ),
         (OneBad, lambda: Step(None, float("nan"), True), "Step.reward: expected a finite number, got nan"),
         (OneBad, lambda: Step(None, 10**400, True), "Step.reward: expected a finite number, got 1000"),
         (OneBad, lambda: ("x", 1.0, "no"), "environment step of turn 0: Step.done: expected a bool, got 'no'"),
         (OneBad, lambda: Step("x", 1.0, "no"), "environment step of turn 0: Step.done: expected a bool, got 'no'"),
         (OneBad, lambda: Step(NOT_JSON), "Step.observation.tool_calls: is not JSON: TypeError: Object of type set"),
-        (OneBad, lambda: Step(ARGS_NOT_JSON), "Step.observation.tool_calls[0].function.arguments: is not JSON: '{\"x\": '"),
-        (OneBad, lambda: Step({"role": "robot", "content": "x"}), "Step.observation.role: expected one of system, user, assistant, tool, got 'robot'"),
-        (OneBad, lambda: Step([{"role": "tool", "content": 5}]), "Step.observation[0].content: expected a string, got 5"),
+        (
+            OneBad,
+            lambda: Step(ARGS_NOT_JSON),
+            "Step.observation.tool_calls[0].function.arguments: is not JSON: '{\"x\": '",
+        ),
+        (
+            OneBad,
+            lambda: Step({"role": "robot", "content": "x"}),
+            "Step.observation.role: expected one of system, user, assistant, tool, got 'robot'",
+        ),
+        (
+            OneBad,
+            lambda: Step([{"role": "tool", "content": 5}]),
+            "Step.observation[0].content: expected a string, got 5",
+        ),
         (OneBad, raises(asyncio.CancelledError()), "environment step of turn 0 raised CancelledError"),
         (OneBadSync, raises(SystemExit(2)), "environment step of turn 0 raised SystemExit: 2"),
         (OneBadSync, raises(KeyboardInterrupt()), "environment step of turn 0 raised KeyboardInterrupt"),
         (OneBadSync, raises(asyncio.CancelledError()), "environment step of turn 0 raised CancelledError"),
         (OneBadSync, None, "environment reset raised SystemExit: 2"),
     ],
-    ids=["reward-str", "reward-nan", "reward-huge-int", "done-str-tuple", "done-str", "tool-calls-not-json", "arguments-not-json", "role",
-         "content-int", "async-cancelled", "sync-systemexit", "sync-keyboardinterrupt", "sync-cancelled", "reset-systemexit"],
-)  # fmt: skip
+    ids=[
+        "reward-str",
+        "reward-nan",
+        "reward-huge-int",
+        "done-str-tuple",
+        "done-str",
+        "tool-calls-not-json",
+        "arguments-not-json",
+        "role",
+        "content-int",
+        "async-cancelled",
+        "sync-systemexit",
+        "sync-keyboardinterrupt",
+        "sync-cancelled",
+        "reset-systemexit",
+    ],
+)
 async def test_a_hostile_step_fails_its_episode_only_naming_the_field_or_the_cause(env, how, message):
     """n=4 episodes of one prompt: the first environment built answers badly, the other three are
     Echo. Only that episode fails, its error naming the field and the value (or what was raised);
     the group's other episodes finish, and the engine serves on."""
     env.built = 0
-    groups, _, _ = await episodes(cfg("sampling.n=4"), lambda: env(how), [Prompt(text="a", id="q")])
+    groups, _, _ = await episodes(episode_cfg("sampling.n=4"), lambda: env(how), [Prompt(text="a", id="q")])
     (group,) = groups
     bad = [ep for ep in group.trajectories if not ep.ok]
     assert len(bad) == 1, [ep.error for ep in group.trajectories]
@@ -127,7 +157,7 @@ async def test_a_step_timeout_times_the_step_not_the_wait_for_a_worker_thread(mo
     2400 episodes finish; timing the wait too failed every queued one."""
     built = itertools.count()
     SyncEcho.ran = 0
-    config = cfg("sampling.n=4", "episode.step_timeout_s=5", "queue.max_groups=600", "staleness.max_lag=null")
+    config = episode_cfg("sampling.n=4", "episode.step_timeout_s=5", "queue.max_groups=600", "staleness.max_lag=null")
     limiter = anyio.to_thread.current_default_thread_limiter()
     loop = asyncio.get_running_loop()
     with anyio.fail_after(120):
@@ -196,7 +226,7 @@ async def test_cancelling_a_submission_mid_step_still_cancels_it(sync):
     abandoned), and the engine serves on."""
     stuck = Stuck(sync)
     with anyio.fail_after(TIMEOUT):
-        async with RolloutEngine(cfg("sampling.n=1"), pool=FakePool(2), env=stuck.env) as engine:
+        async with RolloutEngine(episode_cfg("sampling.n=1"), pool=FakePool(2), env=stuck.env) as engine:
             sub = engine.submit([Prompt(text="a")])
             await stuck.entered.wait()
             sub.cancel()
@@ -220,7 +250,9 @@ async def test_a_sync_step_that_hangs_fails_its_episode_and_its_thread_is_abando
             return Step(None, 1.0, True)
 
     try:
-        groups, _, _ = await episodes(cfg("sampling.n=1", "episode.step_timeout_s=0.05"), Hangs, [Prompt(text="a")])
+        groups, _, _ = await episodes(
+            episode_cfg("sampling.n=1", "episode.step_timeout_s=0.05"), Hangs, [Prompt(text="a")]
+        )
     finally:
         release.set()
     (ep,) = groups[0].trajectories
@@ -236,7 +268,7 @@ async def test_an_on_trajectory_callback_raising_system_exit_fails_that_group_on
             raise SystemExit(2)
 
     with anyio.fail_after(TIMEOUT):
-        async with RolloutEngine(cfg("sampling.n=1"), pool=FakePool(1), on_trajectory=on_trajectory) as engine:
+        async with RolloutEngine(episode_cfg("sampling.n=1"), pool=FakePool(1), on_trajectory=on_trajectory) as engine:
             engine.feed([Prompt(token_ids=[5, 6], id="bad"), Prompt(token_ids=[7, 8], id="good")])
             groups = {g.prompt_id: g async for g in engine.groups()}
     assert groups["good"].ok

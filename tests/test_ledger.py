@@ -1,5 +1,5 @@
 """The epoch ledger under random timing: `VLLMPolicy` (its pieces, reruns, recompute points,
-eviction records and progress reports) against a fake vLLM engine (`tests.fake_vllm`).
+eviction records and progress reports) against a fake vLLM engine (`tests.support.fake_vllm`).
 
 Each case draws prompts (shared within a group, so prefix-cache blocks are reused), chunk sizes,
 step interleavings, eviction rates, and weight updates fired at random moments in one
@@ -21,7 +21,7 @@ from rollout.config import load_config
 from rollout.epochs import kv_runs
 from rollout.errors import EngineDeadError
 from rollout.types import ProgressReport, Request, Sampling, Trajectory
-from tests.fake_vllm import FakeVllm, replay, replay_episode
+from tests.support.fake_vllm import FakeVllm, replay, replay_episode
 
 MODES = ["keep", "recompute", "abort_resume", "drain"]
 CASES = 60  # per mode

@@ -14,9 +14,8 @@ from rollout.engine import RolloutEngine
 from rollout.scheduling.lobby import Lobby
 from rollout.scheduling.runner import Runner
 from rollout.types import Prompt
-from tests.fakes import FakePool
-from tests.on_fakes import TIMEOUT, make_cfg, model_dir, settled  # noqa: F401 (fixtures)
-from tests.test_admission import HeldEngine
+from tests.support.fake_engine_runs import TIMEOUT, settled
+from tests.support.fakes import FakePool, HeldEngine
 
 
 class Group:

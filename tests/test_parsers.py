@@ -21,22 +21,7 @@ from rollout.episodes.chat import ChatRenderer
 from rollout.errors import InvalidConfigError
 from rollout.serve import openai_api as api
 from rollout.types import Trajectory
-
-TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b",
-          "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]  # fmt: skip
-ARGS = {"a": 1, "b": 2}
-# (tool parser, reasoning parser, what the model writes): each parser's own format
-CASES = [
-    ("hermes", None, 'Adding. <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'),
-    ("llama3_json", None, '{"name": "add", "parameters": {"a": 1, "b": 2}}'),
-    (
-        "qwen3_xml",
-        None,
-        "Adding.<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n2\n</parameter>\n</function>\n</tool_call>",
-    ),
-    (None, "qwen3", "<think>1 + 2, é</think>It is 3."),
-    ("hermes", "qwen3", '<think>call add</think><tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'),
-]
+from tests.support.parser_cases import ARGS, CASES, TOOLS
 
 
 @pytest.fixture(scope="module")
@@ -170,8 +155,15 @@ def test_a_chat_reply_carries_tool_calls_and_reasoning_as_vllms_server_does_stre
             assert chunks[1]["choices"][0]["finish_reason"] == "tool_calls" and "stream" not in chunks[0]["choices"][0]
         else:
             assert "stream" not in choice
-    no_tools = api.chat_response(api.chat({"messages": [{"role": "user", "content": "x"}], "tool_choice": "none", "tools": TOOLS}, chat, None, parsers),
-                                 [traj], "tiny", chat, parsers)  # fmt: skip
+    no_tools = api.chat_response(
+        api.chat(
+            {"messages": [{"role": "user", "content": "x"}], "tool_choice": "none", "tools": TOOLS}, chat, None, parsers
+        ),
+        [traj],
+        "tiny",
+        chat,
+        parsers,
+    )
     assert "tool_calls" not in no_tools["choices"][0]["message"] and no_tools["choices"][0]["finish_reason"] == "stop"
     with pytest.raises(api.ApiError, match="tool_choice"):
         api.chat({"messages": [{"role": "user", "content": "x"}], "tool_choice": 7}, chat, None, parsers)
@@ -183,7 +175,10 @@ async def test_an_episodes_action_carries_the_tool_calls_vllms_parser_reads_and_
     from rollout.episodes.loop import _action
 
     chat = chat_renderer(build_tiny(), "hermes", "qwen3")
-    text = '<think>use the tool</think>Let me see. <tool_call>{"name": "calculator", "arguments": {"expression": "1 + 2"}}</tool_call>'
+    text = (
+        "<think>use the tool</think>Let me see. "
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "1 + 2"}}</tool_call>'
+    )
     ids = [*chat.encode(text), EOS_ID]
     action = _action(
         Trajectory(request_id="r", prompt_id="p", prompt_token_ids=[5], token_ids=ids, finish_reason="stop"), chat, 0

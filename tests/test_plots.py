@@ -9,9 +9,8 @@ import pytest
 from rollout.bench.plots import bench_figure, require_matplotlib, weight_sync_figure
 from rollout.bench.run import run_bench
 from rollout.errors import InvalidConfigError
-
-from .fakes import FakePool
-from .test_bench import bench_config
+from tests.support.bench import bench_config
+from tests.support.fakes import FakePool
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -7,9 +7,8 @@ import re
 
 from rollout.bench.progress import Progress
 from rollout.bench.run import run_bench
-
-from .fakes import FakePool
-from .test_bench import bench_config
+from tests.support.bench import bench_config
+from tests.support.fakes import FakePool
 
 
 class Clock:

@@ -11,12 +11,12 @@ import msgspec
 import pytest
 import torch
 
-from rollout.config import load_config
+from rollout.config import Config
 from rollout.engine import RolloutEngine
 from rollout.errors import InvalidConfigError
 from rollout.inputs.rewards import load_reward
 from rollout.types import Prompt, Trajectory
-from tests.fakes import FakePool
+from tests.support.fakes import FakePool
 
 
 def length_reward(prompt: Prompt, traj: Trajectory) -> float:
@@ -38,10 +38,9 @@ NOT_CALLABLE = 3
 
 
 @pytest.fixture
-def cfg(tmp_path):
-    (tmp_path / "config.json").write_text('{"vocab_size": 260}')
-    cfg = load_config(None, ["sampling.n=3", "sampling.max_tokens=4", "logging.level=error", "model.max_model_len=64"])
-    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=str(tmp_path)))
+def cfg(make_cfg) -> Config:
+    """Groups of 3 samples of 4 tokens."""
+    return make_cfg("sampling.n=3", "sampling.max_tokens=4")
 
 
 @pytest.mark.parametrize(

@@ -16,22 +16,40 @@ from safetensors.torch import save_file
 from policies.gloo_transfer import GlooTrainerInitInfo, StateDictSource
 from rollout.config import load_config
 from rollout.engine import RolloutEngine
-from tests.fakes import FakeEngine, FakePool
+from tests.support.fakes import FakeEngine, FakePool
 
 TIMEOUT = 30  # seconds; only reached when a test is about to fail
 STATE = {"embed.weight": torch.randn(40, 30), "norm.weight": torch.ones(30, dtype=torch.bfloat16)}
-ROUTES = [("POST", "/pause"), ("POST", "/resume"), ("GET", "/is_paused"), ("POST", "/abort_requests"),
-          ("POST", "/init_weight_transfer_engine"), ("POST", "/shutdown_weight_transfer_engine"), ("POST", "/start_weight_update"),
-          ("POST", "/update_weights"), ("POST", "/finish_weight_update"), ("POST", "/update_weight_version"),
-          ("GET", "/weight_info"), ("GET", "/get_world_size")]  # fmt: skip
+ROUTES = [
+    ("POST", "/pause"),
+    ("POST", "/resume"),
+    ("GET", "/is_paused"),
+    ("POST", "/abort_requests"),
+    ("POST", "/init_weight_transfer_engine"),
+    ("POST", "/shutdown_weight_transfer_engine"),
+    ("POST", "/start_weight_update"),
+    ("POST", "/update_weights"),
+    ("POST", "/finish_weight_update"),
+    ("POST", "/update_weight_version"),
+    ("GET", "/weight_info"),
+    ("GET", "/get_world_size"),
+]
 
 
 @pytest.fixture
 def cfg(tmp_path):
     (tmp_path / "config.json").write_text('{"vocab_size": 260}')
     save_file(STATE, str(tmp_path / "model.safetensors"))
-    cfg = load_config(None, ["engines.count=2", "logging.level=error", "weight_sync.timeout_s=10", "sampling.max_tokens=4",
-                             "engines.restart_backoff_s=0"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            "engines.count=2",
+            "logging.level=error",
+            "weight_sync.timeout_s=10",
+            "sampling.max_tokens=4",
+            "engines.restart_backoff_s=0",
+        ],
+    )
     return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=str(tmp_path)))
 
 
@@ -301,8 +319,13 @@ async def test_with_no_engine_alive_the_rl_routes_answer_503(cfg):
     async with served(cfg) as (engine, server, pool, http):
         for i in (0, 1):
             engine._scheduler.runner.mark_dead(i, f"engine {i}: killed by the test")
-        for method, path in [("POST", "/pause"), ("POST", "/resume"), ("GET", "/is_paused"), ("POST", "/init_weight_transfer_engine"),
-                             ("GET", "/get_world_size")]:  # fmt: skip
+        for method, path in [
+            ("POST", "/pause"),
+            ("POST", "/resume"),
+            ("GET", "/is_paused"),
+            ("POST", "/init_weight_transfer_engine"),
+            ("GET", "/get_world_size"),
+        ]:
             r = await http.request(method, path, json={"init_info": {}} if "init" in path else None)
             assert r.status_code == 503 and "every engine is dead" in r.json()["error"]["message"], (path, r.text)
 

@@ -3,7 +3,7 @@
 Values the validators accept must cross the next layer (msgpack to the engines, vLLM's own checks);
 a failure while a batch of groups is encoded or sent, in a callback, or in a task nobody awaits,
 fails exactly the groups it belongs to, with the reason. Real `RayEngine` handles and `VLLMPolicy`
-objects talk msgpack here (`tests.wire`); every wait is bounded by `anyio.fail_after`.
+objects talk msgpack here (`tests.support.wire`); every wait is bounded by `anyio.fail_after`.
 """
 
 from __future__ import annotations
@@ -20,17 +20,16 @@ from rollout.config import Config, config_from_dict, load_config
 from rollout.engine import RolloutEngine
 from rollout.errors import InvalidConfigError, InvalidPromptError, RetryableError, RolloutError, WeightSyncError
 from rollout.types import Prompt, Request, Sampling
-from tests.fakes import FakePool
-from tests.wire import WirePool
+from tests.support.fakes import FakePool
+from tests.support.wire import WirePool
 
 TIMEOUT = 10  # seconds; reached only by a test about to fail (a hang)
 
 
 @pytest.fixture
-def cfg(tmp_path) -> Config:
-    (tmp_path / "config.json").write_text('{"vocab_size": 260}')
-    return load_config(None, ["sampling.n=2", "sampling.max_tokens=6", "engines.count=1", "model.max_model_len=64",
-                              "logging.level=error", f"model.path={tmp_path}"])  # fmt: skip
+def cfg(make_cfg) -> Config:
+    """One engine."""
+    return make_cfg("engines.count=1")
 
 
 def request(rid: str, **kwargs) -> Request:

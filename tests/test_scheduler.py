@@ -2,31 +2,38 @@
 
 Every wait is on an event or a condition, bounded by `anyio.fail_after`. Where a test must show that
 something does *not* happen (no more admissions), it waits until every task is blocked
-(`tests.on_fakes.settled`): the fakes have no timers, so nothing could wake them later.
+(`tests.support.fake_engine_runs.settled`): the fakes have no timers, so nothing could wake them later.
 """
-# ruff: noqa: F401, F811 (make_cfg and model_dir are fixtures, imported from tests/on_fakes.py)
 
 from __future__ import annotations
 
-from contextlib import asynccontextmanager
+import functools
 
 import anyio
 import msgspec
 import pytest
 
-from rollout.config import Config, load_config
 from rollout.engine import RolloutEngine
-from rollout.errors import EngineClosedError, EngineDeadError, InvalidPromptError
+from rollout.errors import EngineDeadError
 from rollout.sync_engine import SyncRolloutEngine
-from rollout.types import Group, Prompt
-from tests.fakes import EOS_ID, FakeEngine, FakePool, fake_logprob, fake_token, text_ids
-from tests.on_fakes import TIMEOUT, Deadlock, all_groups, make_cfg, model_dir, prompts, rollout, settled, total_requests
+from rollout.types import Prompt
+from tests.support.fake_engine_runs import TIMEOUT, all_groups, prompts, rollout, settled, total_requests
+from tests.support.fakes import FakePool, fake_logprob, fake_token
+
+# Small engines: 3 requests running and 1 queued on each (the room tests below count with it).
+ROOM = ("engines.max_inflight_per_engine=3", "engines.queued_per_engine=1")
 
 
-async def test_every_sample_completes_exactly_once(make_cfg):
+@pytest.fixture
+def small_cfg(make_cfg):
+    """`make_cfg` with ROOM: 4 requests per engine, so a few prompts fill both engines."""
+    return functools.partial(make_cfg, *ROOM)
+
+
+async def test_every_sample_completes_exactly_once(small_cfg):
     pool = FakePool(2)
     seen = []
-    cfg = make_cfg("sampling.n=3", "engines.max_inflight_per_engine=6")
+    cfg = small_cfg("sampling.n=3", "engines.max_inflight_per_engine=6")
     async with rollout(cfg, pool, on_trajectory=seen.append) as engine:
         engine.feed(prompts(10))
         groups = await all_groups(engine)
@@ -49,12 +56,12 @@ async def test_every_sample_completes_exactly_once(make_cfg):
     assert pool.shutdown_calls == 1
 
 
-async def test_load_is_spread_and_capped_per_engine(make_cfg):
+async def test_load_is_spread_and_capped_per_engine(small_cfg):
     pool = FakePool(2)
     gate = anyio.Event()
     for e in pool.engines:
         e.gate = gate
-    async with rollout(make_cfg(), pool) as engine:  # n=2, 4 in flight per engine
+    async with rollout(small_cfg(), pool) as engine:  # n=2, 4 in flight per engine
         engine.feed(prompts(6))
         for e in pool.engines:
             await e.wait_until(lambda e: e.inflight == 4)
@@ -70,12 +77,12 @@ async def test_load_is_spread_and_capped_per_engine(make_cfg):
     assert all(e.cancelled == 0 for e in pool.engines)
 
 
-async def test_queued_requests_add_room_per_engine(make_cfg):
+async def test_queued_requests_add_room_per_engine(small_cfg):
     pool = FakePool(2)
     gate = anyio.Event()
     for e in pool.engines:
         e.gate = gate
-    async with rollout(make_cfg("engines.queued_per_engine=3"), pool) as engine:  # 3 + 3 per engine
+    async with rollout(small_cfg("engines.queued_per_engine=3"), pool) as engine:  # 3 + 3 per engine
         engine.feed(prompts(8))
         for e in pool.engines:
             await e.wait_until(lambda e: e.inflight == 6)
@@ -87,7 +94,7 @@ async def test_queued_requests_add_room_per_engine(make_cfg):
     assert all(e.max_inflight == 6 for e in pool.engines)
 
 
-async def test_waiting_groups_start_longest_budget_first(make_cfg):
+async def test_waiting_groups_start_longest_budget_first(small_cfg):
     """Issue 29: groups admitted while every engine is full start in the order of their token budget,
     longest first (arrival order among equals), not the order they were read: the long samples of a
     long-tailed set then run alongside the short ones instead of alone at the end."""
@@ -96,7 +103,7 @@ async def test_waiting_groups_start_longest_budget_first(make_cfg):
     started: list[str] = []  # every request either engine received, in order
     for e in pool.engines:
         e.gate, e.requests = gate, started
-    cfg = make_cfg("sampling.max_tokens=16", "model.max_model_len=128", "queue.max_groups=10")  # every prompt admitted
+    cfg = small_cfg("sampling.max_tokens=16", "model.max_model_len=128", "queue.max_groups=10")  # every prompt admitted
     async with rollout(cfg, pool) as engine:
         engine.feed(prompts(4))  # fill both engines (2 groups of 2 each)
         for e in pool.engines:
@@ -112,14 +119,14 @@ async def test_waiting_groups_start_longest_budget_first(make_cfg):
     assert waited == ["w2-16", "w5-16", "w4-8", "w0-2", "w1-2", "w3-2"]
 
 
-async def test_a_submission_waits_in_the_lobby_no_deeper_than_max_groups(make_cfg):
+async def test_a_submission_waits_in_the_lobby_no_deeper_than_max_groups(small_cfg):
     """A caller's submission takes no learner queue slots: its prompts are read into the lobby only
     while fewer than `queue.max_groups` groups wait there, not all at once (a task each)."""
     pool = FakePool(2)
     gate = anyio.Event()
     for e in pool.engines:
         e.gate = gate
-    async with rollout(make_cfg("queue.max_groups=3"), pool) as engine:
+    async with rollout(small_cfg("queue.max_groups=3"), pool) as engine:
         sub = engine.submit(prompts(12), train=False)  # 4 start (2 per engine), at most 3 wait
         for e in pool.engines:
             await e.wait_until(lambda e: e.inflight == 4)
@@ -131,9 +138,9 @@ async def test_a_submission_waits_in_the_lobby_no_deeper_than_max_groups(make_cf
     assert len(done) == 12 and all(g.ok for g in done)
 
 
-async def test_group_members_share_an_engine_under_load(make_cfg):
+async def test_group_members_share_an_engine_under_load(small_cfg):
     pool = FakePool(2)
-    async with rollout(make_cfg("sampling.n=4", "engines.max_inflight_per_engine=4"), pool) as engine:
+    async with rollout(small_cfg("sampling.n=4", "engines.max_inflight_per_engine=4"), pool) as engine:
         engine.feed(prompts(8))
         groups = await all_groups(engine)
     by_engine = {e.engine_id: {r.prompt_id for r in e.requests} for e in pool.engines}
@@ -141,9 +148,9 @@ async def test_group_members_share_an_engine_under_load(make_cfg):
     assert all(len({t.engine_id for t in g.trajectories}) == 1 for g in groups)
 
 
-async def test_backpressure_stops_admission_when_nobody_consumes(make_cfg):
+async def test_backpressure_stops_admission_when_nobody_consumes(small_cfg):
     pool = FakePool(2)
-    async with rollout(make_cfg("queue.max_groups=2"), pool) as engine:
+    async with rollout(small_cfg("queue.max_groups=2"), pool) as engine:
         engine.feed(prompts(5))
         await settled()
         assert sum(len(e.prompt_ids) for e in pool.engines) == 2  # engines had room for 4 groups
@@ -156,11 +163,11 @@ async def test_backpressure_stops_admission_when_nobody_consumes(make_cfg):
     assert total_requests(pool) == 10
 
 
-async def test_leaving_the_context_cancels_in_flight_requests(make_cfg):
+async def test_leaving_the_context_cancels_in_flight_requests(small_cfg):
     pool = FakePool(2)
     for e in pool.engines:
         e.block()
-    async with rollout(make_cfg(), pool) as engine:
+    async with rollout(small_cfg(), pool) as engine:
         engine.feed(prompts(3))
         await pool.engines[0].wait_until(lambda e: e.inflight == 4)
         await pool.engines[1].wait_until(lambda e: e.inflight == 2)
@@ -170,11 +177,11 @@ async def test_leaving_the_context_cancels_in_flight_requests(make_cfg):
     assert pool.shutdown_calls == 1
 
 
-async def test_an_error_in_the_body_cancels_and_shuts_down(make_cfg):
+async def test_an_error_in_the_body_cancels_and_shuts_down(small_cfg):
     pool = FakePool(1)
     pool.engines[0].block()
     with pytest.raises(RuntimeError, match="learner crashed"):
-        async with rollout(make_cfg(), pool) as engine:
+        async with rollout(small_cfg(), pool) as engine:
             engine.feed(prompts(1))
             await pool.engines[0].wait_until(lambda e: e.inflight == 2)
             raise RuntimeError("learner crashed")
@@ -182,11 +189,11 @@ async def test_an_error_in_the_body_cancels_and_shuts_down(make_cfg):
     assert pool.shutdown_calls == 1
 
 
-async def test_a_dead_engines_samples_move_on_and_it_is_avoided(make_cfg):
+async def test_a_dead_engines_samples_move_on_and_it_is_avoided(small_cfg):
     pool = FakePool(2)
     dead, alive = pool.engines
     dead.dead = True
-    async with rollout(make_cfg("engines.max_restarts=0"), pool) as engine:
+    async with rollout(small_cfg("engines.max_restarts=0"), pool) as engine:
         engine.feed(prompts(1))  # idle engines tie: the lower index takes it
         [first] = await all_groups(engine)
         assert first.ok and [t.sample_index for t in first.trajectories] == [0, 1]
@@ -200,40 +207,40 @@ async def test_a_dead_engines_samples_move_on_and_it_is_avoided(make_cfg):
     assert len(alive.requests) == 2 + 8
 
 
-async def test_samples_fail_with_the_reason_once_retries_run_out(make_cfg):
+async def test_samples_fail_with_the_reason_once_retries_run_out(small_cfg):
     pool = FakePool(2)
     for e in pool.engines:
         e.dead = True
-    async with rollout(make_cfg("engines.max_restarts=0", "engines.max_retries=1"), pool) as engine:
+    async with rollout(small_cfg("engines.max_restarts=0", "engines.max_retries=1"), pool) as engine:
         engine.feed(prompts(1))
         with pytest.raises(EngineDeadError, match="every engine is dead"):
             await all_groups(engine)
 
 
-async def test_all_engines_dead_raises_instead_of_hanging(make_cfg):
+async def test_all_engines_dead_raises_instead_of_hanging(small_cfg):
     pool = FakePool(1)
     pool.engines[0].dead = True
-    cfg = make_cfg("engines.count=1", "engines.max_inflight_per_engine=2", "engines.max_restarts=0")
+    cfg = small_cfg("engines.count=1", "engines.max_inflight_per_engine=2", "engines.max_restarts=0")
     async with rollout(cfg, pool) as engine:
         engine.feed(prompts(3))  # one group fits at a time; the second waits for the dead engine
         with pytest.raises(EngineDeadError):
             await all_groups(engine)
 
 
-async def test_prompt_n_above_engine_capacity_fails_the_group(make_cfg):
+async def test_prompt_n_above_engine_capacity_fails_the_group(small_cfg):
     def source():
         yield {"token_ids": [5], "id": "too-wide", "sampling": {"n": 5}}  # engines hold 4 each
         yield {"token_ids": [5], "id": "fine"}
 
-    async with rollout(make_cfg(), FakePool(2)) as engine:
+    async with rollout(small_cfg(), FakePool(2)) as engine:
         engine.feed(source())
         groups = {g.prompt_id: g for g in await all_groups(engine)}
     assert groups["too-wide"].error and "sampling.n" in groups["too-wide"].error
     assert groups["fine"].ok
 
 
-async def test_batches_awaited_and_iterated(make_cfg):
-    async with rollout(make_cfg(), FakePool(2)) as engine:
+async def test_batches_awaited_and_iterated(small_cfg):
+    async with rollout(small_cfg(), FakePool(2)) as engine:
         engine.feed(prompts(5))
         first = await engine.batches(groups=2)
         assert first is not None and len(first.groups) == 2
@@ -248,17 +255,17 @@ async def test_batches_awaited_and_iterated(make_cfg):
 @pytest.mark.parametrize(
     "size, message", [(0, "groups: expected >= 1, got 0"), (-1, "expected >= 1"), (9, "queue.max_groups is 8")]
 )
-async def test_batches_of_impossible_size_raise(make_cfg, size, message):
-    async with rollout(make_cfg("queue.max_groups=8"), FakePool(1)) as engine:
+async def test_batches_of_impossible_size_raise(small_cfg, size, message):
+    async with rollout(small_cfg("queue.max_groups=8"), FakePool(1)) as engine:
         with pytest.raises(ValueError, match=message):
             engine.batches(groups=size)
         with pytest.raises(ValueError, match=message):
             await engine.next_batch(size)
 
 
-async def test_stats_come_from_every_engine(make_cfg):
+async def test_stats_come_from_every_engine(small_cfg):
     pool = FakePool(2)
-    async with rollout(make_cfg(), pool) as engine:
+    async with rollout(small_cfg(), pool) as engine:
         engine.feed(prompts(2))
         await all_groups(engine)
         stats = await engine.stats()
@@ -266,23 +273,23 @@ async def test_stats_come_from_every_engine(make_cfg):
     assert sum(s.requests_finished for s in stats) == 4
 
 
-async def test_bad_model_path_fails_on_enter(tmp_path, make_cfg):
-    cfg = make_cfg()
+async def test_bad_model_path_fails_on_enter(tmp_path, small_cfg):
+    cfg = small_cfg()
     cfg = msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=str(tmp_path / "nope")))
     with pytest.raises(FileNotFoundError, match="model.path"):
         async with RolloutEngine(cfg, pool=FakePool(1)):
             pass
 
 
-async def test_feed_outside_the_context_is_an_error(make_cfg):
-    engine = RolloutEngine(make_cfg(), pool=FakePool(1))
+async def test_feed_outside_the_context_is_an_error(small_cfg):
+    engine = RolloutEngine(small_cfg(), pool=FakePool(1))
     with pytest.raises(RuntimeError, match="async with"):
         engine.feed(prompts(1))
 
 
-def test_sync_engine(make_cfg):
+def test_sync_engine(small_cfg):
     pool = FakePool(2)
-    with SyncRolloutEngine(make_cfg(), pool=pool) as engine:
+    with SyncRolloutEngine(small_cfg(), pool=pool) as engine:
         engine.feed(prompts(3))
         groups = list(engine.groups())
         assert sorted(g.prompt_id for g in groups) == ["q0", "q1", "q2"]

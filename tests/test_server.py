@@ -1,52 +1,18 @@
-"""The OpenAI-compatible server over fake engines, driven by the real `openai` client and httpx:
-fields on every message, multi-turn token ids, vLLM's conventions, every error case, sessions,
-episodes handed to the learner, disconnects. Real engines: tests/integration/test_serve.py."""
+"""The OpenAI-compatible server's HTTP half (`rollout.serve.server`) over fake engines, driven by the
+real `openai` client and httpx: fields on every message, vLLM's conventions, streaming, every error
+case, auth and overload. Sessions, episodes and disconnects (the desk's): tests/test_serve_desk.py.
+Real engines: tests/integration/test_serve.py."""
 
 from __future__ import annotations
 
 import json
 
 import anyio
-import httpx
 import openai
 import pytest
 
-from rollout.config import load_config
-from rollout.engine import RolloutEngine
-from tests.fakes import FakePool
-
-TIMEOUT = 10
-
-
-def cfg(*overrides: str):
-    return load_config(None, ["model.path=tiny", "sampling.max_tokens=6", "engines.count=2", "model.max_model_len=256",
-                              "logging.level=error", *overrides])  # fmt: skip
-
-
-class Served:
-    def __init__(self, engine, server, pool):
-        self.engine, self.server, self.pool = engine, server, pool
-        self.client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=server.api_key or "none", max_retries=0)
-        self.http = httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT)
-
-
-def served(*overrides: str, api_key: str | None = None, pool: FakePool | None = None):
-    import contextlib
-
-    @contextlib.asynccontextmanager
-    async def run():
-        p = pool or FakePool(2)
-        with anyio.fail_after(TIMEOUT * 3):
-            async with RolloutEngine(cfg(*overrides), pool=p) as engine:
-                server = await engine.serve(port=0, api_key=api_key)
-                s = Served(engine, server, p)
-                try:
-                    yield s
-                finally:
-                    await s.http.aclose()
-                    await s.client.close()
-
-    return run()
+from tests.support.fakes import FakePool
+from tests.support.serving import served
 
 
 async def test_a_chat_completion_carries_tokens_logprobs_and_epochs():
@@ -68,23 +34,6 @@ async def test_a_chat_completion_carries_tokens_logprobs_and_epochs():
         )
         assert extra["rollout"]["policy_epochs"] == [[0, 0]] and extra["rollout"]["engine_id"] in (0, 1)
         assert isinstance(m.content, str) and r.usage.prompt_tokens == len(extra["prompt_token_ids"])
-
-
-async def test_three_turns_are_token_contiguous_and_stay_on_one_engine():
-    async with served() as s:
-        messages = [{"role": "user", "content": "first"}]
-        turns = []
-        for k in range(3):
-            r = await s.client.chat.completions.create(model="tiny", messages=messages, max_tokens=5)
-            m = r.choices[0].message.model_dump()
-            turns.append(m)
-            messages = [*messages, m, {"role": "user", "content": f"turn {k}"}]  # the assistant message, ids and all
-        for a, b in zip(turns, turns[1:]):
-            before = a["prompt_token_ids"] + a["generation_token_ids"]
-            assert b["prompt_token_ids"][: len(before)] == before
-        assert len({t["rollout"]["engine_id"] for t in turns}) == 1
-        requests = [r for e in s.pool.engines for r in e.requests]
-        assert len({r.cache_salt for r in requests}) == 1 and requests[0].cache_salt.startswith("s:")
 
 
 async def test_vllm_conventions_token_ids_as_tokens_and_return_token_ids():
@@ -136,8 +85,15 @@ async def test_stream_true_is_answered_as_server_sent_events_the_sdk_reads():
     delta, the finish reason and usage as OpenAI sends them, then [DONE]."""
     async with served() as s:
         messages = [{"role": "user", "content": "hi"}]
-        stream = await s.client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, logprobs=True, stream=True,
-                                                        stream_options={"include_usage": True}, extra_body={"return_token_ids": True})  # fmt: skip
+        stream = await s.client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=4,
+            logprobs=True,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"return_token_ids": True},
+        )
         chunks = [c async for c in stream]
         assert {c.object for c in chunks} == {"chat.completion.chunk"} and len({c.id for c in chunks}) == 1
         deltas = [c.choices[0] for c in chunks if c.choices]
@@ -246,37 +202,3 @@ async def test_every_engine_gone_is_503():
         pool.engines[0].dead = True
         r = await s.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
         assert r.status_code == 503 and "engine unavailable" in r.json()["error"]["message"]
-
-
-async def test_a_client_that_disconnects_aborts_its_engine_request():
-    async with served() as s:
-        gates = [e.block() for e in s.pool.engines]
-        async with anyio.create_task_group() as tg:  # the engines hold the request: it is never answered
-            tg.start_soon(
-                lambda: s.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
-            )
-            while not any(e.inflight for e in s.pool.engines):  # it reached an engine
-                await anyio.sleep(0.01)
-            tg.cancel_scope.cancel()  # then the client goes: its connection closes
-        while sum(e.cancelled for e in s.pool.engines) < 1 or s.server.inflight:  # aborted, and the handler is done
-            await anyio.sleep(0.01)
-        for g in gates:
-            g.set()
-
-
-async def test_served_turns_become_an_episode_for_the_learner():
-    async with served() as s:
-        messages = [{"role": "user", "content": "solve"}]
-        for k in range(2):
-            r = await s.client.chat.completions.create(
-                model="tiny", messages=messages, max_tokens=4, extra_body={"episode_id": "ep7"}
-            )
-            messages = [*messages, r.choices[0].message.model_dump(), {"role": "tool", "content": f"result {k}"}]
-        done = (await s.http.post("/v1/episodes/ep7/reward", json={"reward": 0.5})).json()
-        assert done["turns"] == 2 and done["reward"] == 0.5
-        group = await s.engine.next_group()
-        (ep,) = group.trajectories
-        assert group.prompt_id == "ep7" and ep.reward == 0.5 and len(ep.turns) == 2
-        assert sum(ep.loss_mask) == sum(len(t.token_ids) for t in ep.turns) and 0 in ep.loss_mask
-        again = await s.http.post("/v1/episodes/ep7/reward", json={"reward": 1})
-        assert again.status_code == 404

@@ -15,7 +15,7 @@ import pytest
 from rollout.errors import InvalidConfigError
 from rollout.serve import openai_api as api
 from rollout.types import Trajectory
-from tests.test_server import served
+from tests.support.serving import served
 
 BIG = 7 * 2**20  # under serve.max_body_bytes (8 MiB)
 
@@ -105,8 +105,12 @@ async def test_the_engines_own_checks_name_the_field(path, body, param):
 async def test_a_reward_answered_429_keeps_its_episode_for_the_retry():
     async with served("queue.max_groups=1") as s:
         for episode in ("a", "b"):
-            await s.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": episode}], max_tokens=2,
-                                                   extra_body={"episode_id": episode})  # fmt: skip
+            await s.client.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": episode}],
+                max_tokens=2,
+                extra_body={"episode_id": episode},
+            )
         assert (await s.http.post("/v1/episodes/a/reward", json={"reward": 1})).status_code == 200
         full = await s.http.post("/v1/episodes/b/reward", json={"reward": 0.5})
         assert (

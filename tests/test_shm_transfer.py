@@ -1,8 +1,8 @@
 """The shm weight-transfer backend without engines: vLLM's factories build both sides, a trainer
 sends through its ring to two workers (plain torch modules, in threads of this process) through a
-small client with vLLM's four calls. The same workers serve a gloo learner too. Bytes arrive exact through a ring far smaller than the model
-(tensors cut across slots, the ring wrapping round many times), staged until
-finish_weight_update; the ring is no file in /dev/shm and is unmapped when both sides shut down;
+small client with vLLM's four calls. The same workers serve a gloo learner too. Bytes arrive exact
+through a ring far smaller than the model (tensors cut across slots, the ring wrapping round many
+times), staged until finish_weight_update; the ring is no file in /dev/shm and is unmapped when both sides shut down;
 a round the workers refuse fails at once; a source that disagrees with its metadata ends the
 workers' round at once and the next round works; a worker gone is dropped; a learner killed
 mid-transfer and a learner that never sends fail each worker's finish, naming the chunk and its
@@ -25,7 +25,7 @@ import torch
 from policies.gloo_transfer import GlooTrainerInitInfo, GlooWeightTransferEngine, StateDictSource
 from policies.shm import mapped
 from policies.shm_transfer import ALIGN, ShmInitInfo, ShmTrainerInitInfo, ShmUpdateInfo, ShmWeightTransferEngine, layout
-from tests.transfer_doubles import Client, Module, reload
+from tests.support.transfer_doubles import Client, Module, reload
 
 
 class GlooWorker(GlooWeightTransferEngine):
@@ -113,8 +113,11 @@ def test_engines_started_with_shm_serve_a_gloo_learner_too_and_back():
     w = {
         k: v for k, v in weights(1).items() if k != "model.layers.0.w"
     }  # gloo's buckets do not align a float32 after its 1922 bytes
-    gloo_trainer = WeightTransferTrainerFactory.trainer_init(GlooTrainerInitInfo(world_size=3, rank=0, bucket_bytes=3000, timeout_s=30),
-                                                             client=client, source=StateDictSource(w))  # fmt: skip
+    gloo_trainer = WeightTransferTrainerFactory.trainer_init(
+        GlooTrainerInitInfo(world_size=3, rank=0, bucket_bytes=3000, timeout_s=30),
+        client=client,
+        source=StateDictSource(w),
+    )
     gloo_trainer.send_weights()
     for wk in client.workers:
         assert wk.gloo.pg is not None and wk.sock is None and all(torch.equal(wk.model.w[k], v) for k, v in w.items())
@@ -259,7 +262,10 @@ def test_a_learner_killed_mid_transfer_fails_the_worker_naming_the_chunk():
     wk.init_transfer_engine(ShmInitInfo(**info))
     wk.start_weight_update()
     wk.update_weights(vars(info_of(w)))
-    gone = r"shm transfer: chunk 9/9 \(model.embed.weight, model.norm.weight\): the learner is gone \(Connection.*; the model is unchanged"
+    gone = (
+        r"shm transfer: chunk 9/9 \(model.embed.weight, model.norm.weight\): "
+        r"the learner is gone \(Connection.*; the model is unchanged"
+    )
     with pytest.raises(RuntimeError, match=gone):
         wk.finish_weight_update()
     assert wk.model.loaded == [] and all(not t.any() for t in wk.model.w.values())
@@ -315,21 +321,29 @@ def pool_cfg(tmp_path, monkeypatch):
     import msgspec
     from safetensors.torch import save_file
 
-    import tests.fakes
+    import tests.support.fakes
     from rollout.config import load_config
 
     vllm = types.SimpleNamespace(
         parallel_config=types.SimpleNamespace(data_parallel_index=0, world_size=1, rank=0), model_config=None
     )
     monkeypatch.setattr(
-        tests.fakes,
+        tests.support.fakes,
         "transfer_worker",
         lambda i: PoolWorker(types.SimpleNamespace(backend="shm"), vllm, torch.device("cpu"), PoolModel()),
     )
     (tmp_path / "config.json").write_text('{"vocab_size": 260}')
     save_file(STATE, str(tmp_path / "model.safetensors"))
-    cfg = load_config(None, ["engines.count=2", "logging.level=error", "weight_sync.timeout_s=5", "engines.restart_backoff_s=0",
-                             "engines.vllm={weight_transfer_config: {backend: shm}}"])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            "engines.count=2",
+            "logging.level=error",
+            "weight_sync.timeout_s=5",
+            "engines.restart_backoff_s=0",
+            "engines.vllm={weight_transfer_config: {backend: shm}}",
+        ],
+    )
     return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=str(tmp_path)))
 
 
@@ -350,7 +364,7 @@ async def test_weights_that_do_not_fit_are_refused_before_any_byte_naming_the_te
 
     from rollout.engine import RolloutEngine
     from rollout.errors import InvalidWeightsError
-    from tests.fakes import FakePool
+    from tests.support.fakes import FakePool
 
     pool = FakePool(2)
     with anyio.fail_after(60):
@@ -384,7 +398,7 @@ async def test_a_learner_gone_mid_transfer_leaves_no_engine_serving_torn_weights
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from rollout.engine import RolloutEngine
-    from tests.fakes import FakePool
+    from tests.support.fakes import FakePool
 
     pool = FakePool(2)
     with anyio.fail_after(60):

@@ -8,8 +8,7 @@ from structlog.testing import capture_logs
 from rollout.log import configure
 from rollout.metrics.specdecode import SpecDecodeMeter, aggregate, delta, derive, window
 from rollout.types import SpecCounters
-
-from .fakes import FakePool
+from tests.support.fakes import FakePool
 
 BEFORE = [
     SpecCounters(

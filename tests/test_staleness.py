@@ -5,21 +5,18 @@ from __future__ import annotations
 import re
 
 import anyio
-import msgspec
 import pytest
-import torch
-from safetensors.torch import save_file
 
 from rollout.batch import Batch
 from rollout.config import StalenessConfig, load_config
 from rollout.engine import RolloutEngine
 from rollout.handoff.staleness import StalenessFilter, StalenessStats
 from rollout.types import Group, Prompt, Trajectory
-from tests.fakes import FakePool
-from tests.on_fakes import settled
+from tests.support.fake_engine_runs import settled
+from tests.support.fakes import FakePool
+from tests.support.model import STATE
 
 TIMEOUT = 5
-STATE = {"embed.weight": torch.zeros(4, 3)}
 
 
 def traj(epochs: list[tuple[int, int]], length: int, **kw) -> Trajectory:
@@ -80,21 +77,6 @@ def test_lag_quantile_without_tokens():
 
 
 # -- admission, end to end on fake engines -------------------------------------------------------
-
-
-@pytest.fixture
-def make_cfg(tmp_path):
-    d = tmp_path / "model"
-    d.mkdir()
-    (d / "config.json").write_text('{"vocab_size": 260}')
-    save_file(STATE, str(d / "model.safetensors"))
-
-    def make(*overrides: str):
-        cfg = load_config(None, ["sampling.n=2", "sampling.max_tokens=6", "engines.count=2", "model.max_model_len=64",
-                                 "logging.level=error", *overrides])  # fmt: skip
-        return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=str(d)))
-
-    return make
 
 
 def prompts(count: int) -> list[Prompt]:

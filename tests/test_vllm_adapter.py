@@ -119,8 +119,13 @@ async def test_a_request_runs_at_the_priority_of_its_remaining_budget():
     class Llm:
         async def generate(self, prompt, params, request_id, priority=0):
             sent.append((request_id, priority))
-            completion = types.SimpleNamespace(token_ids=[5], logprobs=types.SimpleNamespace(logprobs=[-0.1], start_indices=[0]),
-                                               weight_versions=[], finish_reason="length", stop_reason=None)  # fmt: skip
+            completion = types.SimpleNamespace(
+                token_ids=[5],
+                logprobs=types.SimpleNamespace(logprobs=[-0.1], start_indices=[0]),
+                weight_versions=[],
+                finish_reason="length",
+                stop_reason=None,
+            )
             yield types.SimpleNamespace(outputs=[completion], num_cached_tokens=0)
 
     f = VllmFrontend(llm=Llm())

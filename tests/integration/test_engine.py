@@ -15,6 +15,7 @@ from rollout import InvalidPromptError, Prompt, RolloutEngine
 from rollout.config import PromptsConfig
 from rollout.inputs.prompts import synthetic_prompts
 from rollout.types import Request, Sampling
+from tests.support.engines import MAX_MODEL_LEN
 
 GREEDY = {"n": 1, "temperature": 0.0, "stop_token_ids": [], "max_tokens": 40}
 
@@ -158,7 +159,10 @@ BAD_PROMPTS = [
     (Prompt(token_ids=[-1, 5]), "outside the vocabulary"),
     (Prompt(token_ids=[]), "empty token_ids"),
     (Prompt(text=""), "empty text"),
-    (Prompt(token_ids=[5] * 500, sampling={"max_tokens": 100}), "exceed max_model_len 512"),
+    (
+        Prompt(token_ids=[5] * (MAX_MODEL_LEN - 12), sampling={"max_tokens": 100}),
+        f"exceed max_model_len {MAX_MODEL_LEN}",
+    ),
     (Prompt(token_ids=[5, 6], sampling={"n": 0}), "sampling.n"),
     (Prompt(token_ids=[5, 6], sampling={"max_tokens": 0}), "sampling.max_tokens"),
     (Prompt(token_ids=[5, 6], sampling={"temperature": float("nan")}), "sampling.temperature"),
@@ -189,7 +193,7 @@ async def test_bad_prompts_in_a_stream_fail_alone_while_the_rest_complete(engine
                     }
                 )
         yield {"token_ids": "not a list", "id": "bad-type"}
-        yield Prompt(text="x" * 600, id="too-long-text")  # only the engine can tell: after tokenizing
+        yield Prompt(text="x" * (MAX_MODEL_LEN + 88), id="too-long-text")  # only the engine can tell: after tokenizing
 
     engine.feed(stream())
     groups = {g.prompt_id: g for g in await collect(engine)}
@@ -199,7 +203,9 @@ async def test_bad_prompts_in_a_stream_fail_alone_while_the_rest_complete(engine
     assert "token_ids" in groups["bad-type"].error
     long = groups["too-long-text"]
     assert long.error is None and len(long.trajectories) == 4
-    assert all(t.finish_reason == "error" and "exceed max_model_len 512" in t.error for t in long.trajectories)
+    assert all(
+        t.finish_reason == "error" and f"exceed max_model_len {MAX_MODEL_LEN}" in t.error for t in long.trajectories
+    )
 
 
 async def test_batches_hand_out_complete_groups(engine):

@@ -3,7 +3,7 @@
 For each `weight_sync.mode`: 2 engines, 12 prompts x 2 episodes of 5 turns (text observations
 rendered by the tiny model's chat template), 3 updates of distinct random weights, update k landing
 inside turn k (turn k starts on paused engines, stepped until it is mid-generation) and before
-turn k+1 (which waits for it); turns 0 and 1 start in epoch 0: no clock to race. The oracle
+turn k+1 (which waits for it); turns 0 and 1 start in the run's first epoch: no clock to race. The oracle
 replays each whole episode, the KV carried from turn to turn (a turn's `kv_reused` positions as
 the turns before computed them), and must reproduce every model token's processed logprob within
 1e-3; moving one epoch boundary by one token must fail. In `keep` mode one engine is killed
@@ -25,12 +25,9 @@ from policies.processing import Processing
 from rollout import Prompt, RolloutEngine
 from rollout.episodes.env import Step
 from rollout.types import Trajectory
+from tests.support.engines import SharedPools, integration_config
+from tests.support.oracle_runs import MODES, SAMPLING, kill, land_inside, random_weights, shifted_boundary
 
-from .conftest import integration_config
-from .test_chaos import kill
-from .test_weights import SAMPLING, land_inside, random_weights, shifted_boundary
-
-MODES = ["keep", "recompute", "abort_resume", "drain"]
 TURNS = 5
 
 
@@ -38,7 +35,7 @@ EPISODES = 12 * 2  # prompts x sampling.n
 
 
 class Talk:
-    """Five turns; every observation is a short user message. Turns 0 and 1 start in epoch 0 (turn
+    """Five turns; every observation is a short user message. Turns 0 and 1 start in the first epoch (turn
     1 reuses turn 0's KV in every mode); from then on turn k+1 starts only once update k is in
     (`landed`), so each update lands between turns. Every episode starts turn k together: once
     all have finished turn k-1 (`ended`) and update k's transfer is done (`staged`, set by
@@ -71,7 +68,7 @@ class Talk:
         return Step(None if done else f"observation {k} " + "x" * (k * 7), 1.0, done)
 
 
-async def run(mode: str, kill_one: bool) -> tuple[list[Trajectory], dict[int, dict], RolloutEngine]:
+async def run(pools: SharedPools, mode: str, kill_one: bool) -> tuple[list[Trajectory], dict[int, dict], RolloutEngine]:
     Talk.landed, Talk.staged, Talk.ended = ([asyncio.Event() for _ in range(TURNS)] for _ in range(3))
     Talk.staged[TURNS - 1].set()  # no update after the last turn
     Talk.turns_ended, Talk.hold = [0] * TURNS, asyncio.Event() if kill_one else None
@@ -80,11 +77,13 @@ async def run(mode: str, kill_one: bool) -> tuple[list[Trajectory], dict[int, di
         "sampling.max_tokens=64", "sampling.min_tokens=48", "model.max_model_len=1024", f"episode.max_turns={TURNS}",
         "engines.health_interval_s=0.5", "engines.restart_backoff_s=0.5", "engines.vllm={block_size: 32}",
         "episode.step_timeout_s=600", *SAMPLING,
-        *(["engines.max_restarts=0"] if kill_one else []),  # the killed engine stays dead: no restart for the exit to wait for
+        # the killed engine stays dead: no restart for the exit to wait for (the pool is then dropped)
+        *(["engines.max_restarts=0"] if kill_one else []),
     )  # fmt: skip
-    async with RolloutEngine(cfg, env=Talk) as engine:
+    async with pools.engine(cfg, env=Talk) as engine:
+        start = engine.epoch  # the shared engines' epoch: update k makes start + k
         base = load_file(f"{engine.model_path}/model.safetensors")
-        weights = {0: base}
+        weights = {start: base}
         engine.feed([Prompt(text=f"episode {i}: " + "y" * (20 + i * 3), id=f"e{i}") for i in range(12)])
         episodes: list[Trajectory] = []
 
@@ -97,8 +96,8 @@ async def run(mode: str, kill_one: bool) -> tuple[list[Trajectory], dict[int, di
         land_inside(engine, lambda epoch: Talk.ended[epoch - 1].wait(), 8, lambda t, epoch: True, Talk.staged)
         try:
             for k in range(1, TURNS - 1):
-                weights[k] = random_weights(base, seed=500 + k)
-                assert await engine.update_weights(weights[k]) == k
+                weights[start + k] = random_weights(base, seed=500 + k)
+                assert await engine.update_weights(weights[start + k]) == start + k
                 Talk.landed[k].set()
                 if kill_one and k == 1:
                     await kill_mid_episode(engine)
@@ -123,13 +122,14 @@ async def kill_mid_episode(engine: RolloutEngine) -> None:
     Talk.hold.set()
 
 
-@pytest.mark.parametrize("mode", MODES)
-async def test_every_turn_of_every_episode_matches_the_oracle(mode: str):
-    episodes, weights, engine = await run(mode, kill_one=mode == "keep")
+# keep kills an engine for good (no restarts): last, so the shared pool it leaves behind is not needed again
+@pytest.mark.parametrize("mode", sorted(MODES, key=lambda m: m == "keep"))
+async def test_every_turn_of_every_episode_matches_the_oracle(pools, mode: str):
+    episodes, weights, engine = await run(pools, mode, kill_one=mode == "keep")
     assert len(episodes) == 24 and all(len(e.turns) == TURNS and e.reward == TURNS for e in episodes)
     turns = [t for e in episodes for t in e.turns]
     seen = {epoch for t in turns for epoch in t.token_epochs()}
-    assert seen == {0, 1, 2, 3}, seen
+    assert seen == set(weights), seen
     between = [e for e in episodes if len({t.policy_epochs[0][1] for t in e.turns}) > 1]  # updates between its turns
     within = [t for t in turns if len(t.policy_epochs) > 1]  # ... and inside a turn
     assert len(between) >= 4 and (mode == "drain" or len(within) >= 4), (len(between), len(within))

@@ -16,10 +16,8 @@ from safetensors.torch import load_file
 
 from policies.gloo_transfer import StateDictSource
 from rollout import RolloutEngine
-
-from .conftest import integration_config
-from .test_weight_transfer import greedy
-from .test_weights import random_weights
+from tests.support.engines import integration_config
+from tests.support.oracle_runs import greedy, random_weights
 
 pytestmark = pytest.mark.gpu
 

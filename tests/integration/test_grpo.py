@@ -15,8 +15,7 @@ import msgspec
 
 from benchmarks.async_grpo import BASE, MODES, run, window_means
 from policies.oracle import Oracle, compare
-
-from .conftest import integration_config
+from tests.support.engines import integration_config
 
 STEPS, WINDOW = 20, 4
 

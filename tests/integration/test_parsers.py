@@ -4,7 +4,7 @@ returns them (`message.tool_calls`, finish reason "tool_calls", `reasoning` / `r
 streamed too (`delta.tool_calls`, `delta.reasoning_content`).
 
 How the model is made to write each parser's format: a test-only vLLM logits processor
-(`tests/forced_output.py`, named in this module's engine config only) forces the text after
+(`tests/support/forced_output.py`, named in this module's engine config only) forces the text after
 `FORCE:` in the user message, byte token by byte token, then the end-of-turn token. The engine
 (one real CPU engine in a Ray actor, started once for the module), sampler, detokenizer, server,
 parsers and client are the real ones. The tiny model's tokenizer here has `<|python_tag|>` added
@@ -24,17 +24,20 @@ from rollout import RolloutEngine
 from rollout.config import ServeConfig
 from rollout.serve import Desk, Server
 from rollout.serve.io import served_chat
-
-from ..test_parsers import ARGS, CASES, TOOLS
-from .conftest import held_engine, integration_config
+from tests.support.engines import held, integration_config
+from tests.support.parser_cases import ARGS, CASES, TOOLS
 
 
 @pytest.fixture(scope="module")
 async def engine():
     model = build_tiny(TinySpec(vocab_size=261, extra_special=("<|python_tag|>",)))
-    cfg = integration_config(f"model.path={model}", "engines.count=1", "model.max_model_len=2048",
-                             "engines.vllm={kv_cache_gib: 1, logits_processors: ['tests.forced_output:ForcedOutput']}")  # fmt: skip
-    async for e in held_engine(cfg):
+    cfg = integration_config(
+        f"model.path={model}",
+        "engines.count=1",
+        "model.max_model_len=2048",
+        "engines.vllm={kv_cache_gib: 1, logits_processors: ['tests.support.forced_output:ForcedOutput']}",
+    )
+    async for e in held(lambda: RolloutEngine(cfg)):
         yield e
 
 

@@ -30,10 +30,8 @@ from safetensors.torch import load_file
 
 from policies.gloo_transfer import GlooTrainerInitInfo, StateDictSource
 from rollout import RolloutEngine
-
-from .conftest import held_engine, integration_config
-from .test_chaos import kill
-from .test_weights import random_weights
+from tests.support.engines import held, integration_config
+from tests.support.oracle_runs import kill, random_weights
 
 TIMEOUT = 120  # seconds for any one HTTP call or wait; only reached when the test is about to fail
 LONG = {"max_tokens": 48, "min_tokens": 48, "temperature": 0.8}  # in flight across the update
@@ -41,13 +39,13 @@ GREEDY = {"max_tokens": 12, "temperature": 0.0}
 
 
 @pytest.fixture(scope="module")
-async def served() -> AsyncIterator[tuple[RolloutEngine, Any]]:
+async def served(pools) -> AsyncIterator[tuple[RolloutEngine, Any]]:
     """One start of the engines and their server for both tests (an engine start is the slow part),
     with the restart test's health checks every 0.5 s and restarts after 0.5 s. The restart test
     runs first: the update test then drives an engine that was killed and restarted."""
-    cfg = integration_config("engines.count=2", "weight_sync.timeout_s=60", "model.max_model_len=256",
+    cfg = integration_config("engines.count=2", "weight_sync.timeout_s=60",
                              "engines.health_interval_s=0.5", "engines.restart_backoff_s=0.5")  # fmt: skip
-    async for engine in held_engine(cfg):
+    async for engine in held(lambda: pools.engine(cfg)):
         yield engine, await engine.serve(port=0)
 
 
@@ -132,11 +130,12 @@ async def test_vllms_http_client_updates_a_real_rollout_serve_between_pause_and_
         assert await get("/get_world_size") == {"world_size": 2}  # 2 engines x 1 model worker
         assert await get("/get_world_size", params={"include_dp": "false"}) == {"world_size": 1}
         assert await get("/is_paused") == {"is_paused": False}
-        assert await get("/weight_info") == {"weight_version": "0", "epoch": 0}
+        s = engine.epoch  # the shared engines' epoch: this test's rounds make s + 1, s + 2, s + 3
+        assert await get("/weight_info") == {"weight_version": str(s), "epoch": s}
         base = load_file(f"{engine.model_path}/model.safetensors")
         t, source = await within("trainer_init over HTTP", anyio.to_thread.run_sync(learner, server.url, base))
 
-        for epoch, mode in ((1, None), (2, "keep")):  # None: vLLM's default, abort
+        for epoch, mode in ((s + 1, None), (s + 2, "keep")):  # None: vLLM's default, abort
             weights = random_weights(base, seed=40 + epoch)
             flying = [asyncio.ensure_future(chat(http, server.model, f"in flight {epoch}.{i}", LONG)) for i in range(2)]
             tasks += flying
@@ -160,13 +159,13 @@ async def test_vllms_http_client_updates_a_real_rollout_serve_between_pause_and_
             assert epochs(after) == [epoch] * LONG["max_tokens"] and after["policy_epoch"] == [[[0, epoch]]]
 
         label = await post("/update_weight_version", json={"new_version": "step-2"})
-        assert label == {"success": True, "new_version": "step-2", "epoch": 2}
-        assert await get("/weight_info") == {"weight_version": "step-2", "epoch": 2}
+        assert label == {"success": True, "new_version": "step-2", "epoch": s + 2}
+        assert await get("/weight_info") == {"weight_version": "step-2", "epoch": s + 2}
         via_http = await chat(http, server.model, "greedy", GREEDY)
-        assert await within("update_weights through the object store", engine.update_weights(weights)) == 3
+        assert await within("update_weights through the object store", engine.update_weights(weights)) == s + 3
         via_store = await chat(http, server.model, "greedy", GREEDY)
         same = ("generation_token_ids", "generation_log_probs")
         assert [via_http[k] for k in same] == [via_store[k] for k in same], "the learner's bytes loaded exactly"
-        assert set(epochs(via_http)) == {2} and set(epochs(via_store)) == {3}
+        assert set(epochs(via_http)) == {s + 2} and set(epochs(via_store)) == {s + 3}
         assert await post("/shutdown_weight_transfer_engine") == {"message": "Weight transfer shut down"}
         await anyio.to_thread.run_sync(t.shutdown)

@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rollout.errors import InvalidPromptError
-from tests.integration.conftest import ROOT, leaked_shm, shm_segments
-from tests.integration.test_shutdown import alive, descendants, wait_gone
-from tests.test_fuzz import PROMPTS
+from tests.support.engines import ROOT, leaked_shm, shm_segments
+from tests.support.processes import alive, descendants, wait_gone
+from tests.support.strategies import PROMPTS
 
 SMALL = ["engines.count=1", "sampling.n=2", "sampling.max_tokens=8", "logging.level=warning", "ray.num_cpus=4"]
 
@@ -157,8 +157,13 @@ def test_missing_gpus_and_an_address_where_nothing_answers_fail_at_once(tmp_path
     assert time.monotonic() - t0 < 60
 
 
-@settings(max_examples=12, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
+@settings(
+    max_examples=12,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(prompts=st.lists(PROMPTS, min_size=1, max_size=4))
 async def test_generated_prompts_through_the_real_engines(engine, prompts):
     """The fuzz tier's prompts (tests/test_fuzz.py) through real Ray actors and vLLM: each list is

@@ -20,22 +20,14 @@ from typing import Any
 import msgspec
 import openai
 import pytest
-import pytest_asyncio
 from safetensors.torch import load_file
 
 from policies.oracle import Oracle, compare
 from policies.processing import Processing
 from rollout import RolloutEngine
 from rollout.types import Trajectory
-
-from .conftest import held_engine, integration_config
-from .test_chaos import kill
-from .test_weights import commit_when, random_weights
-
-# A loop of this module's own: on the session's loop, after the rest of the suite, the 512 requests
-# hung in CI (they pass alone). The suspect under investigation: the shared loop's selector map
-# out of step with its epoll set after earlier tests (a closed socket's fd reused by a new one).
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+from tests.support.engines import held, integration_config
+from tests.support.oracle_runs import commit_when, kill, random_weights
 
 SAMPLING = {"temperature": 0.7, "top_p": 0.9}
 EXTRA = {"top_k": 50, "min_tokens": 128}  # long turns: more to go than an update takes to land
@@ -43,15 +35,21 @@ TURNS = 4
 PILOTS = 2  # conversations with short turns
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def served() -> AsyncIterator[tuple[RolloutEngine, Any]]:
+@pytest.fixture(scope="module")
+async def served(pools) -> AsyncIterator[tuple[RolloutEngine, Any]]:
     """One start of 2 engines and their server for the module's tests (an engine start is the slow
     part), in file order: the oracle test (which kills an engine: health checks every 0.5 s,
     restart after 0.5 s), then the 512 requests (128 in flight per engine), then seeds and stop
     strings, on weights that changed and engines that restarted."""
-    cfg = integration_config("engines.count=2", "engines.vllm={block_size: 32}", "engines.health_interval_s=0.5", "model.max_model_len=1024",
-                             "engines.restart_backoff_s=0.5", "engines.max_inflight_per_engine=128")  # fmt: skip
-    async for engine in held_engine(cfg):
+    cfg = integration_config(
+        "engines.count=2",
+        "engines.vllm={block_size: 32}",
+        "engines.health_interval_s=0.5",
+        "model.max_model_len=1024",
+        "engines.restart_backoff_s=0.5",
+        "engines.max_inflight_per_engine=128",
+    )
+    async for engine in held(lambda: pools.engine(cfg)):
         yield engine, await engine.serve(port=0)
 
 
@@ -76,8 +74,9 @@ def turn(message: dict) -> Trajectory:
 async def test_served_turns_match_the_oracle_across_updates_and_a_killed_engine(served):
     engine, server = served
     async with connected(server) as client:
+        start = engine.epoch  # the shared engines' epoch: update k makes start + k
         base = load_file(f"{engine.model_path}/model.safetensors")
-        weights = {0: base}
+        weights = {start: base}
         landed, piloted, pilot_turns = (
             [asyncio.Event() for _ in range(TURNS)],
             [asyncio.Event() for _ in range(TURNS)],
@@ -91,7 +90,9 @@ async def test_served_turns_match_the_oracle_across_updates_and_a_killed_engine(
             messages, out = [{"role": "user", "content": f"conversation {c}: " + "z" * (3 * c)}], []
             for k in range(TURNS):
                 if k >= 2:
-                    await landed[k - 1].wait()  # update k-1 lands between turns k-1 and k (turns 0 and 1 share epoch 0)
+                    await landed[
+                        k - 1
+                    ].wait()  # update k-1 lands between turns k-1 and k (turns 0 and 1 share the first epoch)
                 kwargs = {
                     "max_tokens": 8 if pilot else 160,
                     "extra_body": {**EXTRA, "min_tokens": 8} if pilot else EXTRA,
@@ -120,8 +121,8 @@ async def test_served_turns_match_the_oracle_across_updates_and_a_killed_engine(
 
         async def updates() -> None:  # never against a clock: each commit waits for the pilots' turn
             for k in range(1, TURNS):
-                weights[k] = random_weights(base, seed=900 + k)
-                await engine.update_weights(weights[k])
+                weights[start + k] = random_weights(base, seed=900 + k)
+                await engine.update_weights(weights[start + k])
                 landed[k].set()
                 if k == 2:
                     loads = engine._scheduler.runner.loads
@@ -132,7 +133,7 @@ async def test_served_turns_match_the_oracle_across_updates_and_a_killed_engine(
                     while loads[victim].healthy:  # out of rotation before the next update stages
                         await asyncio.sleep(0.05)
 
-        commit_when(engine, lambda epoch: asyncio.wait_for(piloted[epoch].wait(), 300))
+        commit_when(engine, lambda epoch: asyncio.wait_for(piloted[epoch - start].wait(), 300))
         updater = asyncio.ensure_future(updates())
         conversations = await asyncio.gather(*(conversation(c) for c in range(16)))
         await updater
@@ -148,7 +149,7 @@ async def test_served_turns_match_the_oracle_across_updates_and_a_killed_engine(
             Trajectory(request_id=f"c{len(episodes)}", prompt_token_ids=turns[0].prompt_token_ids, turns=turns)
         )
     served = [t for e in episodes for t in e.turns]
-    assert {epoch for t in served for _, epoch in t.policy_epochs} == {0, 1, 2, 3}, (
+    assert {epoch for t in served for _, epoch in t.policy_epochs} == set(weights), (
         "updates must land while turns are served"
     )
     assert any(len(t.policy_epochs) > 1 for t in served), "an update inside a turn"
@@ -229,8 +230,16 @@ async def test_seed_repeats_the_tokens_and_stop_strings_leave_the_text_as_vllms_
                 )
             ]
             assert "".join(x.choices[0].delta.content or "" for x in streamed if x.choices) == choice.message.content
-            t = await client.completions.create(model=server.model, prompt=[int(i) for i in r.model_extra.get("prompt_token_ids") or
-                                                                           choice.message.model_extra["prompt_token_ids"]],
-                                                max_tokens=64, temperature=1.0, stop=STOPS, seed=seed)  # fmt: skip
+            t = await client.completions.create(
+                model=server.model,
+                prompt=[
+                    int(i)
+                    for i in r.model_extra.get("prompt_token_ids") or choice.message.model_extra["prompt_token_ids"]
+                ],
+                max_tokens=64,
+                temperature=1.0,
+                stop=STOPS,
+                seed=seed,
+            )
             assert t.choices[0].text == choice.message.content and t.choices[0].finish_reason == "stop"
         assert stopped, "no turn ended by a stop string"

@@ -1,7 +1,8 @@
 """A driver that is stopped: SIGTERM and SIGINT leave nothing behind, also mid start-up; after SIGKILL,
 the next start removes what it left (Ray processes, /dev/shm segments) and a new run on the same
 `queue.durable_dir` hands out exactly the groups that were finished but not taken. Two engines one
-after the other in one process each start and leave nothing."""
+after the other in one process each start and leave nothing (the SIGTERM driver's engine is its
+second: its first ran an update and a group to the end)."""
 
 from __future__ import annotations
 
@@ -19,19 +20,29 @@ from policies.shm import mapped
 from rollout import RolloutEngine
 from rollout.handoff.durable import LOG_NAME
 from rollout.handoff.grouplog import AckRecord, GroupRecord, LogReader
-from tests.drivers import start_python
-
-from .conftest import engine_processes, integration_config, leaked_shm, shm_segments
+from tests.support.drivers import start_python
+from tests.support.engines import engine_processes, integration_config, leaked_shm, shm_segments
+from tests.support.processes import alive, descendants, kill_orphans, wait_gone
 
 DRIVER = """
-import json, sys, anyio
+import json, os, sys, anyio
+from safetensors.torch import load_file
+from policies.shm import descendants
 from rollout import RolloutEngine, Prompt
-from tests.integration.conftest import integration_config
+from tests.support.engines import integration_config
 
 TAKE = 3
+FIRST = sys.argv[1:2] == ["--after-a-first-run"]
 async def main():
     finished = []
-    cfg = integration_config("engines.count=1", "sampling.n=2", *sys.argv[1:])
+    cfg = integration_config("engines.count=1", "sampling.n=2", *sys.argv[1 + FIRST:])
+    if FIRST:  # an engine run to the end, still referenced while the second one starts
+        async with RolloutEngine(cfg) as first:
+            assert await first.update_weights(load_file(f"{first.model_path}/model.safetensors")) == 1
+            first.feed([Prompt(token_ids=[5] * 8, id="first")])
+            groups = [g async for g in first.groups()]
+            assert len(groups) == 1 and groups[0].ok, groups
+            print(json.dumps({"first": sorted(descendants(os.getpid()))}), flush=True)
     async with RolloutEngine(cfg, on_trajectory=finished.append) as engine:
         engine.feed(Prompt(token_ids=[5 + i % 200] * 8, id=f"q{i}") for i in range(100000))
         taken = [(await engine.next_group()).prompt_id for _ in range(TAKE)]
@@ -52,74 +63,39 @@ def start_driver(*overrides: str) -> subprocess.Popen:
     return start_python(DRIVER, *overrides)
 
 
-def report_line(proc: subprocess.Popen) -> str:
-    """The driver's JSON line (or whatever it printed last before exiting): Ray forwards the
-    engines' log lines (vLLM's warnings) to the same stdout, before it or after."""
-    while (line := proc.stdout.readline()) and not line.startswith("{"):
-        pass
+def report_line(proc: subprocess.Popen, first: list[int] | None = None) -> str:
+    """The driver's JSON line of taken groups (or whatever it printed last before exiting): Ray
+    forwards the engines' log lines (vLLM's warnings) to the same stdout, before it or after. The
+    processes its first engine ran in, where it ran one, go to `first`."""
+    while (line := proc.stdout.readline()) and not (line.startswith("{") and "taken" in line):
+        if line.startswith('{"first"') and first is not None:
+            first.extend(json.loads(line)["first"])
     return line
-
-
-def descendants(pid: int) -> set[int]:
-    """Every process below `pid` now (its Ray cluster, the engine actors, vLLM's engine cores)."""
-    children: dict[int, list[int]] = {}
-    for line in subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout.splitlines():
-        child, parent = map(int, line.split())
-        children.setdefault(parent, []).append(child)
-    out, todo = set(), [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.add(c)
-            todo.append(c)
-    return out
-
-
-def alive(pids: set[int]) -> set[int]:
-    out = set()
-    for pid in pids:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            continue
-        out.add(pid)
-    return out
-
-
-def wait_gone(pids: set[int], timeout: float = 60) -> set[int]:
-    deadline = time.monotonic() + timeout
-    while (left := alive(pids)) and time.monotonic() < deadline:
-        time.sleep(0.5)  # polling the OS process table; nothing to wait on
-    return left
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_stopped_driver_leaves_no_process_or_shm(sig):
     before_shm = shm_segments()
-    proc = start_driver("queue.max_groups=8")
+    first: list[int] = []
+    proc = start_driver(*(["--after-a-first-run"] if sig == signal.SIGTERM else []), "queue.max_groups=8")
+    _, errors = watch(proc.stderr, "")  # read in a thread: what came before the signal is told apart
     try:
-        line = report_line(proc)
-        assert line.startswith("{"), proc.stderr.read()[-3000:] if proc.poll() is not None else line
+        line = report_line(proc, first)
+        assert line.startswith("{"), "".join(errors)[-3000:] if proc.poll() is not None else line
         started = descendants(proc.pid) & engine_processes()
         assert len(started) >= 3, "the driver should have a Ray cluster and an engine by now"
+        assert sig != signal.SIGTERM or first, "the first engine ran to the end"
+        before_signal = "".join(errors)
+        watch(proc.stdout, "")  # drained from here on: a full pipe would stall the driver's exit
         os.kill(proc.pid, sig)
-        _, err = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
     finally:
         proc.kill()
+    err = "".join(errors)
     assert proc.returncode == 128 + sig, err[-3000:]
-    assert not wait_gone(started), "engine or Ray processes outlived the driver"
+    assert "Can't find actor" not in err and "Traceback" not in before_signal, err[-3000:]
+    assert not wait_gone(started | set(first)), "engine or Ray processes outlived the driver"
     assert not leaked_shm(before_shm), f"leaked /dev/shm segments: {leaked_shm(before_shm)}"
-
-
-def kill_orphans(pids: set[int]) -> None:
-    """What a SIGKILLed driver started and could not stop (its Ray cluster, its engines)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in alive(pids):
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        if not wait_gone(pids, timeout=30):
-            return
 
 
 async def test_after_sigkill_the_next_start_removes_what_was_left_and_hands_out_exactly_the_untaken_groups(
@@ -187,7 +163,7 @@ def watch(stream, marker: str) -> tuple[threading.Event, list[str]]:
 STARTING = """
 import anyio
 from rollout import RolloutEngine
-from tests.integration.conftest import integration_config
+from tests.support.engines import integration_config
 
 async def main():
     async with RolloutEngine(integration_config("engines.count=1", "logging.level=info")):
@@ -228,43 +204,3 @@ def _args(pid: int) -> str:
             return f.read().decode(errors="replace")
     except OSError:
         return ""
-
-
-TWICE = """
-import json, os, anyio
-from safetensors.torch import load_file
-from policies.shm import descendants
-from rollout import RolloutEngine, Prompt
-from tests.integration.conftest import integration_config
-
-cfg = integration_config("engines.count=1", "sampling.n=2")
-
-async def main():
-    for run in range(2):
-        async with RolloutEngine(cfg) as engine:  # the first one still referenced while the second starts
-            assert await engine.update_weights(load_file(f"{engine.model_path}/model.safetensors")) == 1
-            engine.feed([Prompt(token_ids=[5 + run] * 8, id=f"run{run}")])
-            groups = [g async for g in engine.groups()]
-            assert len(groups) == 1 and groups[0].ok, groups
-            print(json.dumps({"run": run, "pids": sorted(descendants(os.getpid()))}), flush=True)
-
-anyio.run(main)
-"""
-
-
-def test_two_engines_one_after_the_other_in_one_process_each_start_and_leave_nothing():
-    before_shm = shm_segments()
-    proc = start_python(TWICE)
-    pids: set[int] = set()
-    try:
-        out, err = proc.communicate(timeout=600)
-        for line in out.splitlines():
-            if line.startswith("{"):
-                pids |= set(json.loads(line)["pids"])
-    finally:
-        proc.kill()
-    runs = [json.loads(x)["run"] for x in out.splitlines() if x.startswith("{")]
-    assert proc.returncode == 0 and runs == [0, 1], err[-3000:]
-    assert "Can't find actor" not in err and "Traceback" not in err, err[-3000:]
-    assert not wait_gone(pids), f"engine or Ray processes outlived the driver: {alive(pids)}"
-    assert not leaked_shm(before_shm), f"leaked /dev/shm segments: {leaked_shm(before_shm)}"

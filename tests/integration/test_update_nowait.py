@@ -2,7 +2,7 @@
 store) and vLLM's trainer API over `weight_sync_client(wait=False)` with our gloo trainer's
 `hand_off`, taking turns while 2 engines stream, each landing inside running requests (the same
 harness as test_weights.py's oracle test; that the calls return before any engine loads is
-tests/test_weight_sync.py's). Every token's epoch is exact: the float32 oracle replays every
+tests/test_weight_transfer.py's). Every token's epoch is exact: the float32 oracle replays every
 logprob within 1e-3.
 """
 
@@ -18,9 +18,8 @@ from safetensors.torch import load_file
 from policies.oracle import Oracle, compare
 from policies.processing import Processing
 from rollout import RolloutEngine
-
-from .conftest import integration_config
-from .test_weights import SAMPLING, SMALL_KV, UPDATES, prompts, run_with_updates
+from tests.support.engines import integration_config
+from tests.support.oracle_runs import SAMPLING, SMALL_KV, UPDATES, prompts, run_with_updates
 
 
 async def handed_off_trainer(engine: RolloutEngine, weights: dict) -> tuple[object, object]:
@@ -37,13 +36,14 @@ async def handed_off_trainer(engine: RolloutEngine, weights: dict) -> tuple[obje
     return trainer, source
 
 
-async def test_updates_that_do_not_wait_keep_every_epoch_exact():
+async def test_updates_that_do_not_wait_keep_every_epoch_exact(pools):
     cfg = integration_config(
         "weight_sync.mode=keep", "engines.count=2", "engines.max_inflight_per_engine=16", SMALL_KV, *SAMPLING
     )
-    async with RolloutEngine(cfg) as engine:
-        weights = {0: load_file(f"{engine.model_path}/model.safetensors")}
-        trainer, source = await handed_off_trainer(engine, weights[0])
+    async with pools.engine(cfg) as engine:  # the oracle test's keep engines
+        start = engine.epoch
+        weights = {start: load_file(f"{engine.model_path}/model.safetensors")}
+        trainer, source = await handed_off_trainer(engine, weights[start])
         calls = itertools.count()
         returned: list[int] = []
 
@@ -62,11 +62,12 @@ async def test_updates_that_do_not_wait_keep_every_epoch_exact():
             engine, [batch[8 * k : 8 * (k + 1)] for k in range(UPDATES + 1)], update, weights
         )
         await anyio.to_thread.run_sync(trainer.settle)
-        assert await engine.weights_loaded() == UPDATES
+        assert await engine.weights_loaded() == start + UPDATES
         await anyio.to_thread.run_sync(trainer.shutdown)
-    assert [u.epoch for u in engine.weight_updates] == [1, 2, 3] and not any(u.failed for u in engine.weight_updates)
-    assert returned == [1, 2, 3]
-    assert {e for t in trajectories for e in t.token_epochs()} == {0, 1, 2, 3}
+    epochs = [start + k for k in range(UPDATES + 1)]
+    assert [u.epoch for u in engine.weight_updates] == epochs[1:] and not any(u.failed for u in engine.weight_updates)
+    assert returned == epochs[1:]
+    assert {e for t in trajectories for e in t.token_epochs()} == set(epochs)
     assert sum(len(t.policy_epochs) > 1 for t in trajectories) >= 8
     oracle = Oracle(engine.model_path, weights)
     processed = Processing.of(

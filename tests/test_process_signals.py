@@ -8,13 +8,13 @@ import signal
 
 import pytest
 
-from tests.drivers import start_python
+from tests.support.drivers import start_python
 
 DRIVER = """
 import os, sys, anyio, msgspec
 from rollout.config import load_config
 from rollout.engine import RolloutEngine
-from tests.fakes import FakePool
+from tests.support.fakes import FakePool
 
 class Pool(FakePool):
     async def shutdown(self):
@@ -85,7 +85,7 @@ SERVER = """
 import os, sys, anyio, httpx
 from rollout.config import load_config
 from rollout.engine import RolloutEngine
-from tests.fakes import FakePool
+from tests.support.fakes import FakePool
 
 class Pool(FakePool):
     async def shutdown(self):

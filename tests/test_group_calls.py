@@ -6,7 +6,7 @@ them (the simulator's finish-to-batch p99: 82 ms with an update every 5 s, 2.6 m
 engine is connected, `policies.group_calls.CALLS` go as a frame each way on its zmq socket; Ray
 carries them before, and whatever msgpack does not carry as sent (an ObjectRef to the weights).
 
-Real `RayEngine` handles over real `VLLMPolicy` objects on the fake vLLM (`tests.wire`): the frames,
+Real `RayEngine` handles over real `VLLMPolicy` objects on the fake vLLM (`tests.support.wire`): the frames,
 the engine's dispatch and the errors are the production code; `LocalActor.made` lists what went
 through the (stand-in) Ray calls.
 """
@@ -23,19 +23,18 @@ import pytest
 
 from policies.group_calls import CALL
 from rollout.aio import fan_out
-from rollout.config import Config, load_config
+from rollout.config import Config
 from rollout.errors import EngineDeadError, InvalidWeightsError, RetryableError
 from rollout.types import Request, Sampling
-from tests.wire import WirePool
+from tests.support.wire import WirePool
 
 TIMEOUT = 10  # seconds; reached only by a test about to fail (a hang)
 
 
 @pytest.fixture
-def cfg(tmp_path) -> Config:
-    (tmp_path / "config.json").write_text('{"vocab_size": 260}')
-    return load_config(None, ["sampling.n=1", "sampling.max_tokens=4", "engines.count=1", "model.max_model_len=64",
-                              "logging.level=error", f"model.path={tmp_path}"])  # fmt: skip
+def cfg(make_cfg) -> Config:
+    """One engine, one sample of 4 tokens a group."""
+    return make_cfg("sampling.n=1", "sampling.max_tokens=4", "engines.count=1")
 
 
 async def connected(cfg: Config) -> WirePool:

@@ -1,6 +1,5 @@
-"""Feeding prompts on fake engines: lists checked at once, bad items of a lazy source as failed
-groups, what is not prompts refused, per-prompt sampling (no vLLM, no Ray)."""
-# ruff: noqa: F401, F811 (make_cfg and model_dir are fixtures, imported from tests/on_fakes.py)
+"""Feeding prompts (`RolloutEngine.feed`) on fake engines: lists checked at once, bad items of a lazy
+source as failed groups, what is not prompts refused, per-prompt sampling (no vLLM, no Ray)."""
 
 from __future__ import annotations
 
@@ -9,8 +8,8 @@ import pytest
 
 from rollout.errors import EngineClosedError, InvalidPromptError
 from rollout.types import Prompt
-from tests.fakes import EOS_ID, FakeEngine, FakePool, text_ids
-from tests.on_fakes import TIMEOUT, all_groups, make_cfg, model_dir, prompts, rollout
+from tests.support.fake_engine_runs import TIMEOUT, all_groups, prompts, rollout
+from tests.support.fakes import EOS_ID, FakeEngine, FakePool, text_ids
 
 
 async def test_bad_prompt_in_a_list_rejects_the_whole_list(make_cfg):

@@ -6,6 +6,7 @@ honours `max_tokens`, `min_tokens` and `stop_token_ids`, and records what the sc
 every request, the most requests it held at once, and every cancelled request. Tests steer it
 with events, never sleeps: `gate` holds every request until set, `dead` makes it raise
 `EngineDeadError`, and `wait_until(predicate)` waits for a condition on its counters.
+`HeldEngine` holds chosen prompts' requests until released (a slow sample of an older epoch).
 """
 
 from __future__ import annotations
@@ -355,3 +356,24 @@ def transfer_worker(engine_id: int) -> object:
     parallel = types.SimpleNamespace(data_parallel_index=0, world_size=1, rank=0)
     cfg = types.SimpleNamespace(parallel_config=parallel, model_config=None)
     return Worker(types.SimpleNamespace(backend="gloo"), cfg, torch.device("cpu"), Model())
+
+
+class HeldEngine(FakeEngine):
+    """Holds the requests of the prompts in `hold` until `release` is set; every request's tokens
+    carry the epoch it arrived at (a slow sample whose tokens came from the weights of its start)."""
+
+    def __init__(self, engine_id: int, hold: set[str], release: anyio.Event):
+        super().__init__(engine_id)
+        self.hold, self.release = hold, release
+        self.arrived: dict[str, int] = {}
+
+    async def generate(self, request):
+        self.arrived[request.request_id] = self.epoch
+        if request.prompt_id in self.hold or "*" in self.hold:
+            await self.release.wait()
+        return await super().generate(request)
+
+    def _trajectory(self, request):
+        traj = super()._trajectory(request)
+        traj.policy_epochs = [(0, self.arrived.get(request.request_id, self.epoch))]
+        return traj

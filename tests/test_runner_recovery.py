@@ -1,56 +1,51 @@
-"""Nothing lost when an engine dies or hangs: samples resume elsewhere from the last progress
-report, hung engines are killed by the health check, dead ones restart at the current epoch."""
+"""Nothing lost when an engine dies or hangs (`rollout.scheduling.runner`): samples resume elsewhere
+from the last progress report, hung engines are killed by the health check, dead ones restart at the
+current epoch."""
 
 from __future__ import annotations
 
+import functools
+
 import anyio
-import msgspec
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from rollout.config import load_config
 from rollout.engine import RolloutEngine
 from rollout.errors import EngineDeadError
 from rollout.types import Prompt
-from tests.fakes import FakeEngine, FakePool
+from tests.support.fakes import FakeEngine, FakePool
+from tests.support.model import STATE
 
 TIMEOUT = 5
-STATE = {"embed.weight": torch.zeros(4, 3)}
 
 
 @pytest.fixture
-def make_cfg(tmp_path):
-    (tmp_path / "config.json").write_text('{"vocab_size": 260}')
-    save_file(STATE, str(tmp_path / "model.safetensors"))
-
-    def make(*overrides: str):
-        cfg = load_config(None, ["sampling.n=2", "sampling.max_tokens=8", "engines.count=2", "model.max_model_len=64",
-                                 "logging.level=error", "engines.health_interval_s=0.01", "engines.restart_backoff_s=0",
-                                 *overrides])  # fmt: skip
-        return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=str(tmp_path)))
-
-    return make
+def recovery_cfg(make_cfg):
+    """`make_cfg` with samples of 8 tokens, a health check every 10 ms and restarts without backoff."""
+    return functools.partial(
+        make_cfg, "sampling.max_tokens=8", "engines.health_interval_s=0.01", "engines.restart_backoff_s=0"
+    )
 
 
 PROMPT = Prompt(token_ids=[7, 8, 9], id="p")
 
 
-async def reference(make_cfg) -> list[list[int]]:
+async def reference(recovery_cfg) -> list[list[int]]:
     """The group's tokens when nothing goes wrong."""
-    async with RolloutEngine(make_cfg(), pool=FakePool(2)) as engine:
+    async with RolloutEngine(recovery_cfg(), pool=FakePool(2)) as engine:
         engine.feed([PROMPT])
         return [t.token_ids for t in (await engine.next_group()).trajectories]
 
 
-async def test_samples_continue_on_another_engine_from_the_last_report(make_cfg):
-    want = await reference(make_cfg)
+async def test_samples_continue_on_another_engine_from_the_last_report(recovery_cfg):
+    want = await reference(recovery_cfg)
     pool = FakePool(2)
     doomed = pool.engines[0]
     doomed.reported_tokens = 3
     doomed.block()
     with anyio.fail_after(TIMEOUT):
-        async with RolloutEngine(make_cfg("engines.max_restarts=0"), pool=pool) as engine:
+        async with RolloutEngine(recovery_cfg("engines.max_restarts=0"), pool=pool) as engine:
             engine.feed([PROMPT])
             await doomed.wait_until(lambda e: e.inflight == 2)
             while sum(len(r) for r in engine._scheduler.runner.reports) < 2:  # both samples reported at least once
@@ -65,21 +60,21 @@ async def test_samples_continue_on_another_engine_from_the_last_report(make_cfg)
     assert [len(r.resume.token_ids) for r in pool.engines[1].requests] == [3, 3]
 
 
-async def test_a_hung_engine_is_killed_by_the_health_check(make_cfg):
+async def test_a_hung_engine_is_killed_by_the_health_check(recovery_cfg):
     pool = FakePool(2)
     hung = pool.engines[0]
     hung.block()
     hung.hang_progress = True
     with anyio.fail_after(TIMEOUT):
         async with RolloutEngine(
-            make_cfg("engines.health_timeout_s=0.05", "engines.max_restarts=0"), pool=pool
+            recovery_cfg("engines.health_timeout_s=0.05", "engines.max_restarts=0"), pool=pool
         ) as engine:
             engine.feed([PROMPT])
             group = await engine.next_group()
     assert hung.killed and group.ok and all(t.engine_id == 1 for t in group.trajectories)
 
 
-async def test_an_engine_slow_to_report_holds_back_no_other_engines_report(make_cfg):
+async def test_an_engine_slow_to_report_holds_back_no_other_engines_report(recovery_cfg):
     """Each engine reports on its own beat: while engine 0's report hangs (not yet past the health
     timeout), engine 1's requests that started meanwhile are still reported, so a crash of engine 1
     would keep their tokens."""
@@ -90,7 +85,7 @@ async def test_an_engine_slow_to_report_holds_back_no_other_engines_report(make_
         e.block()
     other.reported_tokens = 3
     with anyio.fail_after(TIMEOUT):
-        async with RolloutEngine(make_cfg("engines.health_timeout_s=60"), pool=pool) as engine:
+        async with RolloutEngine(recovery_cfg("engines.health_timeout_s=60"), pool=pool) as engine:
             runner = engine._scheduler.runner
             await anyio.sleep(0.05)  # both engines' first reports are asked for (engine 0's never comes)
             engine.feed([Prompt(token_ids=[7, 8, i], id=f"p{i}") for i in range(4)])
@@ -102,12 +97,12 @@ async def test_an_engine_slow_to_report_holds_back_no_other_engines_report(make_
                 e.gate.set()
 
 
-async def test_a_stuck_group_is_retried_elsewhere_then_failed_with_the_reason(make_cfg):
+async def test_a_stuck_group_is_retried_elsewhere_then_failed_with_the_reason(recovery_cfg):
     pool = FakePool(2)
     for e in pool.engines:
         e.block()  # alive and healthy, but nothing ever finishes
     with anyio.fail_after(TIMEOUT):
-        cfg = make_cfg("engines.request_timeout_s=0.05", "engines.max_retries=2")
+        cfg = recovery_cfg("engines.request_timeout_s=0.05", "engines.max_retries=2")
         async with RolloutEngine(cfg, pool=pool) as engine:
             engine.feed([PROMPT])
             group = await engine.next_group()
@@ -117,10 +112,10 @@ async def test_a_stuck_group_is_retried_elsewhere_then_failed_with_the_reason(ma
     assert not any(e.killed for e in pool.engines)  # slow is not dead
 
 
-async def test_a_dead_engine_restarts_at_the_current_epoch_and_serves_again(make_cfg):
+async def test_a_dead_engine_restarts_at_the_current_epoch_and_serves_again(recovery_cfg):
     pool = FakePool(2)
     with anyio.fail_after(TIMEOUT):
-        async with RolloutEngine(make_cfg(), pool=pool) as engine:
+        async with RolloutEngine(recovery_cfg(), pool=pool) as engine:
             await engine.update_weights(STATE)
             await engine.update_weights(STATE)
             old = pool.engines[0]
@@ -139,12 +134,12 @@ async def test_a_dead_engine_restarts_at_the_current_epoch_and_serves_again(make
     assert group.ok and all(t.engine_id == 0 and t.policy_epochs == [(0, 2)] for t in group.trajectories)
 
 
-async def test_restarts_are_bounded_then_the_engine_is_given_up(make_cfg):
+async def test_restarts_are_bounded_then_the_engine_is_given_up(recovery_cfg):
     pool = FakePool(1)
     pool.fail_restart = True
     pool.engines[0].dead = True
     with anyio.fail_after(TIMEOUT):
-        cfg = make_cfg("engines.count=1", "engines.max_restarts=2")
+        cfg = recovery_cfg("engines.count=1", "engines.max_restarts=2")
         async with RolloutEngine(cfg, pool=pool) as engine:
             engine.feed([PROMPT])
             with pytest.raises(EngineDeadError, match="every engine is dead"):
@@ -152,17 +147,17 @@ async def test_restarts_are_bounded_then_the_engine_is_given_up(make_cfg):
     assert engine._updates._restarts == {0: 2}
 
 
-async def test_with_every_engine_restarting_admission_waits_instead_of_failing(make_cfg):
+async def test_with_every_engine_restarting_admission_waits_instead_of_failing(recovery_cfg):
     pool = FakePool([FakeEngine(0)])
     pool.engines[0].dead = True
     with anyio.fail_after(TIMEOUT):
-        async with RolloutEngine(make_cfg("engines.count=1"), pool=pool) as engine:
+        async with RolloutEngine(recovery_cfg("engines.count=1"), pool=pool) as engine:
             engine.feed([PROMPT, Prompt(token_ids=[5], id="q")])
             groups = [g async for g in engine.groups()]
     assert [g.ok for g in groups] == [True, True] and pool.restarts == [0]
 
 
-async def test_a_restart_never_loads_other_bytes_under_the_current_epoch(make_cfg, tmp_path):
+async def test_a_restart_never_loads_other_bytes_under_the_current_epoch(recovery_cfg, tmp_path):
     """Weights given as a directory are loaded by a restarted engine only if the directory still
     holds what epoch N was: a rewrite there must not come back as epoch N."""
     d = tmp_path / "epoch1"
@@ -170,9 +165,9 @@ async def test_a_restart_never_loads_other_bytes_under_the_current_epoch(make_cf
     save_file(STATE, str(d / "model.safetensors"))
     pool = FakePool(2)
     with anyio.fail_after(TIMEOUT):
-        async with RolloutEngine(make_cfg("engines.max_restarts=1"), pool=pool) as engine:
+        async with RolloutEngine(recovery_cfg("engines.max_restarts=1"), pool=pool) as engine:
             await engine.update_weights(str(d))
-            save_file({"embed.weight": torch.ones(4, 3)}, str(d / "model.safetensors"))  # the learner's next checkpoint
+            save_file({**STATE, "embed.weight": torch.ones(4, 3)}, str(d / "model.safetensors"))  # the next checkpoint
             await pool.engines[0].kill()
             engine.feed([PROMPT])
             assert (await engine.next_group()).ok  # engine 1 serves

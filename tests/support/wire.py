@@ -1,5 +1,5 @@
 """The Ray edge without Ray: real `RayEngine` handles (actors/handle.py) over real `VLLMPolicy`
-objects on a fake vLLM (`tests.fake_vllm`), joined by a local stand-in of a Ray actor handle.
+objects on a fake vLLM (`tests.support.fake_vllm`), joined by a local stand-in of a Ray actor handle.
 
 Every group crosses the wire as it does in production: msgpack-encoded `Request`s in batched
 submit frames over the real zmq data path (`actors.channel`), msgpack `GroupResult`s back in
@@ -19,8 +19,8 @@ from actors.channel import Channel
 from actors.handle import RayEngine
 from policies.vllm_policy import VLLMPolicy
 from rollout.config import Config
-from tests.fake_vllm import FakeVllm
-from tests.fakes import text_ids
+from tests.support.fake_vllm import FakeVllm
+from tests.support.fakes import text_ids
 
 
 class TextVllm(FakeVllm):

@@ -16,7 +16,7 @@ from policies.gloo_transfer import GlooTrainerInitInfo, StateDictSource
 from rollout.config import load_config
 from rollout.engine import RolloutEngine
 from rollout.errors import InvalidWeightsError, WeightSyncError
-from tests.fakes import FakePool
+from tests.support.fakes import FakePool
 
 TIMEOUT = 30  # seconds; only reached when a test is about to fail
 STATE = {

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # A shell starts background jobs with SIGINT ignored and a child inherits that, so Python installs
 # no KeyboardInterrupt handler: a SIGINT test would test the launcher. Ctrl-C as a terminal gives it:

@@ -1,4 +1,4 @@
-"""`rollout bench` on fake engines: the round structure and the figure it reports."""
+"""`rollout bench` (`rollout.bench.run`) on fake engines: the round structure and the figure it reports."""
 
 from __future__ import annotations
 
@@ -13,18 +13,10 @@ import pytest
 from rollout.bench.run import format_table, median_interval, run_bench
 from rollout.config import load_config
 from rollout.errors import InvalidConfigError
-
-from .fakes import FakePool
+from tests.support.bench import bench_config
+from tests.support.fakes import FakePool
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def bench_config(*overrides: str):
-    return load_config(
-        ROOT / "configs" / "tiny.yaml",
-        ["prompts.count=6", "sampling.n=2", "sampling.max_tokens=4", "engines.max_inflight_per_engine=8", "logging.level=warning",
-         *overrides],
-    )  # fmt: skip
 
 
 async def test_rounds_alternate_which_side_goes_first_and_the_ratio_is_their_median():

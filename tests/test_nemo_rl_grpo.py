@@ -12,17 +12,17 @@ import torch
 
 from rollout.errors import InvalidWeightsError
 from rollout.types import Prompt
-from tests.fakes import FakePool, fake_token
-from tests.test_generation import MAX_TOKENS, WEIGHTS, batch, cfg, wrapped  # noqa: F401 -- cfg is a fixture
+from tests.support.fakes import FakePool, fake_token
+from tests.support.generation import MAX_TOKENS, WEIGHTS, batch, wrapped
 
 
-async def test_a_prompt_near_the_context_limit_generates_what_fits(cfg):  # noqa: F811
+async def test_a_prompt_near_the_context_limit_generates_what_fits(generation_cfg):
     """max_model_len is 64 and max_tokens 5: 61 prompt tokens leave room for 3 (finish reason
     length, truncated); 64 or more leave none, and the row comes back as it went in, as NeMo RL's
     vLLM workers return it. The rest of the batch is generated as usual."""
     pool = FakePool(2)
     rows = [[5], [6] * 61, [7] * 64, [8] * 70]
-    async with wrapped(cfg, pool) as gen:
+    async with wrapped(generation_cfg, pool) as gen:
         out = await gen.agenerate(batch(rows))
     assert out["generation_lengths"].tolist() == [MAX_TOKENS, 3, 0, 0]
     assert out["truncated"].tolist() == [True, True, False, False]
@@ -33,8 +33,8 @@ async def test_a_prompt_near_the_context_limit_generates_what_fits(cfg):  # noqa
     assert sent == {1: MAX_TOKENS, 61: 3}  # rows without room never reach an engine
 
 
-async def test_output_ids_keep_the_dtype_of_input_ids(cfg):  # noqa: F811
-    async with wrapped(cfg, FakePool(2)) as gen:
+async def test_output_ids_keep_the_dtype_of_input_ids(generation_cfg):
+    async with wrapped(generation_cfg, FakePool(2)) as gen:
         data = batch([[5, 6], [7]])
         out = await gen.agenerate({**data, "input_ids": data["input_ids"].to(torch.int32)})
         assert out["output_ids"].dtype == torch.int32
@@ -42,9 +42,9 @@ async def test_output_ids_keep_the_dtype_of_input_ids(cfg):  # noqa: F811
             assert one["output_ids"].dtype == torch.int32
 
 
-async def test_the_hooks_grpo_calls_every_step_mean_something(cfg):  # noqa: F811
+async def test_the_hooks_grpo_calls_every_step_mean_something(generation_cfg):
     pool = FakePool(2)
-    async with wrapped(cfg, pool) as gen:
+    async with wrapped(generation_cfg, pool) as gen:
         assert gen.blocks_training() is False and gen.wake_carries_weight_updates() is False
         await gen.aclear_logger_metrics()
         await gen.agenerate(batch([[5], [6]]))
@@ -60,7 +60,7 @@ async def test_the_hooks_grpo_calls_every_step_mean_something(cfg):  # noqa: F81
         assert await gen.ainvalidate_kv_cache() is False
 
 
-def test_refit_through_vllms_transfer_calls_as_grpo_makes_them(cfg):  # noqa: F811
+def test_refit_through_vllms_transfer_calls_as_grpo_makes_them(generation_cfg):
     """grpo.py: the trainer's and the generation's init_collective futures are awaited together;
     then prepare_refit_info(policy.prepare_refit_info()); each step the trainer's broadcast futures
     and update_weights_from_collective()'s, then `all(results)`. The trainer's rank 0 is the gloo
@@ -75,7 +75,7 @@ def test_refit_through_vllms_transfer_calls_as_grpo_makes_them(cfg):  # noqa: F8
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with RolloutGenerationOwned(cfg, pool) as gen:
+    with RolloutGenerationOwned(generation_cfg, pool) as gen:
         trainer: list[GlooCollective] = []  # the policy's init_collective: rank 0 hosts the store
         joining = threading.Thread(
             target=lambda: trainer.append(
@@ -104,7 +104,7 @@ def test_refit_through_vllms_transfer_calls_as_grpo_makes_them(cfg):  # noqa: F8
 class RolloutGenerationOwned:
     """A RolloutGeneration that starts (and stops) its engine over a fake pool, as NeMo RL's do."""
 
-    def __init__(self, cfg, pool):  # noqa: F811
+    def __init__(self, cfg, pool):
         from rollout.nemo_rl import RolloutGeneration
 
         self.gen = RolloutGeneration(cfg, pool=pool)

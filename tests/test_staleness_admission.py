@@ -4,16 +4,16 @@ hand-out, a group with nothing to train on), whose batch size it uses, when it w
 RL facade, whose calls must finish whatever `max_lag` is.
 
 Where a test shows that something does *not* happen, it waits until every task is blocked
-(`tests.on_fakes.settled`): the fakes have no timers, so nothing could wake them later.
+(`tests.support.fake_engine_runs.settled`): the fakes have no timers, so nothing could wake them later.
 """
 
 from __future__ import annotations
 
+import functools
+
 import anyio
-import msgspec
 import pytest
 import torch
-from safetensors.torch import save_file
 from structlog.testing import capture_logs
 
 from rollout.config import load_config
@@ -21,25 +21,18 @@ from rollout.engine import RolloutEngine
 from rollout.episodes.env import Step
 from rollout.nemo_rl import GenerationError, RolloutGeneration
 from rollout.types import Prompt, Trajectory
-from tests.fakes import FakeEngine, FakePool
-from tests.on_fakes import settled
+from tests.support.fake_engine_runs import settled
+from tests.support.fakes import FakeEngine, FakePool, HeldEngine
+from tests.support.model import STATE
 
 TIMEOUT = 30  # a hang guard, only reached by a test about to fail; fake engines have no timers, so
 # a verdict never waits on the clock, but on a busy 2-core machine startup alone can take seconds
-STATE = {"embed.weight": torch.zeros(4, 3)}
 
 
 @pytest.fixture
-def make_cfg(tmp_path):
-    (tmp_path / "config.json").write_text('{"vocab_size": 260}')
-    save_file(STATE, str(tmp_path / "model.safetensors"))
-
-    def make(*overrides: str):
-        cfg = load_config(None, ["sampling.n=2", "sampling.max_tokens=6", "engines.count=2", "model.max_model_len=64",
-                                 "logging.level=warning", *overrides])  # fmt: skip
-        return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=str(tmp_path)))
-
-    return make
+def admission_cfg(make_cfg):
+    """`make_cfg` logging warnings too: when admission warns, and when it must not, is tested here."""
+    return functools.partial(make_cfg, "logging.level=warning")
 
 
 def prompts(count: int) -> list[Prompt]:
@@ -48,27 +41,6 @@ def prompts(count: int) -> list[Prompt]:
 
 def started_ids(pool: FakePool) -> set[str]:
     return {p for e in pool.engines for p in e.prompt_ids}
-
-
-class HeldEngine(FakeEngine):
-    """Holds the requests of the prompts in `hold` until `release` is set; every request's tokens
-    carry the epoch it arrived at (a slow sample whose tokens came from the weights of its start)."""
-
-    def __init__(self, engine_id: int, hold: set[str], release: anyio.Event):
-        super().__init__(engine_id)
-        self.hold, self.release = hold, release
-        self.arrived: dict[str, int] = {}
-
-    async def generate(self, request):
-        self.arrived[request.request_id] = self.epoch
-        if request.prompt_id in self.hold or "*" in self.hold:
-            await self.release.wait()
-        return await super().generate(request)
-
-    def _trajectory(self, request):
-        traj = super()._trajectory(request)
-        traj.policy_epochs = [(0, self.arrived.get(request.request_id, self.epoch))]
-        return traj
 
 
 class FailingEngine(FakeEngine):
@@ -83,14 +55,14 @@ class FailingEngine(FakeEngine):
 
 
 # -- what counts against the budget ---------------------------------------------------------------
-async def test_dropped_groups_give_their_admission_slot_back(make_cfg):
+async def test_dropped_groups_give_their_admission_slot_back(admission_cfg):
     """The issue's reproduction: max_lag=1, k=2, two slow groups dropped at hand-out. They must not
     count against the budget afterwards, or the run turns synchronous (no group generated ahead)."""
     release = anyio.Event()
     pool = FakePool([HeldEngine(i, {"q0", "q1"}, release) for i in range(2)])
     ahead = []  # per learner step: groups of its batch that had started before the previous update
     with anyio.fail_after(TIMEOUT):
-        cfg = make_cfg("staleness.max_lag=1", "staleness.batch_groups=2", "staleness.stale=drop")
+        cfg = admission_cfg("staleness.max_lag=1", "staleness.batch_groups=2", "staleness.stale=drop")
         async with RolloutEngine(cfg, pool=pool) as engine:
             engine.feed(prompts(20))
             before: set[str] = set()
@@ -113,14 +85,14 @@ async def test_dropped_groups_give_their_admission_slot_back(make_cfg):
 
 
 @pytest.mark.parametrize("kind", ["every sample failed", "prompt rejected"])
-async def test_a_group_with_nothing_to_train_on_gives_its_slot_back(make_cfg, kind):
+async def test_a_group_with_nothing_to_train_on_gives_its_slot_back(admission_cfg, kind):
     """A failed group never reaches the loss: it frees its admission slot when it finishes, and a
     batch counts only groups with a sample to train on (failed ones come along, for their errors)."""
 
     bad = Prompt(token_ids=[99], id="bad") if kind == "every sample failed" else Prompt(token_ids=[999], id="bad")
     pool = FakePool([FailingEngine(0), FailingEngine(1)])
     with anyio.fail_after(TIMEOUT):
-        async with RolloutEngine(make_cfg("staleness.max_lag=0", "staleness.batch_groups=2"), pool=pool) as engine:
+        async with RolloutEngine(admission_cfg("staleness.max_lag=0", "staleness.batch_groups=2"), pool=pool) as engine:
             engine.feed(iter([bad, *prompts(4)]))  # an iterator: a bad item becomes a failed group
             batch = await engine.batches(groups=2)
             await settled()
@@ -130,10 +102,10 @@ async def test_a_group_with_nothing_to_train_on_gives_its_slot_back(make_cfg, ki
             assert started_ids(pool) == ({"q0", "q1"} if kind == "prompt rejected" else {"bad", "q0", "q1"})
 
 
-async def test_configured_batch_groups_wins_over_the_learners_batch_size(make_cfg):
+async def test_configured_batch_groups_wins_over_the_learners_batch_size(admission_cfg):
     pool = FakePool(2)
     with anyio.fail_after(TIMEOUT):
-        async with RolloutEngine(make_cfg("staleness.max_lag=0", "staleness.batch_groups=3"), pool=pool) as engine:
+        async with RolloutEngine(admission_cfg("staleness.max_lag=0", "staleness.batch_groups=3"), pool=pool) as engine:
             engine.feed(prompts(10))
             batch = await engine.batches(groups=2)
             await settled()
@@ -150,12 +122,12 @@ def bottleneck_warnings(logs: list[dict]) -> list[dict]:
     return [e for e in logs if e["log_level"] == "warning" and "admission" in e["event"]]
 
 
-async def test_a_learner_step_with_nothing_generated_ahead_is_warned_about(make_cfg):
+async def test_a_learner_step_with_nothing_generated_ahead_is_warned_about(admission_cfg):
     """Admission is the bottleneck when it held every prompt back for a whole learner step: at the
     update, nothing the learner has not taken is running, yet prompts wait."""
     pool = FakePool(2)
     with anyio.fail_after(TIMEOUT):
-        async with RolloutEngine(make_cfg("staleness.max_lag=1"), pool=pool) as engine:
+        async with RolloutEngine(admission_cfg("staleness.max_lag=1"), pool=pool) as engine:
             engine.feed(prompts(20))
             with capture_logs() as logs:
                 await engine.batches(groups=2)  # one batch per update: the next one runs ahead
@@ -171,10 +143,10 @@ async def test_a_learner_step_with_nothing_generated_ahead_is_warned_about(make_
     assert (warning["epoch"], warning["max_lag"], warning["batch_groups"], warning["accepted"]) == (2, 1, 2, 6)
 
 
-async def test_an_update_before_the_first_batch_ends_no_step(make_cfg):
+async def test_an_update_before_the_first_batch_ends_no_step(admission_cfg):
     pool = FakePool(2)
     with anyio.fail_after(TIMEOUT):
-        async with RolloutEngine(make_cfg("staleness.max_lag=1"), pool=pool) as engine:
+        async with RolloutEngine(admission_cfg("staleness.max_lag=1"), pool=pool) as engine:
             engine.feed(prompts(8))
             with capture_logs() as logs:
                 await settled()  # admission waits for the learner's batch size
@@ -182,10 +154,10 @@ async def test_an_update_before_the_first_batch_ends_no_step(make_cfg):
     assert bottleneck_warnings(logs) == []
 
 
-async def test_max_lag_0_holds_back_every_step_without_a_warning(make_cfg):
+async def test_max_lag_0_holds_back_every_step_without_a_warning(admission_cfg):
     pool = FakePool(2)
     with anyio.fail_after(TIMEOUT):
-        async with RolloutEngine(make_cfg("staleness.max_lag=0"), pool=pool) as engine:
+        async with RolloutEngine(admission_cfg("staleness.max_lag=0"), pool=pool) as engine:
             engine.feed(prompts(8))
             with capture_logs() as logs:
                 for _ in range(3):
@@ -205,7 +177,7 @@ class ThreeTurns:
         return Step(None if action.turn == 2 else [7, 8], 1.0, action.turn == 2)
 
 
-async def test_admission_counts_episodes_not_turns(make_cfg):
+async def test_admission_counts_episodes_not_turns(admission_cfg):
     """An episode is one group's sample however many turns it plays: admission lets in
     `(epoch + max_lag + 1) * batch_groups` episodes, every turn of those runs, and no more start
     until the learner takes a batch and the epoch moves."""
@@ -216,7 +188,7 @@ async def test_admission_counts_episodes_not_turns(make_cfg):
     pool = FakePool(2)
     with anyio.fail_after(TIMEOUT):
         async with RolloutEngine(
-            make_cfg("staleness.max_lag=0", "staleness.batch_groups=2"), pool=pool, env=ThreeTurns
+            admission_cfg("staleness.max_lag=0", "staleness.batch_groups=2"), pool=pool, env=ThreeTurns
         ) as engine:
             engine.feed(prompts(8))
             await settled()
@@ -231,10 +203,10 @@ async def test_admission_counts_episodes_not_turns(make_cfg):
             assert started_ids(pool) == {"q0", "q1", "q2", "q3"}
 
 
-async def test_configured_batch_groups_below_the_learners_batches_is_warned_about(make_cfg):
+async def test_configured_batch_groups_below_the_learners_batches_is_warned_about(admission_cfg):
     pool = FakePool(2)
     with anyio.fail_after(TIMEOUT):
-        async with RolloutEngine(make_cfg("staleness.max_lag=1", "staleness.batch_groups=1"), pool=pool) as engine:
+        async with RolloutEngine(admission_cfg("staleness.max_lag=1", "staleness.batch_groups=1"), pool=pool) as engine:
             engine.feed(prompts(8))
             with capture_logs() as logs:
                 assert await engine.batches(groups=2) is not None  # (0 + 1 + 1) * 1 = 2 started
@@ -260,11 +232,11 @@ def rows_batch(rows: list[list[int]]) -> dict:
 
 @pytest.mark.parametrize("overrides", [["staleness.max_lag=0"], ["staleness.max_lag=1"],
                                        ["staleness.max_lag=0", "staleness.batch_groups=2"]])  # fmt: skip
-async def test_a_facade_call_finishes_whatever_max_lag(make_cfg, overrides):
+async def test_a_facade_call_finishes_whatever_max_lag(admission_cfg, overrides):
     """6 rows > max_lag + 1: each call is a step of its own size, also without an update between calls."""
     pool = FakePool(2)
     with anyio.fail_after(TIMEOUT):
-        async with RolloutEngine(make_cfg(*overrides), pool=pool) as engine:
+        async with RolloutEngine(admission_cfg(*overrides), pool=pool) as engine:
             gen = RolloutGeneration(engine=engine, pad_value=0)
             for _ in range(2):  # e.g. a training call, then a validation call at the same weights
                 assert (await gen.agenerate(rows_batch(ROWS)))["output_ids"].shape[0] == len(ROWS)
@@ -274,13 +246,13 @@ async def test_a_facade_call_finishes_whatever_max_lag(make_cfg, overrides):
     assert out["token_epochs"][:, 4:].max().item() == 1
 
 
-async def test_facade_rows_dropped_as_too_stale_come_back_as_failed_rows(make_cfg):
+async def test_facade_rows_dropped_as_too_stale_come_back_as_failed_rows(admission_cfg):
     """Weights updated while a call runs: its rows lag 1 > max_lag 0 at hand-out. Dropped, they must
     still come back (as failed rows), or the call waits for them forever."""
     release = anyio.Event()
     pool = FakePool([HeldEngine(i, {"*"}, release) for i in range(2)])
     with anyio.fail_after(TIMEOUT):
-        async with RolloutEngine(make_cfg("staleness.max_lag=0"), pool=pool) as engine:
+        async with RolloutEngine(admission_cfg("staleness.max_lag=0"), pool=pool) as engine:
             gen = RolloutGeneration(engine=engine, pad_value=0)
             failure: list[GenerationError] = []
 

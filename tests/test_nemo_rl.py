@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import json
 from collections import UserDict
-from contextlib import aclosing, asynccontextmanager
+from contextlib import aclosing
 
 import anyio
-import msgspec
 import pytest
 import torch
-from safetensors.torch import save_file
 
-from rollout.config import load_config
 from rollout.engine import RolloutEngine
 from rollout.errors import InvalidPromptError
 from rollout.nemo_rl import (
@@ -25,24 +22,13 @@ from rollout.nemo_rl import (
     verify_right_padding,
 )
 from rollout.types import Prompt, Request, Trajectory
-from tests.fakes import FakeEngine, FakePool, fake_logprob, fake_token
-from tests.on_fakes import settled
-
-TIMEOUT = 5  # seconds; only reached when a test is about to fail
-MAX_TOKENS = 5
+from tests.support.fake_engine_runs import settled
+from tests.support.fakes import FakeEngine, FakePool, fake_logprob, fake_token
+from tests.support.generation import MAX_TOKENS, WEIGHTS, batch, wrapped
 
 
 class BatchedDataDict(UserDict):
     """Stands in for NeMo RL's BatchedDataDict (a UserDict of tensors and lists)."""
-
-
-def batch(rows: list[list[int]], pad: int = 0, width: int | None = None, **extra) -> dict:
-    width = width or max(len(r) for r in rows)
-    return {
-        "input_ids": torch.tensor([r + [pad] * (width - len(r)) for r in rows]),
-        "input_lengths": torch.tensor([len(r) for r in rows]),
-        **extra,
-    }
 
 
 # -- verify_right_padding ------------------------------------------------------------------------
@@ -207,36 +193,6 @@ def test_pad_id_comes_from_the_tokenizer_then_the_model_config(tmp_path):
 
 # -- RolloutGeneration over fake engines ---------------------------------------------------------
 
-WEIGHTS = {"embed.weight": torch.zeros(4, 3)}
-
-
-@pytest.fixture
-def cfg(tmp_path):
-    (tmp_path / "config.json").write_text('{"vocab_size": 260, "pad_token_id": 0}')
-    save_file(WEIGHTS, str(tmp_path / "model.safetensors"))
-    cfg = load_config(
-        None,
-        [
-            "sampling.n=4",  # the facade must override it: one sample per row
-            f"sampling.max_tokens={MAX_TOKENS}",
-            "sampling.stop=['cfg']",
-            "engines.count=2",
-            "engines.max_inflight_per_engine=4",
-            "model.max_model_len=64",
-            "queue.max_groups=4",
-            "logging.level=error",
-        ],
-    )
-    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=str(tmp_path)))
-
-
-@asynccontextmanager
-async def wrapped(cfg, pool, **kwargs):
-    with anyio.fail_after(TIMEOUT):
-        async with RolloutEngine(cfg, pool=pool) as engine:
-            yield RolloutGeneration(engine=engine, **kwargs)
-
-
 ROWS = [[10, 11, 12], [13], [14, 15], [16, 17, 18, 19], [20], [21, 22]]
 
 
@@ -254,9 +210,9 @@ def assert_row(out: dict, r: int, prompt: list[int], width: int) -> None:
     assert bool(out["truncated"][r])
 
 
-async def test_rows_come_back_in_input_order_one_sample_each(cfg):
+async def test_rows_come_back_in_input_order_one_sample_each(generation_cfg):
     pool = FakePool(2)
-    async with wrapped(cfg, pool) as gen:
+    async with wrapped(generation_cfg, pool) as gen:
         data = BatchedDataDict(batch(ROWS, stop_strings=[None, ["x"], None, None, None, None]))
         out = await gen.agenerate(data, greedy=True)
     width = 4 + MAX_TOKENS
@@ -272,8 +228,8 @@ async def test_rows_come_back_in_input_order_one_sample_each(cfg):
     assert requests[f"{tag}.0-row0"].sampling.stop == ["cfg"]
 
 
-async def test_generate_async_yields_every_row_once_by_index(cfg):
-    async with wrapped(cfg, FakePool(2)) as gen:
+async def test_generate_async_yields_every_row_once_by_index(generation_cfg):
+    async with wrapped(generation_cfg, FakePool(2)) as gen:
         seen = {}
         async for i, one in gen.generate_async(batch(ROWS)):
             assert i not in seen
@@ -287,13 +243,13 @@ async def test_generate_async_yields_every_row_once_by_index(cfg):
         assert_row(one, 0, ROWS[i], 4 + MAX_TOKENS)
 
 
-async def test_overlapping_calls_each_get_their_own_rows(cfg):
+async def test_overlapping_calls_each_get_their_own_rows(generation_cfg):
     pool = FakePool(2)
     gate = anyio.Event()
     for e in pool.engines:
         e.gate = gate
     results: dict[str, dict] = {}
-    async with wrapped(cfg, pool) as gen:
+    async with wrapped(generation_cfg, pool) as gen:
 
         async def whole(name: str, rows: list[list[int]]) -> None:
             results[name] = await gen.agenerate(batch(rows))
@@ -316,8 +272,8 @@ async def test_overlapping_calls_each_get_their_own_rows(cfg):
         assert_row(one, 0, ROWS[3 + i], 4 + MAX_TOKENS)
 
 
-async def test_rows_left_behind_by_an_abandoned_stream_are_dropped(cfg):
-    async with wrapped(cfg, FakePool(2)) as gen:
+async def test_rows_left_behind_by_an_abandoned_stream_are_dropped(generation_cfg):
+    async with wrapped(generation_cfg, FakePool(2)) as gen:
         async with aclosing(gen.generate_async(batch(ROWS))) as stream:
             async for _ in stream:
                 break
@@ -329,8 +285,8 @@ async def test_rows_left_behind_by_an_abandoned_stream_are_dropped(cfg):
         assert_row(await other.agenerate(batch([[30, 31]])), 0, [30, 31], 2 + MAX_TOKENS)
 
 
-async def test_blocking_calls_work_from_a_thread_but_refuse_the_engine_loop(cfg):
-    async with wrapped(cfg, FakePool(2)) as gen:
+async def test_blocking_calls_work_from_a_thread_but_refuse_the_engine_loop(generation_cfg):
+    async with wrapped(generation_cfg, FakePool(2)) as gen:
         with pytest.raises(RuntimeError, match="await agenerate"):
             gen.generate(batch([[5]]))
         out = await anyio.to_thread.run_sync(gen.generate, batch(ROWS[:2]))
@@ -347,9 +303,9 @@ class FailingEngine(FakeEngine):
         return traj
 
 
-async def test_a_failed_row_raises_naming_the_row(cfg):
+async def test_a_failed_row_raises_naming_the_row(generation_cfg):
     pool = FakePool([FailingEngine(0), FailingEngine(1)])
-    async with wrapped(cfg, pool) as gen:
+    async with wrapped(generation_cfg, pool) as gen:
         with pytest.raises(GenerationError) as e:
             await gen.agenerate(batch([[5], [99], [6], [99, 1]]))
         assert e.value.rows == {1: "boom", 3: "boom"}
@@ -362,9 +318,9 @@ async def test_a_failed_row_raises_naming_the_row(cfg):
         assert_row(await gen.agenerate(batch([[7]])), 0, [7], 1 + MAX_TOKENS)  # the engine goes on
 
 
-async def test_bad_input_fails_before_anything_is_admitted(cfg):
+async def test_bad_input_fails_before_anything_is_admitted(generation_cfg):
     pool = FakePool(2)
-    async with wrapped(cfg, pool) as gen:
+    async with wrapped(generation_cfg, pool) as gen:
         left_padded = {"input_ids": torch.tensor([[5, 6], [0, 7]]), "input_lengths": torch.tensor([2, 1])}
         ok, message = verify_right_padding(left_padded, raise_error=False)
         with pytest.raises(InvalidPromptError) as e:
@@ -377,10 +333,10 @@ async def test_bad_input_fails_before_anything_is_admitted(cfg):
     assert [e.requests for e in pool.engines] == [[], []]
 
 
-async def test_a_learner_consuming_the_same_engine_meanwhile_gets_its_own_groups(cfg):
+async def test_a_learner_consuming_the_same_engine_meanwhile_gets_its_own_groups(generation_cfg):
     """Each call has a channel of its own: the engine's queue (the learner's) and the facade's calls
     never see each other's groups, whoever reads first."""
-    async with wrapped(cfg, FakePool(2)) as gen:
+    async with wrapped(generation_cfg, FakePool(2)) as gen:
         gen.engine.feed([Prompt(token_ids=[5], id="mine")])
         await settled()
         out = await gen.agenerate(batch([[6], [7]]))
@@ -389,18 +345,18 @@ async def test_a_learner_consuming_the_same_engine_meanwhile_gets_its_own_groups
         assert group.prompt_id == "mine" and await gen.engine.next_group() is None
 
 
-async def test_construction_checks(cfg):
+async def test_construction_checks(generation_cfg):
     with pytest.raises(ValueError, match="exactly one of"):
         RolloutGeneration()
     with pytest.raises(ValueError, match="n=1"):
-        RolloutGeneration(cfg, sampling={"n": 2})
+        RolloutGeneration(generation_cfg, sampling={"n": 2})
     pool = FakePool(2)
     with pytest.raises(InvalidPromptError, match="sampling.temperature"):
-        RolloutGeneration(cfg, pool=pool, sampling={"temperature": -1.0})
+        RolloutGeneration(generation_cfg, pool=pool, sampling={"temperature": -1.0})
     assert pool.shutdown_calls == 0  # refused before any engine started
     with pytest.raises(RuntimeError, match="async with"):
-        RolloutGeneration(engine=RolloutEngine(cfg, pool=pool))
-    async with wrapped(cfg, FakePool(2), pad_value=3) as gen:
+        RolloutGeneration(engine=RolloutEngine(generation_cfg, pool=pool))
+    async with wrapped(generation_cfg, FakePool(2), pad_value=3) as gen:
         assert gen.pad_value == 3
         with pytest.raises(ValueError, match="need cfg"):
             RolloutGeneration(engine=gen.engine, pool=pool)
@@ -408,9 +364,9 @@ async def test_construction_checks(cfg):
             await anyio.to_thread.run_sync(lambda: RolloutGeneration(engine=gen.engine))
 
 
-def test_owning_the_engine_blocking_and_async_from_another_loop(cfg):
+def test_owning_the_engine_blocking_and_async_from_another_loop(generation_cfg):
     pool = FakePool(2)
-    with RolloutGeneration(cfg, pool=pool) as gen:
+    with RolloutGeneration(generation_cfg, pool=pool) as gen:
         assert gen.pad_value == 0  # config.json pad_token_id
         assert gen.prepare_for_generation() and gen.finish_generation()
         assert_row(gen.generate(batch(ROWS)), 2, ROWS[2], 4 + MAX_TOKENS)

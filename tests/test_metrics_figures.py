@@ -1,4 +1,5 @@
-"""`engine.metrics()` (windows of flat numbers for trackers) and the Prometheus exporter, on fake engines."""
+"""The engine's figures (`rollout.metrics.figures`): `engine.metrics()` (windows of flat numbers for trackers)
+and the Prometheus exporter, on fake engines."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import urllib.request
 import anyio
 import msgspec
 import pytest
-from safetensors.torch import save_file
 
 from rollout.config import load_config
 from rollout.engine import RolloutEngine
@@ -19,34 +19,35 @@ from rollout.handoff.staleness import StalenessStats
 from rollout.metrics.figures import BusyTime, Totals, figures
 from rollout.sync_engine import SyncRolloutEngine
 from rollout.types import Prompt, SpecCounters, UpdateStats
-from tests.fakes import FakePool
-from tests.on_fakes import settled
-from tests.test_weights import STATE
+from tests.support.fake_engine_runs import settled
+from tests.support.fakes import FakePool
+from tests.support.metrics import scrape
+from tests.support.model import STATE
 
 TIMEOUT = 10
 ALWAYS = {
-    "rollout/window_s", "rollout/tokens", "rollout/tokens_per_s", "rollout/trajectories", "rollout/trajectories_per_s",
-    "rollout/failed_trajectories", "rollout/groups", "rollout/stale_dropped", "rollout/stale_dropped_groups",
-    "rollout/stale_masked_tokens", "rollout/epoch", "rollout/weight_updates", "rollout/update_stall_ms_max",
-    "rollout/queue_depth", "rollout/queue_ready", "rollout/preemptions", "rollout/durable_torn_records", "rollout/durable_torn_bytes",
-    "rollout/engine_busy_fraction/e0", "rollout/engine_busy_fraction/e1",
-}  # fmt: skip
+    "rollout/window_s",
+    "rollout/tokens",
+    "rollout/tokens_per_s",
+    "rollout/trajectories",
+    "rollout/trajectories_per_s",
+    "rollout/failed_trajectories",
+    "rollout/groups",
+    "rollout/stale_dropped",
+    "rollout/stale_dropped_groups",
+    "rollout/stale_masked_tokens",
+    "rollout/epoch",
+    "rollout/weight_updates",
+    "rollout/update_stall_ms_max",
+    "rollout/queue_depth",
+    "rollout/queue_ready",
+    "rollout/preemptions",
+    "rollout/durable_torn_records",
+    "rollout/durable_torn_bytes",
+    "rollout/engine_busy_fraction/e0",
+    "rollout/engine_busy_fraction/e1",
+}
 LAG = {"rollout/lag_mean", "rollout/lag_p99", "rollout/lag_max"}
-
-
-@pytest.fixture
-def make_cfg(tmp_path):
-    d = tmp_path / "model"
-    d.mkdir()
-    (d / "config.json").write_text('{"vocab_size": 260}')
-    save_file(STATE, str(d / "model.safetensors"))
-
-    def make(*overrides: str):
-        cfg = load_config(None, ["sampling.n=2", "sampling.max_tokens=6", "engines.count=2", "model.max_model_len=64",
-                                 "logging.level=error", *overrides])  # fmt: skip
-        return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=str(d)))
-
-    return make
 
 
 def prompts(count: int) -> list[Prompt]:
@@ -171,16 +172,6 @@ def test_busy_time_reads_the_clock_only_when_an_engine_turns_busy_or_idle():
     busy.change(0, 2)  # busy at 7
     assert len(reads) == 3
     assert busy.seconds(10.0) == [5.0 + 3.0, 0.0]  # the open stretch counts up to now
-
-
-def scrape(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url, timeout=5) as r:
-        text = r.read().decode()
-    return {
-        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line and not line.startswith("#")
-    }
 
 
 async def test_prometheus_serves_cumulative_counters_and_stops_with_the_engine(make_cfg):

@@ -1,6 +1,6 @@
 """Issue 29: a sample's slot on its engine comes back when the sample ends, not when its group does.
 
-Over the real wire (`tests.wire`: `RayEngine` handles over `VLLMPolicy` on the fake vLLM): before,
+Over the real wire (`tests.support.wire`: `RayEngine` handles over `VLLMPolicy` on the fake vLLM): before,
 the engine actor sent a group back only once its last sample ended, so the scheduler could start
 nothing in the slots of the samples that had ended, and the engine's batch drained in waves.
 """
@@ -11,20 +11,20 @@ import anyio
 import msgspec
 import pytest
 
-from rollout.config import Config, load_config
+from rollout.config import Config
 from rollout.engine import RolloutEngine
 from rollout.types import Request, Sampling
-
-from .wire import WirePool
+from tests.support.wire import WirePool
 
 TIMEOUT = 30
 
 
 @pytest.fixture
-def cfg(tmp_path) -> Config:
-    (tmp_path / "config.json").write_text('{"vocab_size": 260}')
-    return load_config(None, ["sampling.n=2", "engines.count=1", "model.max_model_len=512", "logging.level=error",
-                              "engines.max_inflight_per_engine=2", "engines.queued_per_engine=1", f"model.path={tmp_path}"])  # fmt: skip
+def cfg(make_cfg) -> Config:
+    """One engine with room for 3 requests (2 running, 1 queued); prompts and samples within 512 tokens."""
+    return make_cfg(
+        "engines.count=1", "model.max_model_len=512", "engines.max_inflight_per_engine=2", "engines.queued_per_engine=1"
+    )
 
 
 async def test_a_finished_sample_comes_back_while_its_group_still_runs(cfg):

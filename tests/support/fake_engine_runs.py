@@ -1,52 +1,24 @@
-"""`RolloutEngine` on fake engines (no vLLM, no Ray) for the scheduler and feed tests: a config
-fixture, a bounded engine, prompts, and a consumer that says when it would wait forever."""
+"""`RolloutEngine` runs on fake engines (no vLLM, no Ray): a bounded engine, prompts, a consumer that
+says when it would wait forever, and a wait until nothing can run (`settled`). Their config comes
+from the `make_cfg` fixture (`tests.support.fixtures`)."""
 
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
 
 import anyio
-import msgspec
-import pytest
 from anyio import wait_all_tasks_blocked
 
-from rollout.config import Config, load_config
+from rollout.config import Config
 from rollout.engine import RolloutEngine
 from rollout.types import Group, Prompt
-from tests.fakes import FakePool
+from tests.support.fakes import FakePool
 
 TIMEOUT = 5  # seconds; only reached when a test is about to fail
 
 
 class Deadlock(AssertionError):
     """The consumer waits for a group while every task is blocked: nothing can ever wake it."""
-
-
-@pytest.fixture
-def model_dir(tmp_path):
-    (tmp_path / "config.json").write_text('{"vocab_size": 260}')
-    return tmp_path
-
-
-@pytest.fixture
-def make_cfg(model_dir):
-    def make(*overrides: str) -> Config:
-        cfg = load_config(
-            None,
-            [
-                "sampling.n=2",
-                "sampling.max_tokens=6",
-                "engines.count=2",
-                "engines.max_inflight_per_engine=3",
-                "engines.queued_per_engine=1",  # 4 requests per engine
-                "model.max_model_len=64",
-                "logging.level=error",
-                *overrides,
-            ],
-        )
-        return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=str(model_dir)))
-
-    return make
 
 
 @asynccontextmanager

@@ -2,7 +2,7 @@
 what is done with known output (vLLM's tool and reasoning parsers: tests/integration/test_parsers.py).
 
 Enabled only where a test's engine config names it (`engines.vllm.logits_processors:
-["tests.forced_output:ForcedOutput"]`). A request whose prompt holds `FORCE:` followed by text gets
+["tests.support.forced_output:ForcedOutput"]`). A request whose prompt holds `FORCE:` followed by text gets
 that text's token ids (up to the prompt's next end-of-turn token) as its output, one per step,
 then the end-of-turn token: every other logit is -inf. Any other request is left alone. The
 engine, sampler and detokenizer are vLLM's own; only which token wins is decided here.

@@ -1,20 +1,16 @@
-"""An engine that closes with a weight update in flight: the update ends with EngineClosedError,
-nothing is restarted, the pool is shut down (fake engines: the race is the driver's, not vLLM's)."""
+"""An engine that closes with a weight update in flight (`rollout.weights.updates`): the update ends
+with EngineClosedError, nothing is restarted, the pool is shut down (fake engines: the race is the
+driver's, not vLLM's)."""
 
 from __future__ import annotations
 
 import anyio
-import msgspec
 import pytest
-import torch
-from safetensors.torch import save_file
 
-from rollout.config import load_config
 from rollout.engine import RolloutEngine
 from rollout.errors import EngineClosedError, EngineDeadError
-from tests.fakes import FakeEngine, FakePool
-
-STATE = {"embed.weight": torch.arange(12, dtype=torch.float32).reshape(4, 3)}
+from tests.support.fakes import FakeEngine, FakePool
+from tests.support.model import STATE
 
 
 class DyingEngine(FakeEngine):
@@ -37,16 +33,8 @@ class Pool(FakePool):
         await super().shutdown()
 
 
-@pytest.fixture
-def cfg(tmp_path):
-    (tmp_path / "config.json").write_text('{"vocab_size": 260}')
-    save_file(STATE, str(tmp_path / "model.safetensors"))
-    cfg = load_config(None, ["engines.count=2", "logging.level=error", "engines.max_restarts=3"])
-    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=str(tmp_path)))
-
-
 @pytest.mark.parametrize("phase", ["loading", "waiting for the lock"])
-async def test_an_update_in_flight_when_the_engine_closes_gets_engine_closed_error(cfg, phase):
+async def test_an_update_in_flight_when_the_engine_closes_gets_engine_closed_error(make_cfg, phase):
     pool = Pool([DyingEngine(0), DyingEngine(1)])
     for e in pool.engines:
         e.commit_gate = anyio.Event()  # the load hangs until the pool shuts down
@@ -60,7 +48,7 @@ async def test_an_update_in_flight_when_the_engine_closes_gets_engine_closed_err
 
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
-            async with RolloutEngine(cfg, pool=pool) as engine:
+            async with RolloutEngine(make_cfg("engines.max_restarts=3"), pool=pool) as engine:  # restarts allowed
                 tg.start_soon(update, engine)
                 if phase == "waiting for the lock":
                     tg.start_soon(update, engine)
@@ -71,10 +59,10 @@ async def test_an_update_in_flight_when_the_engine_closes_gets_engine_closed_err
     assert "shut down" in str(errors[0]) and pool.shutdown_calls == 1 and pool.restarts == []
 
 
-async def test_a_closed_engine_answers_engine_closed_error_not_its_old_actors(cfg):
+async def test_a_closed_engine_answers_engine_closed_error_not_its_old_actors(make_cfg):
     """The first engine of a process, once closed, must not reach its actors: after a second engine
     started Ray again, its handles would answer Ray's "Can't find actor"."""
-    async with RolloutEngine(cfg, pool=Pool([DyingEngine(0)])) as engine:
+    async with RolloutEngine(make_cfg(), pool=Pool([DyingEngine(0)])) as engine:
         assert len(await engine.stats()) == 1
     for call in (engine.stats, engine.metrics, lambda: engine.update_weights(STATE)):
         with pytest.raises(EngineClosedError, match="shut down"):

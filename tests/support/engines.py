@@ -1,0 +1,237 @@
+"""Real engines for the integration tier: the one config fixture, shared engine pools, process and
+/dev/shm checks.
+
+An engine start (a Ray actor, vLLM's engine core and worker processes, the model) is what the tier
+spends its time on, so engines are started once per kind and shared: `SharedPools` keeps one pool
+per set of settings vLLM is started with (`pool_key`), and each test gets a `RolloutEngine` of its
+own over it (`SharedPools.engine`), with its own driver-side settings (sampling, scheduling,
+environment, health checks) and its own `weight_sync` (mode and bound: the engine reads them at
+each use, never at start, so the lease sets them on the idle engines). When that engine exits, the pool is
+handed back as a fresh one would be (resumed, the model's own weights loaded, prefix caches
+emptied, every engine in rotation) or, when the test failed or any of that did not hold, shut down,
+so a failed test never makes the next one fail. Tests that kill or reconfigure their engines start
+their own (`RolloutEngine(integration_config(...))`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from policies.shm import mapped
+from rollout import RolloutEngine, load_config
+from rollout.config import Config
+from rollout.log import get_logger
+
+ROOT = Path(__file__).resolve().parents[2]
+MAX_MODEL_LEN = 1024
+POOL_INFLIGHT = 128  # every shared pool's max_inflight_per_engine: a test's own may be at most this
+log = get_logger(__name__)
+
+
+def integration_config(*overrides: str) -> Config:
+    return load_config(
+        ROOT / "configs" / "tiny.yaml",
+        [
+            "model.dtype=float32",
+            f"model.max_model_len={MAX_MODEL_LEN}",
+            "sampling.max_tokens=16",
+            "engines.max_inflight_per_engine=64",
+            "engines.vllm={block_size: 32}",
+            "logging.level=warning",
+            # Logical CPUs for the local cluster: the shared pools alive at once and a test's own
+            # pool must all fit; OpenMP threads stay pinned to the real cores.
+            "ray.num_cpus=16",
+            *overrides,
+        ],
+    )
+
+
+# Engine settings the driver alone reads: a pool serves every config that differs only in these.
+DRIVER_ONLY = {
+    "max_inflight_per_engine", "queued_per_engine", "start_timeout_s", "health_interval_s", "health_timeout_s",
+    "max_restarts", "restart_backoff_s", "request_timeout_s", "max_retries",
+}  # fmt: skip
+
+
+def pool_key(cfg: Config) -> bytes:
+    """What a pool's engine actors are started with: the model, the engines and vLLM's arguments,
+    speculation, the logprobs kind."""
+    engines = {k: v for k, v in msgspec.to_builtins(cfg.engines).items() if k not in DRIVER_ONLY}
+    return msgspec.json.encode([cfg.model, engines, cfg.speculative, cfg.sampling.logprobs], order="sorted")
+
+
+def _set_weight_sync(shell: Any, weight_sync: Any) -> None:
+    """Inside an engine actor (the shell over the policy, `actors.shell`): its weight-sync settings."""
+    shell.inner.cfg = msgspec.structs.replace(shell.inner.cfg, weight_sync=weight_sync)
+
+
+class Lease:
+    """A shared pool as one RolloutEngine sees it: its shutdown hands the pool back."""
+
+    def __init__(self, pool: Any):
+        self._pool = pool
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pool, name)
+
+    async def shutdown(self) -> None:
+        pass
+
+
+class SharedPools:
+    """Engine pools kept across tests, one per `pool_key`; at most `max_engines` engines alive
+    (the least recently used idle pool stops first). The session's Ray cluster is started before
+    any pool, so that no pool owns it."""
+
+    def __init__(self, max_engines: int = 4, start: Callable[[Config], Awaitable[Any]] | None = None):
+        self.max_engines = max_engines
+        self._start = start or self._start_ray_pool  # a unit test's fake pools instead
+        self._pools: dict[bytes, Any] = {}  # key -> pool, least recently used first
+        self._leased: set[bytes] = set()
+        self._started_ray = False
+
+    @contextlib.asynccontextmanager
+    async def engine(self, cfg: Config, **kwargs: Any) -> AsyncIterator[RolloutEngine]:
+        """A RolloutEngine of `cfg` (and RolloutEngine's keyword arguments) over the shared pool of
+        its kind, at the epoch the pool's engines serve (the model's own weights)."""
+        if cfg.engines.max_inflight_per_engine > POOL_INFLIGHT:
+            raise ValueError(f"a shared pool runs at most {POOL_INFLIGHT} requests per engine")
+        key = pool_key(cfg)
+        if key in self._leased:
+            raise RuntimeError("this kind of pool is already in use by another engine of the test")
+        pool = await self._pool(key, cfg)
+        epoch = (await pool.engines[0].stats()).epoch
+        actors = getattr(pool, "actors", [])  # Ray's engine actors (a fake pool has none)
+        await asyncio.gather(*(a.__ray_call__.remote(_set_weight_sync, cfg.weight_sync) for a in actors))
+        self._leased.add(key)
+        handed_back = False
+        try:
+            async with RolloutEngine(cfg, pool=Lease(pool), start_epoch=epoch, **kwargs) as engine:
+                yield engine
+                handed_back = await _hand_back(engine, epoch)
+        finally:
+            self._leased.discard(key)
+            if not handed_back:  # a failed test, or engines not as a fresh pool's: the next test starts anew
+                log.warning("shared pool dropped", reason="the test failed or left it changed")
+                await self._stop(key)
+
+    async def _pool(self, key: bytes, cfg: Config) -> Any:
+        if (pool := self._pools.pop(key, None)) is not None:
+            self._pools[key] = pool  # most recently used last
+            return pool
+        alive = sum(len(p.engines) for p in self._pools.values())
+        for old in [k for k in self._pools if k not in self._leased]:
+            if alive + cfg.engines.count <= self.max_engines:
+                break
+            alive -= len(self._pools[old].engines)
+            await self._stop(old)
+        started = msgspec.structs.replace(
+            cfg, engines=msgspec.structs.replace(cfg.engines, max_inflight_per_engine=POOL_INFLIGHT)
+        )
+        self._pools[key] = pool = await self._start(started)
+        return pool
+
+    async def _start_ray_pool(self, cfg: Config) -> Any:
+        from actors.cluster import connect
+        from actors.pool import RayEnginePool
+        from policies.tiny import resolve_model_path
+
+        self._started_ray |= connect(cfg)  # the session's cluster (a no-op once it is up): no pool owns it
+        path = await asyncio.to_thread(resolve_model_path, cfg.model.path, cfg.model.seed)
+        return await RayEnginePool.start(cfg, str(path))
+
+    async def _stop(self, key: bytes) -> None:
+        if (pool := self._pools.pop(key, None)) is not None:
+            await pool.shutdown()
+
+    async def close(self) -> None:
+        for key in list(self._pools):
+            await self._stop(key)
+        if self._started_ray:
+            import ray
+
+            ray.shutdown()
+
+
+async def _hand_back(engine: RolloutEngine, epoch: int) -> bool:
+    """Put a leased pool back as a fresh one: generation resumed, the model's own weights loaded
+    where an update changed them, prefix caches empty (requests of the next engine reuse ids and
+    cache salts). False where that fails or an engine is out of rotation."""
+    try:
+        async with asyncio.timeout(300):
+            if await engine.is_paused():
+                await engine.resume_generation()
+            stats = await engine.stats()
+            if engine.epoch != epoch or any(s.epoch != engine.epoch for s in stats):
+                await engine.update_weights(engine.model_path)
+            for e in engine.pool.engines:
+                await e.reset_prefix_cache()
+            stats = await engine.stats()
+    except Exception as e:  # noqa: BLE001 -- any failure: the pool is dropped, the reason logged
+        log.warning("shared pool not handed back", error=f"{type(e).__name__}: {e}")
+        return False
+    in_rotation = all(load.healthy for load in engine._scheduler.runner.loads)
+    return in_rotation and all(s.epoch == engine.epoch for s in stats)
+
+
+async def held(enter: Callable[[], Any]) -> AsyncIterator[Any]:
+    """What the async context manager `enter()` yields, for an async fixture: pytest-asyncio sets
+    up and tears down a fixture in different tasks, but a RolloutEngine's task group must be
+    entered and exited by one task, so the context is held open in a task of its own."""
+    ready, stop = asyncio.Event(), asyncio.Event()
+    holder: list[Any] = []
+
+    async def hold() -> None:
+        async with enter() as value:
+            holder.append(value)
+            ready.set()
+            await stop.wait()
+
+    task = asyncio.ensure_future(hold())
+    await asyncio.wait([task, asyncio.ensure_future(ready.wait())], return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        task.result()  # start failed: raise its error
+    yield holder[0]
+    stop.set()
+    await task
+
+
+def engine_processes() -> set[int]:
+    """PIDs of processes that belong to vLLM engines or Ray workers."""
+    out = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    pids = set()
+    for line in out.splitlines():
+        pid, _, args = line.strip().partition(" ")
+        if re.search(r"EngineCore|VllmWorker|ray::|raylet|gcs_server", args) and int(pid) != os.getpid():
+            pids.add(int(pid))
+    return pids
+
+
+def shm_segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith(("psm_", "sem.mp-"))}
+
+
+def leaked_shm(before: set[str]) -> set[str]:
+    """Segments made since `before` that no live process maps any more."""
+    return (shm_segments() - before) - mapped()
+
+
+def run_python(code: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+    )
