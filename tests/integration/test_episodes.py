@@ -75,7 +75,7 @@ async def run(pools: SharedPools, mode: str, kill_one: bool) -> tuple[list[Traje
     cfg = integration_config(
         f"weight_sync.mode={mode}", "engines.count=2", "engines.max_inflight_per_engine=16", "sampling.n=2",
         "sampling.max_tokens=64", "sampling.min_tokens=48", "model.max_model_len=1024", f"episode.max_turns={TURNS}",
-        "engines.health_interval_s=0.5", "engines.restart_backoff_s=0.5", "engines.vllm={block_size: 32}",
+        "engines.health_interval_s=0.5", "engines.restart_backoff_s=0.5",
         "episode.step_timeout_s=600", *SAMPLING,
         # the killed engine stays dead: no restart for the exit to wait for (the pool is then dropped)
         *(["engines.max_restarts=0"] if kill_one else []),

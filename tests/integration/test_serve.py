@@ -43,7 +43,6 @@ async def served(pools) -> AsyncIterator[tuple[RolloutEngine, Any]]:
     strings, on weights that changed and engines that restarted."""
     cfg = integration_config(
         "engines.count=2",
-        "engines.vllm={block_size: 32}",
         "engines.health_interval_s=0.5",
         "model.max_model_len=1024",
         "engines.restart_backoff_s=0.5",

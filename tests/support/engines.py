@@ -46,7 +46,9 @@ def integration_config(*overrides: str) -> Config:
             f"model.max_model_len={MAX_MODEL_LEN}",
             "sampling.max_tokens=16",
             "engines.max_inflight_per_engine=64",
-            "engines.vllm={block_size: 32}",
+            # Eager: no torch.compile at start (~3 s of each start here); the oracle runs' engines
+            # (`oracle_runs.SMALL_KV`) and the CLI's keep vLLM's default, compiled path.
+            "engines.vllm={block_size: 32, enforce_eager: true}",
             "logging.level=warning",
             # Logical CPUs for the local cluster: the shared pools alive at once and a test's own
             # pool must all fit; OpenMP threads stay pinned to the real cores.
