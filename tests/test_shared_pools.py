@@ -80,3 +80,15 @@ async def test_more_requests_per_engine_than_a_shared_pool_runs_are_refused(make
         async with pools.engine(make_cfg("engines.max_inflight_per_engine=256")):
             pass
     assert not started
+
+
+async def test_a_spoiled_engine_s_pool_is_not_handed_on(make_cfg):
+    """A module's engine shared by several tests: one of them failed (the fixture says so)."""
+    pools, started = pools_of_fakes()
+    async with pools.engine(make_cfg()) as engine:
+        pools.spoil(engine)
+    assert started[0].shutdown_calls == 1
+    async with pools.engine(make_cfg()):
+        pass
+    assert len(started) == 2 and started[1].shutdown_calls == 0
+    await pools.close()

@@ -56,8 +56,19 @@ async def pools():
         await shared.close()
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    if report.failed:
+        item.module.__dict__.setdefault("_failed_tests", []).append(item.name)
+    return report
+
+
 @pytest.fixture(scope="module")
-async def engine(pools):
-    """The module's engine over the shared pool of the default kind (2 engines)."""
+async def engine(pools, request):
+    """The module's engine over the shared pool of the default kind (2 engines). Where a test of the
+    module failed, the pool is shut down after it, not handed to the next module."""
     async for e in held(lambda: pools.engine(integration_config())):
         yield e
+        if getattr(request.module, "_failed_tests", None):
+            pools.spoil(e)

@@ -100,6 +100,7 @@ class SharedPools:
         self._start = start or self._start_ray_pool  # a unit test's fake pools instead
         self._pools: dict[bytes, Any] = {}  # key -> pool, least recently used first
         self._leased: set[bytes] = set()
+        self._spoiled: set[int] = set()  # ids of engines whose tests failed
         self._started_ray = False
 
     @contextlib.asynccontextmanager
@@ -120,12 +121,18 @@ class SharedPools:
         try:
             async with RolloutEngine(cfg, pool=Lease(pool), start_epoch=epoch, **kwargs) as engine:
                 yield engine
-                handed_back = await _hand_back(engine, epoch)
+                handed_back = id(engine) not in self._spoiled and await _hand_back(engine, epoch)
+                self._spoiled.discard(id(engine))
         finally:
             self._leased.discard(key)
             if not handed_back:  # a failed test, or engines not as a fresh pool's: the next test starts anew
                 log.warning("shared pool dropped", reason="the test failed or left it changed")
                 await self._stop(key)
+
+    def spoil(self, engine: RolloutEngine) -> None:
+        """A test of `engine` failed: its pool is shut down when the engine exits, not handed on
+        (for an engine shared by several tests, whose context did not see the failure)."""
+        self._spoiled.add(id(engine))
 
     async def _pool(self, key: bytes, cfg: Config) -> Any:
         if (pool := self._pools.pop(key, None)) is not None:
