@@ -7,7 +7,8 @@ type-only arrow is still an arrow. The rules:
 - only `rollout/engine.py` imports `actors` (among `rollout/` and `policies/`);
 - `policies/**` imports only the foundation of `rollout` (its leaf modules: types, config, ...);
 - no module imports another module's private (`_name`) name;
-- no circles between the parts of `rollout/` (a subpackage, or a module at its top, is one part).
+- no circles between the parts of `rollout/` (a subpackage, or a module at its top, is one part);
+- no test module imports another test module: test helpers live in `tests/support/`.
 Each failure names the file, line and import that breaks the rule.
 """
 
@@ -187,6 +188,21 @@ def test_each_rule_fails_on_a_planted_violation(source, rule, monkeypatch):
     monkeypatch.setitem(ALL, "rollout", [*ALL["rollout"], *imports(planted, source)])
     with pytest.raises(AssertionError, match="planted_for_test.py:"):
         rule()
+
+
+TESTS = [i for f in files("tests") for i in imports(f)]
+
+
+def test_no_test_module_imports_another():
+    found = [i for i in TESTS if i.module.rpartition(".")[2].startswith(("test_", "conftest"))]
+    assert not found, broken(found)
+
+
+def test_a_planted_import_of_a_test_module_is_found(monkeypatch):
+    planted = ROOT / "tests" / "integration" / "test_planted.py"
+    monkeypatch.setitem(globals(), "TESTS", [*TESTS, *imports(planted, "from .test_weights import x\n")])
+    with pytest.raises(AssertionError, match="test_planted.py:1: from tests.integration.test_weights import x"):
+        test_no_test_module_imports_another()
 
 
 def test_a_planted_circle_is_found(monkeypatch):
