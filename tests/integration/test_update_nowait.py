@@ -19,7 +19,7 @@ from policies.oracle import Oracle, compare
 from policies.processing import Processing
 from rollout import RolloutEngine
 from tests.support.engines import integration_config
-from tests.support.oracle_runs import SAMPLING, SMALL_KV, UPDATES, prompts, run_with_updates
+from tests.support.oracle_runs import MAX_TOKENS, MIN_TOKENS, SAMPLING, SMALL_KV, UPDATES, prompts, run_with_updates
 
 
 async def handed_off_trainer(engine: RolloutEngine, weights: dict) -> tuple[object, object]:
@@ -71,7 +71,7 @@ async def test_updates_that_do_not_wait_keep_every_epoch_exact(pools):
     assert sum(len(t.policy_epochs) > 1 for t in trajectories) >= 8
     oracle = Oracle(engine.model_path, weights)
     processed = Processing.of(
-        msgspec.structs.replace(engine.cfg.sampling, max_tokens=200, min_tokens=160), stop_ids=[2]
+        msgspec.structs.replace(engine.cfg.sampling, max_tokens=MAX_TOKENS, min_tokens=MIN_TOKENS), stop_ids=[2]
     )
     report = await asyncio.to_thread(compare, oracle, trajectories, 1e-3, 20, processed)
     assert report.tokens == sum(len(t.token_ids) for t in trajectories)

@@ -1,10 +1,10 @@
 """Exact per-token epochs under in-flight weight updates, checked by the float32 HF oracle.
 
-For each `weight_sync.mode`: 2 real engines, 128 requests of 160-200 tokens sampled at temperature
+For each `weight_sync.mode`: 2 real engines, 128 requests of 80-100 tokens sampled at temperature
 0.7, top_p 0.9, top_k 50, 3 updates with distinct random weights while they stream (through vLLM's
 trainer API, its factory's trainer engines of ours: 1 through `shm`, 3 through `gloo`, the engines
 started with `shm` serving both; 2 through Ray's object store), and a KV cache
-of ~3k tokens per engine for the ~5k its 16 running requests need, so vLLM preempts (and each
+of ~1.5k tokens per engine for the ~2k its 16 running requests need, so vLLM preempts (and each
 preemption is recorded as an eviction and a KV recompute); every behaviour logprob (processed:
 of the distribution sampled from) must match the oracle's replay (same tokens, the weights each
 position was computed with, the same processing) within 1e-3, and a replay of raw logprobs must not.
@@ -32,6 +32,8 @@ from rollout.errors import InvalidWeightsError
 from rollout.types import Trajectory
 from tests.support.engines import SharedPools, integration_config
 from tests.support.oracle_runs import (
+    MAX_TOKENS,
+    MIN_TOKENS,
     MODES,
     SAMPLING,
     SMALL_KV,
@@ -112,7 +114,9 @@ async def test_epochs_match_the_oracle(pools, mode: str):
         assert boundaries_recomputed
 
     oracle = Oracle(engine.model_path, weights)
-    sampling = msgspec.structs.replace(engine.cfg.sampling, max_tokens=200, min_tokens=160)  # as the prompts ask
+    sampling = msgspec.structs.replace(
+        engine.cfg.sampling, max_tokens=MAX_TOKENS, min_tokens=MIN_TOKENS
+    )  # as the prompts ask
     processed = Processing.of(sampling, stop_ids=[2])
     report = await asyncio.to_thread(compare, oracle, trajectories, 1e-3, 20, processed)
     assert report.tokens == tokens

@@ -22,9 +22,11 @@ from rollout.types import Trajectory
 MODES = ["keep", "recompute", "abort_resume", "drain"]
 UPDATES = 3
 SAMPLING = ("sampling.temperature=0.7", "sampling.top_p=0.9", "sampling.top_k=50")
-# ~3k float32 tokens of the tiny model per engine: 16 running requests need ~5k, so vLLM preempts.
-# The oracle runs' engines (shm: our weight-transfer backend on CPU, which serves gloo learners too).
-SMALL_KV = "engines.vllm={kv_cache_gib: 0.003, weight_transfer_config: {backend: shm}}"
+MAX_TOKENS, MIN_TOKENS = 100, 80  # each sample of `prompts`
+# ~1.5k float32 tokens of the tiny model per engine: 16 running samples of `prompts` need ~2k, so
+# vLLM preempts. The oracle runs' engines (shm: our weight-transfer backend on CPU, which serves
+# gloo learners too).
+SMALL_KV = "engines.vllm={kv_cache_gib: 0.0015, weight_transfer_config: {backend: shm}}"
 
 
 def random_weights(base: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
@@ -38,8 +40,8 @@ def random_weights(base: dict[str, torch.Tensor], seed: int) -> dict[str, torch.
 def prompts(count: int, seed: int) -> list[Prompt]:
     rng = random.Random(seed)
     return [
-        Prompt(token_ids=[rng.randrange(4, 260) for _ in range(rng.randrange(8, 160))], id=f"q{i}",
-               sampling={"max_tokens": 200, "min_tokens": 160, "n": 4})
+        Prompt(token_ids=[rng.randrange(4, 260) for _ in range(rng.randrange(8, 80))], id=f"q{i}",
+               sampling={"max_tokens": MAX_TOKENS, "min_tokens": MIN_TOKENS, "n": 4})
         for i in range(count)
     ]  # fmt: skip
 
