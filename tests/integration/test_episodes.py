@@ -1,6 +1,6 @@
 """Multi-turn episodes on real engines, checked by the float32 oracle across every turn.
 
-For each `weight_sync.mode`: 2 engines, 12 prompts x 2 episodes of 5 turns (text observations
+For each `weight_sync.mode`: 2 engines, 8 prompts x 2 episodes of 5 turns (text observations
 rendered by the tiny model's chat template), 3 updates of distinct random weights, update k landing
 inside turn k (turn k starts on paused engines, stepped until it is mid-generation) and before
 turn k+1 (which waits for it); turns 0 and 1 start in the run's first epoch: no clock to race. The oracle
@@ -31,7 +31,8 @@ from tests.support.oracle_runs import MODES, SAMPLING, kill, land_inside, random
 TURNS = 5
 
 
-EPISODES = 12 * 2  # prompts x sampling.n
+PROMPTS = 8
+EPISODES = PROMPTS * 2  # prompts x sampling.n
 
 
 class Talk:
@@ -39,7 +40,7 @@ class Talk:
     1 reuses turn 0's KV in every mode); from then on turn k+1 starts only once update k is in
     (`landed`), so each update lands between turns. Every episode starts turn k together: once
     all have finished turn k-1 (`ended`) and update k's transfer is done (`staged`, set by
-    `land_inside` once the engines are paused): update k commits once 8 turns k are generating,
+    `land_inside` once the engines are paused): update k commits once 6 turns k are generating,
     inside them, however long its transfer took and however fast or slow the machine. With
     `hold` set up, the step after turn 1 also waits for it."""
 
@@ -84,7 +85,7 @@ async def run(pools: SharedPools, mode: str, kill_one: bool) -> tuple[list[Traje
         start = engine.epoch  # the shared engines' epoch: update k makes start + k
         base = load_file(f"{engine.model_path}/model.safetensors")
         weights = {start: base}
-        engine.feed([Prompt(text=f"episode {i}: " + "y" * (20 + i * 3), id=f"e{i}") for i in range(12)])
+        engine.feed([Prompt(text=f"episode {i}: " + "y" * (20 + i * 3), id=f"e{i}") for i in range(PROMPTS)])
         episodes: list[Trajectory] = []
 
         async def consume() -> None:
@@ -93,7 +94,7 @@ async def run(pools: SharedPools, mode: str, kill_one: bool) -> tuple[list[Traje
                 episodes.extend(group.trajectories)
 
         consumer = asyncio.ensure_future(consume())
-        land_inside(engine, lambda epoch: Talk.ended[epoch - 1].wait(), 8, lambda t, epoch: True, Talk.staged)
+        land_inside(engine, lambda epoch: Talk.ended[epoch - 1].wait(), 6, lambda t, epoch: True, Talk.staged)
         try:
             for k in range(1, TURNS - 1):
                 weights[start + k] = random_weights(base, seed=500 + k)
@@ -126,7 +127,7 @@ async def kill_mid_episode(engine: RolloutEngine) -> None:
 @pytest.mark.parametrize("mode", sorted(MODES, key=lambda m: m == "keep"))
 async def test_every_turn_of_every_episode_matches_the_oracle(pools, mode: str):
     episodes, weights, engine = await run(pools, mode, kill_one=mode == "keep")
-    assert len(episodes) == 24 and all(len(e.turns) == TURNS and e.reward == TURNS for e in episodes)
+    assert len(episodes) == EPISODES and all(len(e.turns) == TURNS and e.reward == TURNS for e in episodes)
     turns = [t for e in episodes for t in e.turns]
     seen = {epoch for t in turns for epoch in t.token_epochs()}
     assert seen == set(weights), seen
