@@ -1,4 +1,4 @@
-"""Where a `rollout bench` round's time goes (issue 29): per-process CPU over each side, and engine 0's
+"""Where a `rollout bench` round's time goes: per-process CPU over each side, and engine 0's
 running batch every 0.5 s on the engine side, next to what the driver counts on each engine.
 
 Runs the bench's warm-up and 2 rounds (engine side, raw vLLM side, alternating) on configs/tiny.yaml

@@ -1,4 +1,4 @@
-"""A long-tailed prompt set for `rollout bench` (issue 29): most prompts short, a few long.
+"""A long-tailed prompt set for `rollout bench`: most prompts short, a few long.
 
 Writes JSONL, one `Prompt` per line: random token prompts (lengths uniform in [min_len, max_len]),
 a fraction `--long-fraction` (default 10%) generating `--long-tokens` (512) tokens, the rest

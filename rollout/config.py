@@ -112,7 +112,7 @@ class StalenessConfig(Struct, frozen=True, forbid_unknown_fields=True):
 class QueueConfig(Struct, frozen=True, forbid_unknown_fields=True):
     # Groups admitted but not yet taken by the learner. None: twice what the engines hold running and
     # queued, engines.count x (max_inflight_per_engine + queued_per_engine) / sampling.n, since a
-    # group keeps its slot until its last sample ends (issue 29); resolved by `Config`.
+    # group keeps its slot until its last sample ends; resolved by `Config`.
     max_groups: PositiveInt | None = None
     # ready_first: groups are handed out as they finish; in_order: in the order they were fed
     order: Literal["ready_first", "in_order"] = "ready_first"

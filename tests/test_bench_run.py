@@ -68,7 +68,7 @@ async def test_without_baseline_one_run_and_no_ratio():
 
 
 async def test_every_round_runs_the_same_jsonl_prompts():
-    """Issue 20: the JSONL reader was made once and used up by round 1, so from round 2 on this
+    """The JSONL reader was made once and used up by round 1, so from round 2 on this
     engine ran nothing (0 tokens/s) and the median ratio was 0."""
     pool = FakePool(2)
     path = ROOT / "configs" / "example_prompts.jsonl"
@@ -133,7 +133,7 @@ async def test_speculative_figures_are_summed_over_every_run_of_each_side():
 
 
 async def test_multiturn_bench_plays_the_same_episodes_against_a_careful_raw_vllm_loop():
-    """Issue 29: the raw vLLM side keeps each conversation on one engine (prefix caching keeps its
+    """The raw vLLM side keeps each conversation on one engine (prefix caching keeps its
     history) and sends each engine's turns in one call, as a careful user would: a call per turn
     into a busy engine actor would measure its own round trips."""
     from rollout.bench.multiturn import format_table as multiturn_table
@@ -168,7 +168,7 @@ async def test_multiturn_bench_plays_the_same_episodes_against_a_careful_raw_vll
 
 
 async def test_both_sides_report_their_mean_running_batch():
-    """Issue 29: the running batch sampled over each run, per side, so a gap in the ratio shows
+    """The running batch sampled over each run, per side, so a gap in the ratio shows
     whether an engine's batch ran empty. Fake engines run every request in flight at once."""
     report = await run_bench(
         bench_config("bench.rounds=2", "bench.warmup_prompts=2"), "tiny", progress=False, pool=FakePool(2)

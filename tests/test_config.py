@@ -90,7 +90,7 @@ def test_dump_round_trips():
         (
             ["engines.queued_per_engine=0"],
             "engines.queued_per_engine: expected `int` >= 1",
-        ),  # issue 29: nothing ever waits in vLLM
+        ),  # nothing ever waits in vLLM
         (["engines.queued_per_engine=-4"], "engines.queued_per_engine: expected `int` >= 1"),
         (
             ["engines.max_inflight_per_engine=8", "engines.queued_per_engine=9"],
@@ -250,7 +250,7 @@ def test_validate_checks_stop_conditions_against_the_model(override, message, ca
 
 
 def test_the_queue_depth_defaults_to_a_whole_batch_per_engine():
-    """Issue 29: 16 queued requests per engine covered no engine-driver round trip; a wave of a
+    """16 queued requests per engine covered no engine-driver round trip; a wave of a
     whole batch ending together drained the engine. The default covers one."""
     assert load_config(None).engines.queue_depth == 256
     assert load_config(None, ["engines.max_inflight_per_engine=64"]).engines.queue_depth == 64

@@ -1,6 +1,6 @@
 """A CPU engine's processes come after the driver (`policies.cpu_engine`): the kernel's autogroups
 apply nice only within a session, and Ray's workers share the raylet's, so Ray's worker nice alone
-left the driver's session level with every engine together (issue 29: the driver starved)."""
+left the driver's session level with every engine together (the driver starved)."""
 
 from __future__ import annotations
 

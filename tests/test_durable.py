@@ -137,8 +137,8 @@ def test_a_last_record_with_a_non_zero_garbage_tail_is_an_error(tmp_path):
 @pytest.mark.parametrize("field", [0, 5, 9], ids=["length", "payload-crc", "header-crc"])
 @pytest.mark.parametrize("record", [3, -1], ids=["mid-file", "last"])
 def test_a_flipped_header_byte_is_an_error_at_its_offset_and_changes_nothing(tmp_path, field, record):
-    """The reproduction from issue 18: a flipped length byte used to read as a torn tail and drop
-    every group after it (9 of 10), and the compaction at open made that permanent."""
+    """A flipped length byte is not a torn tail: read as one, it would drop every group after it
+    (9 of 10), and the compaction at open would make that permanent."""
     write_log(tmp_path, 10)
     path = tmp_path / LOG_NAME
     at = offsets(path)[1:][record]

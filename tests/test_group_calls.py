@@ -1,4 +1,4 @@
-"""Issue 27: a weight update's per-engine calls travel the data path, not Ray.
+"""A weight update's per-engine calls travel the data path, not Ray.
 
 A Ray call costs each end ~0.3 ms of CPU; at 256 engines an update's two calls per engine held the
 driver's event loop ~60-170 ms at a time, and every group an engine finished meanwhile waited behind

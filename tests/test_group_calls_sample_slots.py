@@ -1,4 +1,4 @@
-"""Issue 29: a sample's slot on its engine comes back when the sample ends, not when its group does.
+"""A sample's slot on its engine comes back when the sample ends, not when its group does.
 
 Over the real wire (`tests.support.wire`: `RayEngine` handles over `VLLMPolicy` on the fake vLLM): before,
 the engine actor sent a group back only once its last sample ended, so the scheduler could start

@@ -1,6 +1,6 @@
 """The lobby (`rollout.scheduling.lobby`) over a real `Runner`: direct groups start largest budget
 first as room comes free, and the room a turn of the loop frees is looked at once, not once per
-finished sample (issue 27: at 256 engines a look per sample was most of the router's calls); and
+finished sample (at 256 engines a look per sample was most of the router's calls); and
 on the engine over fakes, nothing starts once the scheduler has exited."""
 
 from __future__ import annotations

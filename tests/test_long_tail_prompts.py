@@ -1,4 +1,4 @@
-"""The long-tailed prompt set for `rollout bench` (benchmarks/long_tail_prompts.py, issue 29)."""
+"""The long-tailed prompt set for `rollout bench` (benchmarks/long_tail_prompts.py)."""
 
 from __future__ import annotations
 

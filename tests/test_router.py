@@ -79,7 +79,7 @@ def test_a_preferred_engine_is_waited_for_while_it_serves():
 
 
 def test_the_engine_with_less_waiting_work_is_waited_for_rather_than_one_with_room():
-    """Issue 29: on long tails, the least outstanding tokens among engines with room sent a group
+    """On long tails, the least outstanding tokens among engines with room sent a group
     to whichever engine freed slots first. With `batch` (the running batch), the least loaded engine
     is waited for while the one with room still runs a full batch."""
     ls = loads((8, 100), (6, 5000))  # engine 0: full, little work left; engine 1: room, long samples

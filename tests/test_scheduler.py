@@ -95,7 +95,7 @@ async def test_queued_requests_add_room_per_engine(small_cfg):
 
 
 async def test_waiting_groups_start_longest_budget_first(small_cfg):
-    """Issue 29: groups admitted while every engine is full start in the order of their token budget,
+    """Groups admitted while every engine is full start in the order of their token budget,
     longest first (arrival order among equals), not the order they were read: the long samples of a
     long-tailed set then run alongside the short ones instead of alone at the end."""
     pool = FakePool(2)

@@ -1,4 +1,4 @@
-"""Hostile input on the OpenAI-compatible server (issue 30), over fake engines: a huge body does
+"""Hostile input on the OpenAI-compatible server, over fake engines: a huge body does
 not stall the loop, a bad API key is refused at start, the engine's own checks name the field,
 a reward answered 429 keeps its episode, a port in use is an OSError, stop strings leave the text,
 `n` gives several choices, 429 says when to retry. Real engines (seed, stop strings as vLLM

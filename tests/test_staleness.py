@@ -183,7 +183,7 @@ def test_bad_staleness_config_names_the_key(override, message):
     from rollout.errors import InvalidConfigError
 
     with pytest.raises(InvalidConfigError, match=re.escape(message)):
-        load_config(None, override.split())  # queue.max_groups given: its default follows the engines (issue 29)
+        load_config(None, override.split())  # queue.max_groups given: its default follows the engines
 
 
 def test_tokens_without_epochs_fail_instead_of_counting_as_epoch_0():

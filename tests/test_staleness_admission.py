@@ -282,7 +282,7 @@ async def test_facade_rows_dropped_as_too_stale_come_back_as_failed_rows(admissi
     ],
 )
 def test_an_admission_setting_that_cannot_work_is_refused_naming_the_key(override, message):
-    """Issue 29: a queue depth or admission setting that cannot work fails at load, naming the key."""
+    """A queue depth or admission setting that cannot work fails at load, naming the key."""
     from rollout.errors import InvalidConfigError
 
     with pytest.raises(InvalidConfigError, match=message.replace("`", ".")):
@@ -290,7 +290,7 @@ def test_an_admission_setting_that_cannot_work_is_refused_naming_the_key(overrid
 
 
 def test_the_default_queue_admits_twice_what_the_engines_hold():
-    """Issue 29: `queue.max_groups` follows the engines' room (running + queued, twice over: a group
+    """`queue.max_groups` follows the engines' room (running + queued, twice over: a group
     keeps its slot until its last sample ends), so admission never holds back what they could run."""
     assert load_config(None).queue.max_groups == 2 * 2 * (256 + 256) // 4
     more = load_config(None, ["engines.count=3", "sampling.n=8", "engines.queued_per_engine=64"])

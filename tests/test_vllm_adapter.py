@@ -109,7 +109,7 @@ async def test_the_probe_refuses_a_vllm_that_keeps_no_state_for_a_running_reques
 
 
 async def test_a_request_runs_at_the_priority_of_its_remaining_budget():
-    """Issue 29: vLLM (`scheduling_policy: priority`, lower runs earlier) starts the longest remaining
+    """VLLM (`scheduling_policy: priority`, lower runs earlier) starts the longest remaining
     budget first, so a long-tailed set's long samples do not start last and run alone at the end."""
     from policies.vllm_args import sampling_params
     from rollout.types import Sampling

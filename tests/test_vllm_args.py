@@ -27,7 +27,7 @@ def test_the_kv_cache_default_depends_on_the_device():
 
 
 def test_priority_scheduling_is_asked_for_in_engines_vllm():
-    """Issue 29: requests always carry their remaining token budget as priority (`VllmFrontend.run`);
+    """Requests always carry their remaining token budget as priority (`VllmFrontend.run`);
     vLLM uses it only with `scheduling_policy: priority`, which slowed prefill-heavy multi-turn runs."""
     assert engine_args(load_config(None), "/m").scheduling_policy == "fcfs"
     asked = load_config(None, ["engines.vllm={scheduling_policy: priority}"])

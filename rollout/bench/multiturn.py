@@ -4,7 +4,7 @@ agent loop on raw vLLM, on the same engines, in one run.
 Both sides play the same episodes (same prompts, the same environment, token-id observations,
 each turn `sampling.max_tokens` generated): this engine (the scheduler: each episode's turns on one
 engine, reusing the KV of the turns before); and an agent loop straight into each engine's vLLM
-written as a careful user would (issue 29): episode e always on engine e mod E, so vLLM's own
+written as a careful user would: episode e always on engine e mod E, so vLLM's own
 prefix cache keeps its history, and each engine's turns sent in one call (every episode on that
 engine that is still playing has its next turn ready, then they go together, as `LLM.generate`
 of a batch would). A call per turn into a busy CPU engine actor costs about a second here, so a

@@ -1,5 +1,5 @@
 """A group of the learner's run without a task of its own (`Direct`): the common case, at a few
-tens of microseconds of the driver's CPU a group less than a task (issue 27).
+tens of microseconds of the driver's CPU a group less than a task.
 
 Its path is three callbacks. The lobby starts it (`start`) when it is first in line and an engine
 has room; the engine hands back each results frame's samples of it (`on_result`, from the data
