@@ -4,7 +4,7 @@ For each `weight_sync.mode`: 2 real engines, 128 requests of 80-100 tokens sampl
 0.7, top_p 0.9, top_k 50, 3 updates with distinct random weights while they stream (through vLLM's
 trainer API, its factory's trainer engines of ours: 1 through `shm`, 3 through `gloo`, the engines
 started with `shm` serving both; 2 through Ray's object store), and a KV cache
-of ~1.5k tokens per engine for the ~2k its 16 running requests need, so vLLM preempts (and each
+of ~3k tokens (24 blocks) per engine for the 32 blocks its 16 running requests need, so vLLM preempts (and each
 preemption is recorded as an eviction and a KV recompute); every behaviour logprob (processed:
 of the distribution sampled from) must match the oracle's replay (same tokens, the weights each
 position was computed with, the same processing) within 1e-3, and a replay of raw logprobs must not.

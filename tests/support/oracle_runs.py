@@ -23,10 +23,11 @@ MODES = ["keep", "recompute", "abort_resume", "drain"]
 UPDATES = 3
 SAMPLING = ("sampling.temperature=0.7", "sampling.top_p=0.9", "sampling.top_k=50")
 MAX_TOKENS, MIN_TOKENS = 100, 80  # each sample of `prompts`
-# ~1.5k float32 tokens of the tiny model per engine: 16 running samples of `prompts` need ~2k, so
-# vLLM preempts. The oracle runs' engines (shm: our weight-transfer backend on CPU, which serves
+# ~3k float32 tokens of the tiny model per engine, 24 blocks of vLLM's 128 on CPU: 16 running
+# samples of `prompts` take 2 blocks each, so vLLM preempts, and the 12 that `land_inside` waits
+# for fit at once. The oracle runs' engines (shm: our weight-transfer backend on CPU, which serves
 # gloo learners too).
-SMALL_KV = "engines.vllm={kv_cache_gib: 0.0015, weight_transfer_config: {backend: shm}}"
+SMALL_KV = "engines.vllm={kv_cache_gib: 0.003, weight_transfer_config: {backend: shm}}"
 
 
 def random_weights(base: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
