@@ -107,6 +107,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
         f"{len(pools)} engine pools ({sum(s['engines'] for s in pools)} engines) and {len(restarts)} engine restarts: "
         f"{len(pools) + len(restarts)} starts, {seconds:.0f} s of start-up"
     )
+    for s in starts:  # a shared pool shut down instead of handed to the next test (tests/support/engines.py)
+        if s["kind"] == "dropped":
+            terminalreporter.write_line(f"shared pool dropped: {s['reason']}")
 
 
 _starts_file = pytest.StashKey[str]()

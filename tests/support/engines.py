@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import subprocess
@@ -30,7 +31,7 @@ import msgspec
 from policies.shm import mapped
 from rollout import RolloutEngine, load_config
 from rollout.config import Config
-from rollout.log import get_logger
+from rollout.log import STARTS_ENV, get_logger
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 1024
@@ -117,16 +118,18 @@ class SharedPools:
         actors = getattr(pool, "actors", [])  # Ray's engine actors (a fake pool has none)
         await asyncio.gather(*(a.__ray_call__.remote(_set_weight_sync, cfg.weight_sync) for a in actors))
         self._leased.add(key)
-        handed_back = False
+        why: str | None = "the test failed"
         try:
             async with RolloutEngine(cfg, pool=Lease(pool), start_epoch=epoch, **kwargs) as engine:
                 yield engine
-                handed_back = id(engine) not in self._spoiled and await _hand_back(engine, epoch)
+                spoiled = id(engine) in self._spoiled
                 self._spoiled.discard(id(engine))
+                why = "a test of its engine failed" if spoiled else await _hand_back(engine, epoch)
         finally:
             self._leased.discard(key)
-            if not handed_back:  # a failed test, or engines not as a fresh pool's: the next test starts anew
-                log.warning("shared pool dropped", reason="the test failed or left it changed")
+            if why is not None:  # engines not as a fresh pool's: the next test starts anew
+                log.warning("shared pool dropped", reason=why)
+                _record_drop(why)
                 await self._stop(key)
 
     def spoil(self, engine: RolloutEngine) -> None:
@@ -172,10 +175,17 @@ class SharedPools:
             ray.shutdown()
 
 
-async def _hand_back(engine: RolloutEngine, epoch: int) -> bool:
+def _record_drop(why: str) -> None:
+    """A dropped pool in the run's engine-start record (the run's summary lists why)."""
+    if path := os.environ.get(STARTS_ENV):
+        with open(path, "a") as f:
+            f.write(json.dumps({"kind": "dropped", "reason": why, "engines": 0, "seconds": 0}) + "\n")
+
+
+async def _hand_back(engine: RolloutEngine, epoch: int) -> str | None:
     """Put a leased pool back as a fresh one: generation resumed, the model's own weights loaded
     where an update changed them, prefix caches empty (requests of the next engine reuse ids and
-    cache salts). False where that fails or an engine is out of rotation."""
+    cache salts). None when it is; else why not (it failed, or an engine is out of rotation)."""
     try:
         async with asyncio.timeout(300):
             if await engine.is_paused():
@@ -186,11 +196,13 @@ async def _hand_back(engine: RolloutEngine, epoch: int) -> bool:
             for e in engine.pool.engines:
                 await e.reset_prefix_cache()
             stats = await engine.stats()
-    except Exception as e:  # noqa: BLE001 -- any failure: the pool is dropped, the reason logged
-        log.warning("shared pool not handed back", error=f"{type(e).__name__}: {e}")
-        return False
-    in_rotation = all(load.healthy for load in engine._scheduler.runner.loads)
-    return in_rotation and all(s.epoch == engine.epoch for s in stats)
+    except Exception as e:  # noqa: BLE001 -- any failure: the pool is dropped, the reason recorded
+        return f"handing it back failed: {type(e).__name__}: {e}"[:300]
+    if out := [i for i, load in enumerate(engine._scheduler.runner.loads) if not load.healthy]:
+        return f"engines {out} out of rotation"
+    if any(s.epoch != engine.epoch for s in stats):
+        return f"engines at epochs {[s.epoch for s in stats]}, the driver at {engine.epoch}"
+    return None
 
 
 async def held(enter: Callable[[], Any]) -> AsyncIterator[Any]:
