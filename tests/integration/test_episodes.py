@@ -26,7 +26,7 @@ from rollout import Prompt, RolloutEngine
 from rollout.episodes.env import Step
 from rollout.types import Trajectory
 from tests.support.engines import SharedPools, integration_config
-from tests.support.oracle_runs import MODES, SAMPLING, kill, land_inside, random_weights, shifted_boundary
+from tests.support.oracle_runs import MODES, SAMPLING, kill, land_inside, random_weights, shifted_boundary, ungate
 
 TURNS = 5
 
@@ -103,6 +103,7 @@ async def run(pools: SharedPools, mode: str, kill_one: bool) -> tuple[list[Traje
                 if kill_one and k == 1:
                     await kill_mid_episode(engine)
         finally:
+            ungate(engine)
             for event in (*Talk.landed, *Talk.staged, *Talk.ended, Talk.hold):
                 if event is not None:
                     event.set()

@@ -27,7 +27,7 @@ from policies.processing import Processing
 from rollout import RolloutEngine
 from rollout.types import Trajectory
 from tests.support.engines import held, integration_config
-from tests.support.oracle_runs import commit_when, kill, random_weights
+from tests.support.oracle_runs import commit_when, kill, random_weights, ungate
 
 SAMPLING = {"temperature": 0.7, "top_p": 0.9}
 EXTRA = {"top_k": 50, "min_tokens": 128}  # long turns: more to go than an update takes to land
@@ -136,6 +136,7 @@ async def test_served_turns_match_the_oracle_across_updates_and_a_killed_engine(
         updater = asyncio.ensure_future(updates())
         conversations = await asyncio.gather(*(conversation(c) for c in range(16)))
         await updater
+        ungate(engine)
         oracle = Oracle(engine.model_path, weights)
     processing = Processing(temperature=0.7, top_p=0.9, top_k=50, min_tokens=128, stop_ids=(2,))
     episodes = []

@@ -186,6 +186,9 @@ async def _hand_back(engine: RolloutEngine, epoch: int) -> str | None:
     """Put a leased pool back as a fresh one: generation resumed, the model's own weights loaded
     where an update changed them, prefix caches empty (requests of the next engine reuse ids and
     cache salts). None when it is; else why not (it failed, or an engine is out of rotation)."""
+    from tests.support.oracle_runs import ungate
+
+    ungate(engine)  # a test's hold on commits (`commit_when`) must not hold the hand-back's update
     try:
         async with asyncio.timeout(300):
             if await engine.is_paused():

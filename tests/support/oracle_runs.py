@@ -63,10 +63,18 @@ def shifted_boundary(t: Trajectory) -> Trajectory | None:
     )
 
 
+def ungate(engine: RolloutEngine) -> None:
+    """Undo `commit_when`: updates commit as soon as every engine received them, as they do
+    untouched (the shared pools' hand-back updates the weights once more)."""
+    engine._updates.__dict__.pop("_commit", None)
+    if engine._transfer is not None:
+        engine._transfer.__dict__.pop("_start_engines", None)
+
+
 def commit_when(engine: RolloutEngine, ready: Callable[[int], Awaitable[Any]]) -> None:
     """Hold each weight update's commit (phase 2: engines pause and load) until `ready(epoch)`,
     after its transfer (phase 1, seconds on a busy machine) is done. The commit then lands at a
-    point the test chose, not wherever the clock put it."""
+    point the test chose, not wherever the clock put it. `ungate` undoes it."""
     commit = engine._updates._commit
 
     async def gated(epoch: int, *args: Any, **kwargs: Any) -> Any:
@@ -190,6 +198,7 @@ async def run_with_updates(
             updated[k].set()
     finally:
         updated[len(parts)].set()
+        ungate(engine)
     await consumer
     return trajectories
 
