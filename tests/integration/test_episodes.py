@@ -83,6 +83,7 @@ async def run(pools: SharedPools, mode: str, kill_one: bool) -> tuple[list[Traje
     )  # fmt: skip
     async with pools.engine(cfg, env=Talk) as engine:
         start = engine.epoch  # the shared engines' epoch: update k makes start + k
+        finished = (await engine.stats())[0].requests_finished  # engine 0's, before this run (shared)
         base = load_file(f"{engine.model_path}/model.safetensors")
         weights = {start: base}
         engine.feed([Prompt(text=f"episode {i}: " + "y" * (20 + i * 3), id=f"e{i}") for i in range(PROMPTS)])
@@ -101,7 +102,7 @@ async def run(pools: SharedPools, mode: str, kill_one: bool) -> tuple[list[Traje
                 assert await engine.update_weights(weights[start + k]) == start + k
                 Talk.landed[k].set()
                 if kill_one and k == 1:
-                    await kill_mid_episode(engine)
+                    await kill_mid_episode(engine, finished)
         finally:
             ungate(engine)
             for event in (*Talk.landed, *Talk.staged, *Talk.ended, Talk.hold):
@@ -111,12 +112,12 @@ async def run(pools: SharedPools, mode: str, kill_one: bool) -> tuple[list[Traje
         return episodes, weights, engine
 
 
-async def kill_mid_episode(engine: RolloutEngine) -> None:
+async def kill_mid_episode(engine: RolloutEngine, finished_before: int) -> None:
     """Kill engine 0 once a turn has finished on it (its episode has turns to go: no episode passes
     its second turn before `Talk.hold`), then let the episodes go on once it is out of rotation."""
     runner = engine._scheduler.runner
     async with asyncio.timeout(120):
-        while not (await engine.stats())[0].requests_finished:
+        while (await engine.stats())[0].requests_finished <= finished_before:
             await asyncio.sleep(0.05)
         await kill(runner.engines[0], "actor")
         while runner.loads[0].healthy:
