@@ -189,8 +189,11 @@ async def _hand_back(engine: RolloutEngine, epoch: int) -> str | None:
     from tests.support.oracle_runs import ungate
 
     ungate(engine)  # a test's hold on commits (`commit_when`) must not hold the hand-back's update
+    runner = engine._scheduler.runner
     try:
         async with asyncio.timeout(300):
+            while any(load.restarting for load in runner.loads):  # a killed engine's restart ends first
+                await asyncio.sleep(0.1)
             if await engine.is_paused():
                 await engine.resume_generation()
             stats = await engine.stats()
@@ -201,7 +204,7 @@ async def _hand_back(engine: RolloutEngine, epoch: int) -> str | None:
             stats = await engine.stats()
     except Exception as e:  # noqa: BLE001 -- any failure: the pool is dropped, the reason recorded
         return f"handing it back failed: {type(e).__name__}: {e}"[:300]
-    if out := [i for i, load in enumerate(engine._scheduler.runner.loads) if not load.healthy]:
+    if out := [i for i, load in enumerate(runner.loads) if not load.healthy]:
         return f"engines {out} out of rotation"
     if any(s.epoch != engine.epoch for s in stats):
         return f"engines at epochs {[s.epoch for s in stats]}, the driver at {engine.epoch}"
