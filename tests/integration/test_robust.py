@@ -17,9 +17,10 @@ import anyio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from policies.shm import descendants
 from rollout.errors import InvalidPromptError
 from tests.support.engines import ROOT, leaked_shm, shm_segments
-from tests.support.processes import alive, descendants, wait_gone
+from tests.support.processes import alive, wait_gone
 from tests.support.strategies import PROMPTS
 
 SMALL = ["engines.count=1", "sampling.n=2", "sampling.max_tokens=8", "logging.level=warning", "ray.num_cpus=4"]

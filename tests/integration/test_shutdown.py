@@ -16,13 +16,13 @@ import time
 import anyio
 import pytest
 
-from policies.shm import mapped
+from policies.shm import descendants, mapped
 from rollout import RolloutEngine
 from rollout.handoff.durable import LOG_NAME
 from rollout.handoff.grouplog import AckRecord, GroupRecord, LogReader
 from tests.support.drivers import start_python
 from tests.support.engines import engine_processes, integration_config, leaked_shm, shm_segments
-from tests.support.processes import alive, descendants, kill_orphans, wait_gone
+from tests.support.processes import alive, kill_orphans, wait_gone
 
 DRIVER = """
 import json, os, sys, anyio

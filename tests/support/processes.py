@@ -5,22 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
-
-
-def descendants(pid: int) -> set[int]:
-    """Every process below `pid` now (its Ray cluster, the engine actors, vLLM's engine cores)."""
-    children: dict[int, list[int]] = {}
-    for line in subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout.splitlines():
-        child, parent = map(int, line.split())
-        children.setdefault(parent, []).append(child)
-    out, todo = set(), [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.add(c)
-            todo.append(c)
-    return out
 
 
 def alive(pids: set[int]) -> set[int]:
