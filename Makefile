@@ -8,7 +8,7 @@ CONFIG ?= configs/tiny.yaml
 BENCH_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup bench lint test test-unit test-integration test-fuzz clean
+.PHONY: setup bench lint docs test test-unit test-integration test-fuzz clean
 
 setup: $(STAMP)
 
@@ -35,7 +35,13 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: lint
+# The docs site (mkdocs.yml) into site/, with --strict: a broken link, a page left out of the
+# navigation or a missing API object fails it. The tools come with the dev extra.
+docs:
+	@test -x $(VENV)/bin/mkdocs || { echo "make docs: mkdocs is not installed in $(VENV); install the dev extra: $(VENV)/bin/pip install -e '.[dev]' (or run make setup)" >&2; exit 2; }
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
+test: lint docs
 	$(VENV)/bin/python -m pytest tests $(PYTEST_ARGS)
 
 test-unit: setup
@@ -48,4 +54,4 @@ test-fuzz: setup
 	$(VENV)/bin/python -m pytest tests -m fuzz $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache bench_report.json
+	rm -rf $(VENV) .pytest_cache bench_report.json site
