@@ -1,4 +1,4 @@
-"""The `rollout` command: bench, run, validate. Every subcommand takes CONFIG and `-o key=value`.
+"""The `rollout` command: bench, run, validate, serve. Every subcommand takes CONFIG and `-o key=value`.
 
     rollout bench configs/tiny.yaml -o engines.count=1 -o sampling.n=8
     rollout bench configs/tiny.yaml --rounds 12 --plot bench.png
@@ -27,7 +27,9 @@ from rollout.errors import InvalidConfigError, InvalidPromptError, RolloutError
 from rollout.packed import json_hook
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `rollout` command's parser, one subparser per subcommand (the CLI reference is generated
+    from it: docs/gen_reference.py)."""
     parser = argparse.ArgumentParser(
         prog="rollout", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -57,10 +59,10 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument(
                 "--plot", metavar="FILE.png", help="also draw throughput per round, latency and time to first token"
             )
-            p.add_argument("--no-progress", action="store_true")
+            p.add_argument("--no-progress", action="store_true", help="print no progress on stderr")
         if name == "run":
             p.add_argument("--out", required=True, help="output JSONL, one trajectory per line")
-            p.add_argument("--no-progress", action="store_true")
+            p.add_argument("--no-progress", action="store_true", help="print no progress on stderr")
         if name == "serve":
             p.add_argument("--host", help="address to listen on (default: serve.host, 127.0.0.1)")
             p.add_argument("--port", type=int, help="port (default: serve.port, 8000; 0: a free one)")
@@ -71,7 +73,11 @@ def main(argv: list[str] | None = None) -> int:
                 metavar="N",
                 help="HTTP front-end processes sharing the port (default: serve.api_servers, 1)",
             )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     args.config = args.config or str(packaged_config("tiny.yaml"))  # a str: the bench report names it in JSON
     try:
         overrides = list(args.override) + (["logging.json=true"] if args.log_json else [])

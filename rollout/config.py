@@ -2,6 +2,8 @@
 
 Owns: every default (here and nowhere else), unknown-key rejection, `a.b=c` overrides, cross-field
 checks, and error messages that name the offending key path (`engines.count: expected int >= 1`).
+Each key's meaning is the string under its field: docs/gen_reference.py renders them, with each
+key's type, default and range, into the config reference (docs/reference/config.md).
 """
 
 from __future__ import annotations
@@ -16,48 +18,69 @@ import msgspec.yaml
 from msgspec import Meta, Struct
 
 from rollout.errors import InvalidConfigError
+from rollout.speculative import SpeculativeConfig, check_raw_speculative_args
 from rollout.types import NonNegInt, PositiveInt, Sampling, not_utf8_in, printable
 
 PositiveFloat = Annotated[float, Meta(gt=0.0)]
 
 
 class ModelConfig(Struct, frozen=True, forbid_unknown_fields=True):
-    path: str = "tiny"  # "tiny": the embedded random-weight Llama; else a local HF model dir
+    """The model every engine serves."""
+
+    path: str = "tiny"
+    """`tiny`: the embedded random-weight Llama, built locally; else a local HF model directory."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "bfloat16"
+    """The weights' dtype in the engines."""
     max_model_len: PositiveInt = 2048
-    seed: Annotated[int, Meta(ge=0, le=2**32 - 1)] = (
-        0  # seeds the tiny model's weights and vLLM's sampler (numpy: 32 bits)
-    )
+    """Prompt plus generated tokens of one request."""
+    seed: Annotated[int, Meta(ge=0, le=2**32 - 1)] = 0
+    """Seeds the tiny model's weights and vLLM's sampler (numpy takes 32 bits)."""
 
 
 class EnginesConfig(Struct, frozen=True, forbid_unknown_fields=True):
+    """The vLLM engines: how many, their resources, health, restarts and retries."""
+
     count: PositiveInt = 2
-    cpus_per_engine: PositiveInt = 1  # CPU engines also get this many OpenMP threads, pinned
+    """vLLM engines, one Ray actor each."""
+    cpus_per_engine: PositiveInt = 1
+    """Ray CPUs per engine. A CPU engine runs on that many cores of its own: its front-end, engine
+    core and worker processes, and its OpenMP threads, are pinned there."""
     gpus_per_engine: Annotated[float, Meta(ge=0)] = 0
-    max_inflight_per_engine: PositiveInt = 256  # requests one engine runs at once (vLLM's max_num_seqs)
-    # ...and requests the scheduler hands it beyond those, waiting in vLLM's own queue: the step
-    # after a request ends already runs its successor, instead of one engine-driver round trip
-    # later. It must cover what finishes within a round trip: on the tiny model a whole batch
-    # ends together (every sample runs to max_tokens). 1 to max_inflight_per_engine; None: as
-    # many as max_inflight_per_engine (`queue_depth`).
+    """Ray GPUs per engine (below 1: engines share a GPU)."""
+    max_inflight_per_engine: PositiveInt = 256
+    """Requests one engine runs at once (vLLM's `max_num_seqs`)."""
     queued_per_engine: PositiveInt | None = None
+    """Requests the scheduler hands an engine beyond its running batch, waiting in vLLM's own
+    queue, so the step after a request ends already runs its successor instead of one
+    engine-driver round trip later. It must cover what finishes within a round trip (on the tiny
+    model a whole batch ends together); fewer lets each wave drain the engine. At most
+    `max_inflight_per_engine`; null: as many. The router counts them as load."""
     start_timeout_s: PositiveFloat = 600.0
+    """Engines must be ready within this."""
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
-    # Health: every interval each engine reports its requests' progress (what a crash would keep);
-    # an engine that does not answer within health_timeout_s is killed and its requests move on.
+    """Ray placement group strategy for the engine bundles."""
     health_interval_s: PositiveFloat = 2.0
+    """How often each engine reports its requests' progress (what a crash would keep)."""
     health_timeout_s: PositiveFloat = 60.0
-    max_restarts: NonNegInt = 3  # per engine; the n-th restart waits restart_backoff_s * 2**(n-1)
+    """An engine silent this long is killed; its requests move on."""
+    max_restarts: NonNegInt = 3
+    """Restarts per engine; the n-th waits `restart_backoff_s * 2**(n-1)`."""
     restart_backoff_s: Annotated[float, Meta(ge=0)] = 1.0
-    request_timeout_s: PositiveFloat | None = None  # a group with no result by then is retried elsewhere
-    max_retries: NonNegInt = 3  # times a group's unfinished samples move to another engine, then fail
-    # vLLM preempts a running request when its KV cache runs out. record: let it, and record each
-    # preemption (the request continues as a new one; `kv_recomputes` gets the recompute); avoid:
-    # cap running requests at what the cache holds at max_model_len, so it never has to.
+    """The first restart's wait; each later one doubles it."""
+    request_timeout_s: PositiveFloat | None = None
+    """A group with no result by then moves to another engine; null: no limit."""
+    max_retries: NonNegInt = 3
+    """Times a group's unfinished samples move to another engine before they fail."""
     preemption: Literal["record", "avoid"] = "record"
-    # Pass-through vLLM engine args (any AsyncEngineArgs field), plus `kv_cache_gib` (the KV cache
-    # size; default on CPU engines: 1 GiB; on GPU engines vLLM sizes it by gpu_memory_utilization).
+    """vLLM preempts a running request when its KV cache runs out. `record`: let it, and record
+    each preemption (the request continues as a new one; `kv_recomputes` gets the recompute).
+    `avoid`: cap running requests at what the cache holds at `max_model_len`, so it never has to."""
     vllm: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Pass-through vLLM engine args (any `AsyncEngineArgs` field; `logprobs_mode` and
+    `scheduler_cls` are rollout's; `scheduling_policy: priority` runs the longest remaining token
+    budget first), plus `kv_cache_gib`: the KV cache per engine. Default: 1 GiB on CPU engines;
+    on GPU engines vLLM's own sizing by `gpu_memory_utilization` (engines sharing a GPU get their
+    share of 0.9)."""
 
     @property
     def queue_depth(self) -> int:
@@ -75,12 +98,20 @@ class EnginesConfig(Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class PromptsConfig(Struct, frozen=True, forbid_unknown_fields=True):
+    """The prompts `rollout bench` and `rollout run` generate from."""
+
     source: Literal["synthetic", "jsonl"] = "synthetic"
-    path: str | None = None  # for jsonl: one Prompt object per line
-    count: PositiveInt = 512  # synthetic only
+    """`synthetic`: random tokens; `jsonl`: the file at `path`."""
+    path: str | None = None
+    """With `source: jsonl`: one Prompt object per line."""
+    count: PositiveInt = 512
+    """Synthetic prompts."""
     min_len: PositiveInt = 16
+    """Synthetic prompts' shortest length in tokens (lengths are uniform in [min_len, max_len])."""
     max_len: PositiveInt = 128
+    """Synthetic prompts' longest length in tokens."""
     seed: int = 0
+    """Seeds the synthetic prompts."""
 
     def __post_init__(self) -> None:
         if self.source == "jsonl" and not self.path:
@@ -90,67 +121,92 @@ class PromptsConfig(Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class WeightSyncConfig(Struct, frozen=True, forbid_unknown_fields=True):
-    # keep: pause, load, resume; running requests continue over their old KV (fastest)
-    # recompute: as keep, but running requests recompute their KV with the new weights
-    # abort_resume: running requests are aborted and continue as prompt + partial output
-    # drain: stop starting requests, let running ones finish, then load (synchronous baseline)
+    """What `update_weights` does to the engines."""
+
     mode: Literal["keep", "recompute", "abort_resume", "drain"] = "keep"
-    timeout_s: PositiveFloat = 300.0  # one engine's pause + load + resume; past it the engine is dropped
+    """What running requests do at an update. `keep`: pause, load, resume; they continue over their
+    old KV (fastest). `recompute`: as keep, but they recompute their KV with the new weights.
+    `abort_resume`: they are aborted and continue as prompt + partial output. `drain`: stop
+    starting requests, let running ones finish, then load (the synchronous baseline)."""
+    timeout_s: PositiveFloat = 300.0
+    """One engine's pause + load + resume; past it the engine leaves rotation."""
 
 
 class StalenessConfig(Struct, frozen=True, forbid_unknown_fields=True):
-    # Lag of a token = the epoch when its trajectory is handed out - the token's policy epoch.
-    max_lag: NonNegInt | None = None  # None: unbounded; 0: synchronous (with weight_sync.mode=drain)
-    # What hand-out does with a trajectory that still has tokens lagging more than max_lag:
-    # drop it (a group left with none is not handed out), or mask those tokens out of the loss.
+    """How stale a handed-out token may be. A token's lag is the epoch when its trajectory is
+    handed out minus the token's policy epoch."""
+
+    max_lag: NonNegInt | None = None
+    """The largest lag in epochs of a handed-out token; null: unbounded; 0 with
+    `weight_sync.mode: drain`: synchronous RL."""
     stale: Literal["drop", "mask"] = "drop"
-    # Groups the learner consumes per weight update, for admission control. None: the `groups`
-    # of the latest `batches(groups=k)` call (`groups()` counts as 1).
+    """What hand-out does with a trajectory that has tokens lagging more: `drop` it (a group left
+    with none is not handed out), or `mask` those tokens out of the loss."""
     batch_groups: PositiveInt | None = None
+    """Groups the learner consumes per weight update, for admission; wins over
+    `batches(groups=k)`. Null: the `groups` of the latest `batches(groups=k)` call (`groups()`
+    counts as 1)."""
 
 
 class QueueConfig(Struct, frozen=True, forbid_unknown_fields=True):
-    # Groups admitted but not yet taken by the learner. None: twice what the engines hold running and
-    # queued, engines.count x (max_inflight_per_engine + queued_per_engine) / sampling.n, since a
-    # group keeps its slot until its last sample ends; resolved by `Config`.
+    """The queue of finished groups between the engines and the learner."""
+
     max_groups: PositiveInt | None = None
-    # ready_first: groups are handed out as they finish; in_order: in the order they were fed
+    """Groups admitted but not yet taken by the learner; a full queue stops admission. Null: twice
+    what the engines hold running and queued, `2 x engines.count x (max_inflight_per_engine +
+    queued_per_engine) / sampling.n`, since a group keeps its slot until its last sample ends
+    (`configs/tiny.yaml`: 512). Admitted groups wait for an engine largest `max_tokens` first, so
+    the more it admits, the further ahead the long ones are seen."""
     order: Literal["ready_first", "in_order"] = "ready_first"
-    # When set: finished groups are logged here (fsync'd) before hand-out and acknowledged when the
-    # learner commits them; a new engine on the same directory hands out the uncommitted ones first
-    # and resumes at the latest epoch. One run per directory (it is locked).
+    """`ready_first`: groups are handed out as they finish; `in_order`: in the order they were fed."""
     durable_dir: str | None = None
-    # auto: asking for the next group or batch commits the ones handed out before (so does a clean
-    # exit); explicit: only `engine.commit()` does (a learner that fetches ahead of its step).
+    """When set, finished groups are logged here (fsync'd) before hand-out and acknowledged when
+    the learner commits them; a new engine on the same directory hands out the uncommitted ones
+    first and resumes at the latest epoch. One run per directory (it is locked)."""
     durable_commit: Literal["auto", "explicit"] = "auto"
-    # The log is rewritten with only the uncommitted groups once committed records take this much.
+    """`auto`: asking for the next group or batch commits the ones handed out before (so does a
+    clean exit); `explicit`: only `engine.commit()` does (a learner that fetches ahead)."""
     durable_compact_bytes: PositiveInt = 64 << 20
+    """The log is rewritten with only the uncommitted groups once committed records take this many
+    bytes."""
 
 
 class EpisodeConfig(Struct, frozen=True, forbid_unknown_fields=True):
     """Limits of a multi-turn episode (with `env` set)."""
 
-    max_turns: PositiveInt = 8  # model turns
-    max_tokens: PositiveInt | None = None  # the whole conversation's tokens; null: model.max_model_len
-    step_timeout_s: PositiveFloat | None = 60.0  # one `reset` or `step` of the environment
+    max_turns: PositiveInt = 8
+    """Model turns per episode."""
+    max_tokens: PositiveInt | None = None
+    """Tokens of the whole conversation; null: `model.max_model_len`."""
+    step_timeout_s: PositiveFloat | None = 60.0
+    """One `reset` or `step` of the environment, timed from when it starts running (a sync one's
+    wait for a worker thread does not count); null: no limit."""
 
 
 class ServeConfig(Struct, frozen=True, forbid_unknown_fields=True):
     """`rollout serve` / `engine.serve()`: the OpenAI-compatible HTTP server."""
 
-    host: str = "127.0.0.1"  # loopback unless told otherwise
-    port: NonNegInt = 8000  # 0: a free port
-    api_key: str | None = None  # when set, every request needs `Authorization: Bearer <key>`
-    model_name: str | None = None  # the model id clients send; default: model.path
-    max_concurrency: PositiveInt = 1024  # requests in flight per front-end process; past it: 429
-    # HTTP front-end processes sharing the port (vLLM's --api-server-count); 1: the server runs in the
-    # engine's process. Each serves ~1,000 requests/s on a core of its own (README, "Past one driver").
+    host: str = "127.0.0.1"
+    """The address to listen on: loopback unless told otherwise."""
+    port: NonNegInt = 8000
+    """The port; 0: a free one."""
+    api_key: str | None = None
+    """When set, every request needs `Authorization: Bearer <key>`."""
+    model_name: str | None = None
+    """The model id clients send; null: `model.path`."""
+    max_concurrency: PositiveInt = 1024
+    """Requests in flight per front-end process; past it: 429."""
     api_servers: Annotated[int, Meta(ge=1, le=64)] = 1
+    """HTTP front-end processes sharing the port (vLLM's `--api-server-count`); 1: the server runs
+    in the engine's process."""
     max_body_bytes: PositiveInt = 8 * 2**20
-    # vLLM's parsers by the names it registers (`vllm serve --tool-call-parser` / `--reasoning-parser`);
-    # "none" or null: none. Checked against vLLM's registries here (`policies.parsers`).
-    tool_parser: str | None = "hermes"  # how tool calls are read from the model's text
-    reasoning_parser: str | None = None  # how reasoning is split from the answer (e.g. qwen3, deepseek_r1)
+    """The largest request body; past it: 413."""
+    tool_parser: str | None = "hermes"
+    """vLLM's tool-call parser by the name it registers (`vllm serve --tool-call-parser`), for
+    served chats and episodes' actions; `none` or null: none."""
+    reasoning_parser: str | None = None
+    """vLLM's reasoning parser by the name it registers (e.g. `qwen3`, `deepseek_r1`); `none` or
+    null: none."""
 
     def __post_init__(self) -> None:
         if self.tool_parser not in (None, "none", "hermes") or self.reasoning_parser not in (None, "none"):
@@ -160,35 +216,53 @@ class ServeConfig(Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class RayConfig(Struct, frozen=True, forbid_unknown_fields=True):
-    address: str | None = None  # None: start a local cluster; "auto" or "host:port": join one
-    num_cpus: PositiveInt | None = None  # local cluster only; default: enough for the engines
+    """The Ray cluster the engines run in."""
+
+    address: str | None = None
+    """Null: start a local cluster (loopback only, token auth); `auto`, `host:port` or
+    `ray://host:port`: join an existing one (checked to answer within 5 s)."""
+    num_cpus: PositiveInt | None = None
+    """The local cluster's CPUs; null: enough for the engines."""
 
 
 class LoggingConfig(Struct, frozen=True, forbid_unknown_fields=True):
+    """The engine's own log lines."""
+
     level: Literal["debug", "info", "warning", "error"] = "info"
+    """The lowest level logged."""
     json: bool = False
+    """JSON lines instead of console text (`--log-json`)."""
 
 
 class MetricsConfig(Struct, frozen=True, forbid_unknown_fields=True):
-    # `engine.metrics()` needs nothing here; this is the Prometheus exporter (rollout.metrics.figures).
-    port: Annotated[int, Meta(ge=0, le=65535)] | None = None  # serve /metrics on it; None: off; 0: any free port
-    host: str = "127.0.0.1"  # loopback only; "0.0.0.0" lets other machines scrape it
-    refresh_s: PositiveFloat = (
-        5.0  # how often the exporter reads each engine's own counters (preemptions, spec decoding)
-    )
+    """The Prometheus exporter; `engine.metrics()` needs nothing here."""
+
+    port: Annotated[int, Meta(ge=0, le=65535)] | None = None
+    """Serve `/metrics` on this port; null: off; 0: any free port."""
+    host: str = "127.0.0.1"
+    """Loopback only; `0.0.0.0` lets other machines scrape it."""
+    refresh_s: PositiveFloat = 5.0
+    """How often the exporter reads each engine's own counters (preemptions, speculative decoding)."""
 
 
 _BENCH_ROUNDS = 4
 
 
 class BenchConfig(Struct, frozen=True, forbid_unknown_fields=True):
-    baseline: bool = True  # also drive raw vLLM with the same prompts and report the ratio
-    warmup_prompts: NonNegInt | None = None  # None: enough to fill every engine once (no batch shape compiles mid-run)
-    # Rounds of (this engine, raw vLLM), order alternating; the ratio is their median. 4 keeps a
-    # first `make bench` within minutes; 12 gives a 96% interval that excludes the 2 extreme rounds each side.
+    """`rollout bench`: this engine against raw vLLM on the same engines."""
+
+    baseline: bool = True
+    """Also drive raw vLLM with the same prompts and report the ratio."""
+    warmup_prompts: NonNegInt | None = None
+    """Warm-up prompts; null: enough to fill every engine once (no batch shape compiles mid-run)."""
     rounds: PositiveInt = _BENCH_ROUNDS
-    repeats: PositiveInt | None = None  # the old name of `rounds`, still read (configs written before)
+    """Rounds of (this engine, raw vLLM), order alternating; the ratio is their median (`--rounds
+    N`). 4 keeps a first run within minutes; 12 gives a 96% interval that excludes the 2 extreme
+    rounds each side."""
+    repeats: PositiveInt | None = None
+    """Another name for `rounds`, read from configs that use it."""
     report: str = "bench_report.json"
+    """The JSON report's path (`--report`)."""
 
     def __post_init__(self) -> None:
         if self.repeats is not None:
@@ -200,96 +274,9 @@ class BenchConfig(Struct, frozen=True, forbid_unknown_fields=True):
             msgspec.structs.force_setattr(self, "rounds", self.repeats)
 
 
-# --- Speculative decoding -------------------------------------------------------------------
-# vLLM 0.32's `SpeculativeMethod` (vllm/config/speculative.py), so a typo fails when the config
-# loads; `policies.vllm_args.engine_args` re-checks against the vLLM actually installed.
-SPECULATIVE_METHODS = frozenset(
-    {"ngram", "ngram_gpu", "suffix", "draft_model", "eagle", "eagle3", "medusa", "mlp_speculator",
-     "mtp", "dflash", "dspark", "extract_hidden_states", "custom_class"}
-    | {f"{m}_mtp" for m in (
-        "deepseek", "dots3_note", "mimo", "mimo_v2", "glm4_moe", "glm4_moe_lite", "glm_ocr", "ernie",
-        "nemotron_h", "exaone_moe", "exaone4_5", "qwen3_next", "qwen4_exp", "qwen3_5", "longcat_flash",
-        "bailing_hybrid_v3", "minimax_m3", "bailing_hybrid", "kimi_k3", "pangu_ultra_moe", "step3p5",
-        "hy_v3", "hy_v4", "gemma4", "inkling", "glm5_next")}
-)  # fmt: skip
-_NGRAM_METHODS = {"ngram", "ngram_gpu"}  # propose from the context: no model, a token count required
-_MODEL_METHODS = {"draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "dflash", "custom_class"}
-# Engine args that would set speculation behind this block's back (vLLM's CLI spellings included).
-_RAW_SPECULATIVE_ARGS = ("speculative_config", "spec_method", "spec_model", "spec_tokens")
-
-
-class SpeculativeConfig(Struct, frozen=True, forbid_unknown_fields=True):
-    """Speculative decoding: off while `method` is null; else vLLM's `speculative_config` engine arg.
-
-    `ngram` (prompt lookup) runs on CPU. Draft models, EAGLE heads and MTP pass through for GPU
-    engines (`model`: the draft or head directory). `options`: any other field of vLLM's
-    SpeculativeConfig, passed as is (names checked against the installed vLLM before engines start).
-    """
-
-    method: str | None = None
-    num_speculative_tokens: PositiveInt | None = None  # required for ngram; a draft model's config may give it
-    prompt_lookup_min: PositiveInt | None = None  # ngram: shortest context n-gram to match
-    prompt_lookup_max: PositiveInt | None = None  # ngram: longest
-    model: str | None = None  # draft model / EAGLE head directory
-    options: dict[str, Any] = msgspec.field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        m = self.method
-        if m is None:
-            if (
-                self.num_speculative_tokens
-                or self.prompt_lookup_min
-                or self.prompt_lookup_max
-                or self.model
-                or self.options
-            ):
-                raise ValueError("method: required when any other speculative key is set (null turns speculation off)")
-            return
-        if m not in SPECULATIVE_METHODS:
-            known = ", ".join(sorted(k for k in SPECULATIVE_METHODS if not k.endswith("_mtp")))
-            raise ValueError(f"method: unknown speculative method {m!r}; vLLM 0.32 has {known} and the *_mtp aliases")
-        if m in _NGRAM_METHODS and self.num_speculative_tokens is None:
-            raise ValueError(f"num_speculative_tokens: required for method {m!r}")
-        if m in _MODEL_METHODS and not self.model:
-            raise ValueError(f"model: required for method {m!r} (the draft model or head directory)")
-        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
-        if (lo or hi) and m not in _NGRAM_METHODS:
-            raise ValueError(
-                f"{'prompt_lookup_min' if lo else 'prompt_lookup_max'}: only for the ngram methods, not {m!r}"
-            )
-        if lo and hi and lo > hi:
-            raise ValueError(f"prompt_lookup_min: {lo} exceeds prompt_lookup_max {hi}")
-        for key in ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"):
-            if key in self.options:
-                raise ValueError(f"options.{key}: set speculative.{key} instead")
-
-    @property
-    def enabled(self) -> bool:
-        return self.method is not None
-
-    def vllm_config(self) -> dict[str, Any] | None:
-        """vLLM's `speculative_config` engine arg, or None when speculation is off."""
-        if self.method is None:
-            return None
-        typed = {
-            k: getattr(self, k)
-            for k in ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
-        }
-        return {**{k: v for k, v in typed.items() if v is not None}, **self.options}
-
-
-def _check_raw_speculative_args(engines: EnginesConfig) -> None:
-    """One way in to speculation: raw engine args would bypass these checks and the metrics."""
-    for key in _RAW_SPECULATIVE_ARGS:
-        if key in engines.vllm:
-            raise ValueError(
-                f"engines.vllm.{key}: configure speculative decoding in the `speculative:` block "
-                "(method, num_speculative_tokens, prompt_lookup_min/max, model; "
-                "other vLLM fields under speculative.options)"
-            )
-
-
 class Config(Struct, frozen=True, forbid_unknown_fields=True):
+    """One experiment: a YAML file of these sections, each key optional (`load_config`)."""
+
     model: ModelConfig = ModelConfig()
     engines: EnginesConfig = EnginesConfig()
     sampling: Sampling = Sampling()
@@ -297,11 +284,17 @@ class Config(Struct, frozen=True, forbid_unknown_fields=True):
     weight_sync: WeightSyncConfig = WeightSyncConfig()
     staleness: StalenessConfig = StalenessConfig()
     queue: QueueConfig = QueueConfig()
-    reward: str | None = None  # "package.module:function", called once per trajectory
-    # Multi-turn episodes: "package.module:Class" (built with env_args, one per episode); each
-    # sample of a prompt is then an episode of model turns and environment steps.
+    reward: str | None = None
+    """`package.module:function`, `(prompt, trajectory) -> float`, sync or async, called once per
+    trajectory off the engine path; an exception or a non-finite value fails that trajectory only.
+    `to_tensors()` then adds `rewards` and GRPO `advantages`. `RolloutEngine(cfg, reward=fn)`
+    passes one in code."""
     env: str | None = None
+    """Multi-turn episodes: `package.module:Class` (reset/step), built with `env_args`, one per
+    episode; each sample of a prompt is then an episode of model turns and environment steps.
+    `RolloutEngine(cfg, env=...)` passes one in code."""
     env_args: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Keyword arguments the environment class is built with."""
     episode: EpisodeConfig = EpisodeConfig()
     serve: ServeConfig = ServeConfig()
     ray: RayConfig = RayConfig()
@@ -311,7 +304,7 @@ class Config(Struct, frozen=True, forbid_unknown_fields=True):
     speculative: SpeculativeConfig = SpeculativeConfig()
 
     def __post_init__(self) -> None:
-        _check_raw_speculative_args(self.engines)
+        check_raw_speculative_args(self.engines.vllm)
         if self.queue.max_groups is None:
             e = self.engines
             groups = -(-2 * e.count * (e.max_inflight_per_engine + e.queue_depth) // self.sampling.n)

@@ -38,18 +38,28 @@ class Sampling(Struct, frozen=True, forbid_unknown_fields=True):
     """Sampling values of one request; the config's `sampling:` block has the same fields."""
 
     n: PositiveInt = 4
-    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0  # vLLM's range
+    """Samples per prompt: a GRPO group, which runs on one engine."""
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 1.0
+    """Sampling temperature, in vLLM's range; 0: greedy."""
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
-    top_k: NonNegInt = 0  # 0: all tokens
+    """Nucleus sampling: the smallest set of tokens whose probability reaches this."""
+    top_k: NonNegInt = 0
+    """Sample from the k most likely tokens; 0: all tokens."""
     max_tokens: PositiveInt = 128
+    """Generated tokens per sample, at most."""
     min_tokens: NonNegInt = 0
+    """Generated tokens per sample before a stop token or string may end it."""
     stop_token_ids: list[NonNegInt] = msgspec.field(default_factory=lambda: [2])
-    stop: list[str] = msgspec.field(default_factory=list)  # stop strings (need a tokenizer)
-    seed: Int64 | None = None  # per-request seeds derive from it: reproducible samples
-    # The behaviour logprob that travels with each token (README, "Behaviour logprobs"):
-    # processed = of the distribution sampled from (temperature, top-k/top-p, min_tokens applied);
-    # raw = log_softmax of the model's logits. Engine-wide (vLLM's logprobs_mode): no per-prompt override.
+    """Token ids that end a sample (the tiny model's `<eos>` is 2)."""
+    stop: list[str] = msgspec.field(default_factory=list)
+    """Stop strings (they need a tokenizer in the model directory)."""
+    seed: Int64 | None = None
+    """When set, each sample gets a seed derived from (seed, prompt id, sample index): reproducible
+    samples."""
     logprobs: Literal["processed", "raw"] = "processed"
+    """The behaviour logprob that travels with each token. `processed`: of the distribution sampled
+    from (temperature, top-k/top-p, min_tokens applied); `raw`: log_softmax of the model's logits.
+    Engine-wide (vLLM's `logprobs_mode`): a prompt's own sampling cannot change it."""
 
     def __post_init__(self) -> None:
         if math.isnan(self.temperature):  # Meta(ge=0) already rejects NaN; keep the reason explicit

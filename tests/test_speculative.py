@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from rollout.config import SPECULATIVE_METHODS, load_config
+from rollout.config import load_config
 from rollout.errors import InvalidConfigError
+from rollout.speculative import SPECULATIVE_METHODS
 
 pytest.importorskip("vllm")
 
