@@ -32,7 +32,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -154,7 +154,7 @@ def fresh_gap(learner_logprobs: Any, tensors: dict[str, Any], epoch: int) -> flo
 
 async def run(
     cfg: Config, steps: int, groups: int = 4, lr: float = 2e-3, ppo_epochs: int = 1, seed: int = 0,
-    log: Any = None, record: bool = False, turns: int = 1,
+    log: Any = None, record: bool = False, turns: int = 1, start: Callable[..., Any] = RolloutEngine,
 ) -> dict[str, Any]:  # fmt: skip
     """Train for `steps` learner steps of `groups` groups each; returns the per-step curve and totals.
 
@@ -162,6 +162,8 @@ async def run(
     go to them in flight (`weight_sync.mode` and `staleness` in `cfg` decide how). `log(row)` sees
     each step's row as it is done. `record` adds `trajectories` (every one trained on) and
     `weights` (epoch -> the state dict the engines got) to the result, for an oracle replay.
+    `start(cfg, **scoring)` opens the engine (`RolloutEngine`; the test suite passes its shared
+    pools'); the epochs count on from the one it serves at the start (`start_epoch` in the result).
     """
     from benchmarks.envs import Digits
     from rollout.learner.offpolicy import lag
@@ -170,10 +172,11 @@ async def run(
     scoring: dict[str, Any] = (
         {"env": lambda: Digits(turns)} if turns > 1 else {"reward": DigitReward(cfg.sampling.max_tokens)}
     )
-    async with RolloutEngine(cfg, **scoring) as engine:
+    async with start(cfg, **scoring) as engine:
         learner = await asyncio.to_thread(Learner, engine.model_path, lr, ppo_epochs, seed=seed)
         engine.feed(letter_prompts(seed))
-        weights = {0: learner.state_dict()} if record else {}
+        start_epoch = engine.epoch
+        weights = {start_epoch: learner.state_dict()} if record else {}
         trained_on: list[Trajectory] = []
         started = time.perf_counter()
         curve: list[dict[str, Any]] = []
@@ -233,6 +236,7 @@ async def run(
         "mode": cfg.weight_sync.mode,
         "max_lag": cfg.staleness.max_lag,
         "model_path": engine.model_path,
+        "start_epoch": start_epoch,
         "steps": steps,
         "groups_per_step": groups,
         "samples": samples,

@@ -6,9 +6,16 @@ from __future__ import annotations
 
 import pytest
 
+from rollout.log import STARTS_ENV
 from tests.support.engines import SharedPools
 from tests.support.fakes import FakePool
 from tests.support.model import STATE
+
+
+@pytest.fixture(autouse=True)
+def unrecorded(monkeypatch):
+    """Fake pools are no engine starts: the pools these tests drop stay out of the run's summary."""
+    monkeypatch.delenv(STARTS_ENV, raising=False)
 
 
 @pytest.fixture

@@ -21,8 +21,8 @@ RERUNS = int(os.environ.get("ROLLOUT_INTEGRATION_RERUNS", "1"))
 # shared pool holds memory; then the shared pools' users, grouped by pool (the default kind, the
 # oracle runs' small-cache kind, the default kind again), each pool started once.
 ORDER = [
-    "test_chaos", "test_grpo", "test_parsers", "test_spec_decode", "test_gpu_transfer", "test_shutdown",
-    "test_processes", "test_robust", "test_engine", "test_generation", "test_metrics", "test_weight_transfer",
+    "test_chaos", "test_parsers", "test_spec_decode", "test_gpu_transfer", "test_shutdown", "test_processes",
+    "test_robust", "test_grpo", "test_engine", "test_generation", "test_metrics", "test_weight_transfer",
     "test_rl_http", "test_update_nowait", "test_weights", "test_serve", "test_episodes",
 ]  # fmt: skip
 
