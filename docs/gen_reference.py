@@ -6,7 +6,8 @@
 - docs/reference/metrics.md: the figures of `engine.metrics()` (their meanings in
   `rollout.metrics.names`, checked against what `figures` returns) and the Prometheus metrics
   (as the exporter's `Collector` yields them, help text included);
-- docs/reference/api/*.md: one mkdocstrings page per package, an entry for each name in its `__all__`.
+- docs/reference/api/*.md: one mkdocstrings page per package, an entry for each name in its `__all__`;
+- docs/benchmarks/results.md: the figures of benchmarks/results/*.json, one file per benchmark.
 
     python docs/gen_reference.py           # write the pages
     python docs/gen_reference.py --check   # exit 1 naming each page that differs (tests/test_docs_reference.py)
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import collections
 import functools
 import importlib
 import inspect
@@ -26,6 +28,7 @@ from typing import Any
 
 import msgspec
 import msgspec.inspect as mi
+import msgspec.json
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -251,12 +254,65 @@ def api_page(package: str) -> str:
     return "\n".join(out)
 
 
+# --- benchmark results ---------------------------------------------------------------------------
+
+
+class Result(msgspec.Struct, forbid_unknown_fields=True):
+    """One measurement of a benchmark: a table with where, when and how it was measured."""
+
+    title: str
+    commit: str  # the commit measured
+    date: str  # YYYY-MM-DD
+    command: list[str]  # what reproduces it
+    about: str  # what the table shows
+    columns: list[str]
+    rows: list[list[int | float | str]]
+    notes: list[str] = []  # how to read it
+
+
+class Results(msgspec.Struct, forbid_unknown_fields=True):
+    """benchmarks/results/NAME.json: the current figures of one benchmark (re-measuring replaces it)."""
+
+    benchmark: str
+    script: str
+    machine: str
+    results: list[Result]
+
+
+def _figure(v: int | float | str) -> str:
+    return f"{v:,}" if isinstance(v, int) else _cell(str(v))
+
+
+def results_page(directory: Path) -> str:
+    files = sorted(directory.glob("*.json"), key=lambda p: (p.stem != "bench", p.stem))
+    runs = [msgspec.json.decode(p.read_bytes(), type=Results) for p in files]
+    machine = collections.Counter(r.machine for r in runs).most_common(1)[0][0] if runs else ""
+    out = [HEADER.format(source="benchmarks/results/*.json"), "# Benchmark results\n"]
+    out.append(
+        "The current figures of each benchmark, one JSON file per benchmark under `benchmarks/results/` "
+        "(re-measuring replaces its file). What each benchmark answers and how to read it: "
+        f"[Benchmarks](index.md).\n\nUnless a benchmark says otherwise: {machine}.\n"
+    )
+    for run in runs:
+        out.append(f"## `{run.script}`\n")
+        if run.machine != machine:
+            out.append(f"Machine: {run.machine}.\n")
+        for r in run.results:
+            out.append(f"### {r.title}\n\n{r.about}\n\nMeasured at `{r.commit}` on {r.date}:\n")
+            out.append("```bash\n" + "\n".join(r.command) + "\n```\n")
+            out.append("| " + " | ".join(r.columns) + " |\n|" + "---|" * len(r.columns))
+            out += ["| " + " | ".join(_figure(v) for v in row) + " |" for row in r.rows]
+            out += [""] + [f"{note}\n" for note in r.notes]
+    return "\n".join(out)
+
+
 def pages() -> dict[Path, str]:
     """Every generated page, by its path under the repository root."""
     out = {
         Path("docs/reference/config.md"): config_page(),
         Path("docs/reference/cli.md"): cli_page(),
         Path("docs/reference/metrics.md"): metrics_page(),
+        Path("docs/benchmarks/results.md"): results_page(ROOT / "benchmarks" / "results"),
     }
     for page, package in API_PACKAGES.items():
         out[Path(f"docs/reference/api/{page}.md")] = api_page(package)

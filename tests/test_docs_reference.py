@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import sys
 from pathlib import Path
 
 import msgspec
@@ -19,6 +20,7 @@ def _generator():
     spec = importlib.util.spec_from_file_location("gen_reference", ROOT / "docs" / "gen_reference.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # msgspec resolves its Structs' annotations through it
     spec.loader.exec_module(module)
     return module
 
