@@ -6,12 +6,15 @@ every 2 s (`keep`), and right after it an engine killed while another one serves
 or vLLM's engine-core process; 2 kills, spread so that no two restarts share a core). Every
 prompt comes out exactly once with its whole group, epochs only grow along a trajectory, and the
 float32 oracle reproduces every logprob of every sample that moved to another engine.
-Kill-all: with no restarts left, the fatal error comes within the health timeout.
+Then, on the same engines, kill-all: with no restarts left, every engine killed mid-rollout (an
+engine core and two actors), the fatal error comes within the health timeout, and nothing of the
+engines outlives the exit.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 
@@ -45,15 +48,32 @@ def cores(cfg, i: int) -> set[str]:
 KILLS = 2  # one of each kind: the actor, then its engine core (a third, another actor, was ~50 s more of the suite)
 
 
-async def test_engines_die_mid_rollout_and_nothing_is_lost():
+async def test_engines_die_mid_rollout_and_nothing_is_lost_and_with_none_left_the_fatal_error_comes_in_time():
     cfg = integration_config(
         "engines.count=3", "engines.max_inflight_per_engine=32", "engines.health_interval_s=0.5",
-        "engines.restart_backoff_s=0.5", "engines.max_restarts=4", "weight_sync.mode=keep", "queue.max_groups=400",
+        "engines.health_timeout_s=30", "engines.restart_backoff_s=0.5", "engines.max_restarts=4",
+        "weight_sync.mode=keep", "queue.max_groups=400",
     )  # fmt: skip
     rng = random.Random(0)
     prompts: list[Prompt] = []
     kills: list[tuple[int, str]] = []
-    before_shm = shm_segments()
+    # Ray already up (as when the learner started it): the pool must still remove what the dead engines left.
+    started_ray = connect(cfg)
+    before_shm, before_pids = shm_segments(), engine_processes()
+    try:
+        await chaos_then_kill_all(cfg, rng, prompts, kills)
+        deadline = time.monotonic() + 30  # a killed actor's engine core notices its parent is gone
+        while engine_processes() - before_pids and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        assert not engine_processes() - before_pids, "engine processes outlived the shutdown"
+        # vLLM's ring buffers (160 MiB each) and semaphores of killed engines are removed.
+        assert not leaked_shm(before_shm), "killed engines left shared memory behind"
+    finally:
+        if started_ray:
+            ray.shutdown()
+
+
+async def chaos_then_kill_all(cfg, rng: random.Random, prompts: list[Prompt], kills: list[tuple[int, str]]) -> None:
     async with RolloutEngine(cfg) as engine:
 
         async def source():  # the engines restart in ~30 s: keep feeding until the chaos is done
@@ -75,10 +95,14 @@ async def test_engines_die_mid_rollout_and_nothing_is_lost():
             async for group in engine.groups():
                 groups.append(group)
 
+        stop = asyncio.Event()  # the chaos ends between updates: the engines go on to the kill-all
+
         async def chaos() -> None:
             k = 0
             while True:
-                await asyncio.sleep(2.0)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 2.0)
+                    return
                 k += 1
                 weights[k] = random_weights(base, seed=77 * k)
                 try:
@@ -114,13 +138,13 @@ async def test_engines_die_mid_rollout_and_nothing_is_lost():
         try:
             await asyncio.wait_for(consumer, timeout=900)
         finally:
-            chaos_task.cancel()
+            stop.set()
+            await chaos_task
         restarts = dict(engine._updates._restarts)
+        await kill_all(engine)
 
     assert len(kills) >= KILLS, kills
     assert sum(restarts.values()) >= KILLS, restarts
-    # vLLM's ring buffers (160 MiB each) and semaphores of killed engines are removed.
-    assert not leaked_shm(before_shm), "killed engines left shared memory behind"
     ids = [g.prompt_id for g in groups]
     assert sorted(ids) == sorted(p.id for p in prompts), "every prompt exactly once"
     trajectories: list[Trajectory] = []
@@ -141,33 +165,20 @@ async def test_engines_die_mid_rollout_and_nothing_is_lost():
     assert report.ok, msgspec.json.encode(report).decode()[:2000]
 
 
-async def test_with_every_engine_dead_the_fatal_error_comes_within_the_timeout():
-    """2 engines, no restarts: engine 0's vLLM engine core and engine 1's Ray actor killed
-    mid-rollout (each kind of death must be noticed, or "every engine is dead" never comes)."""
-    cfg = integration_config("engines.count=2", "engines.max_restarts=0", "engines.health_interval_s=0.5",
-                             "engines.health_timeout_s=15")  # fmt: skip
-    # Ray already up (as when the learner started it): the pool must still remove what the dead engines left.
-    started_ray = connect(cfg)
-    before_shm, before_pids = shm_segments(), engine_processes()
-    try:
-        async with RolloutEngine(cfg) as engine:
-            engine.feed(
-                [Prompt(token_ids=[5 + i] * 8, sampling={"max_tokens": 400, "min_tokens": 400}) for i in range(32)]
-            )
-            runner = engine._scheduler.runner
-            while not all(any(t.token_ids for t in runner.reports[i].values()) for i in (0, 1)):
-                await asyncio.sleep(0.05)  # mid-rollout: tokens reported by both
-            killed_at = time.monotonic()
-            await asyncio.gather(kill(runner.engines[0], "engine core"), kill(runner.engines[1], "actor"))
-            with pytest.raises(EngineDeadError, match="every engine is dead"):
-                async for _ in engine.groups():
-                    pass
-            assert time.monotonic() - killed_at < cfg.engines.health_timeout_s
-        deadline = time.monotonic() + 30  # a killed actor's engine core notices its parent is gone
-        while engine_processes() - before_pids and time.monotonic() < deadline:
-            await asyncio.sleep(0.2)
-        assert not engine_processes() - before_pids, "engine processes outlived the shutdown"
-        assert not leaked_shm(before_shm), "the dead engines left shared memory behind"
-    finally:
-        if started_ray:
-            ray.shutdown()
+async def kill_all(engine: RolloutEngine) -> None:
+    """Every engine back in rotation, none with a restart left (as if each had used its
+    `engines.max_restarts`), then each killed mid-rollout: one engine core and the other engines'
+    Ray actors (each kind of death must be noticed, or "every engine is dead" never comes)."""
+    runner = engine._scheduler.runner
+    while not all(load.healthy and not load.restarting for load in runner.loads):
+        await asyncio.sleep(0.1)  # the chaos' last restart is still starting its engine
+    engine._updates._restarts.update(dict.fromkeys(range(len(runner.loads)), engine.cfg.engines.max_restarts))
+    engine.feed([Prompt(token_ids=[5 + i] * 8, sampling={"max_tokens": 400, "min_tokens": 400}) for i in range(32)])
+    while not all(any(t.token_ids for t in runner.reports[i].values()) for i in range(len(runner.loads))):
+        await asyncio.sleep(0.05)  # mid-rollout: tokens reported by every engine
+    killed_at = time.monotonic()
+    await asyncio.gather(*(kill(e, "engine core" if i == 0 else "actor") for i, e in enumerate(runner.engines)))
+    with pytest.raises(EngineDeadError, match="every engine is dead"):
+        async for _ in engine.groups():
+            pass
+    assert time.monotonic() - killed_at < engine.cfg.engines.health_timeout_s
