@@ -1,7 +1,8 @@
-"""Things that need their own driver process: joining an existing cluster, the CLI, clean exit."""
+"""Things that need their own driver process: the CLI (joining an existing cluster too), clean exit."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -11,9 +12,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-from tests.support.engines import ROOT, engine_processes, run_python, shm_segments
+from tests.support.engines import ROOT, engine_processes, shm_segments
 
 SMALL = [
     "engines.count=1",
@@ -51,13 +53,15 @@ def _wait_listening(port: int, timeout: float = 120) -> None:
     raise TimeoutError(f"no Ray head listening on port {port}")
 
 
-def test_join_existing_cluster_via_ray_address():
+@contextlib.contextmanager
+def ray_head() -> Iterator[tuple[int, str]]:
+    """A Ray head of the test's own (no token), as a cluster a driver joins: its port and temp dir.
+    In its own process group: `ray stop` would kill every Ray process on the machine, this test
+    session's own cluster included."""
     port = _free_port()
     ray_bin = Path(sys.executable).parent / "ray"  # the venv's, which need not be on PATH
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     temp_dir = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # short: Ray's socket paths must fit
-    # A head of its own, in its own process group: `ray stop` would kill every Ray process on the
-    # machine, this test session's own cluster included.
     head = subprocess.Popen(
         [
             str(ray_bin) if ray_bin.exists() else "ray",
@@ -78,26 +82,7 @@ def test_join_existing_cluster_via_ray_address():
     )
     try:
         _wait_listening(port)
-        code = f"""
-import anyio, json
-from rollout import RolloutEngine, load_config
-cfg = load_config("configs/tiny.yaml", {SMALL + [f"ray.address=127.0.0.1:{port}"]!r})
-async def main():
-    import ray
-    async with RolloutEngine(cfg) as engine:
-        engine.feed([[5, 6, 7], [8, 9, 10]])
-        groups = [g async for g in engine.groups()]
-        print("RESULT", json.dumps({{"groups": len(groups), "ok": all(g.ok for g in groups),
-                                    "address": ray.get_runtime_context().gcs_address}}), flush=True)
-if __name__ == "__main__":
-    anyio.run(main)
-"""
-        result = run_python(code, env={"RAY_AUTH_MODE": "disabled"})
-        assert result.returncode == 0, result.stderr[-3000:]
-        # Ray forwards the engine actors' log lines to the driver's stdout, some after the result
-        out = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))[7:])
-        assert out["groups"] == 2 and out["ok"]
-        assert out["address"].endswith(f":{port}"), "the driver must join the running head, not start its own"
+        yield port, temp_dir
     finally:
         _kill_head(head, temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
@@ -165,32 +150,39 @@ def test_cli_run_writes_trajectories_and_leaves_nothing_behind(tmp_path):
     assert shm_segments() <= before_shm, f"leaked /dev/shm segments: {shm_segments() - before_shm}"
 
 
-def test_cli_bench_prints_ratio_against_raw_vllm(tmp_path):
+def test_cli_bench_joins_a_running_cluster_and_prints_ratio_against_raw_vllm(tmp_path):
+    """`rollout bench` with `ray.address`: the driver joins the running head (its core-worker log
+    lands in the head's session), not a cluster of its own, and reports both sides' figures."""
     report = tmp_path / "r.json"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rollout.cli",
-            "bench",
-            "configs/tiny.yaml",
-            "--report",
-            str(report),
-            "--no-progress",
-            *sum((["-o", o] for o in SMALL), []),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "generated tokens/s" in result.stdout and "raw vLLM" in result.stdout
+    with ray_head() as (port, temp_dir):
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "rollout.cli",
+                "bench",
+                "configs/tiny.yaml",
+                "--report",
+                str(report),
+                "--no-progress",
+                *sum((["-o", o] for o in [*SMALL, f"ray.address=127.0.0.1:{port}"]), []),
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "RAY_AUTH_MODE": "disabled"},
+        )
+        stdout, stderr = proc.communicate(timeout=600)
+        joined = list(Path(temp_dir).glob(f"session_*/logs/python-core-driver-*_{proc.pid}.log"))
+    assert proc.returncode == 0, stderr[-3000:]
+    assert joined, "the driver must join the running head, not start its own"
+    assert "generated tokens/s" in stdout and "raw vLLM" in stdout
     data = json.loads(report.read_text())
     assert data["engine"]["trajectories"] == 24 and data["raw_vllm"]["trajectories"] == 24
     assert data["ratio_tokens_per_s"] > 0 and [r["order"] for r in data["rounds"]] == ["engine first", "raw vLLM first"]
     assert data["ratio_tokens_per_s"] == sum(r["ratio"] for r in data["rounds"]) / 2  # median of two
-    assert "this engine / raw vLLM, generated tokens/s: " in result.stdout
+    assert "this engine / raw vLLM, generated tokens/s: " in stdout
 
 
 def test_cli_serve_with_two_front_ends_answers_one_conversation_and_stops_cleanly_on_sigterm():
