@@ -11,7 +11,7 @@ then `await engine.update_weights(model.state_dict())` while the engines keep ge
 it records the mean reward, the loss, each token's lag (engine epoch at hand-out minus the token's
 policy epoch) and the time.
 
-`--turns N` (N > 1) makes each sample a multi-turn episode (`benchmarks.envs.Digits`): N model turns,
+`--turns N` (N > 1) makes each sample a multi-turn episode (`rollout.episodes.examples.Digits`): N model turns,
 each answered by a fixed "more" message, reward = digit tokens / tokens generated over the whole
 episode; the learner trains on every model token of the conversation (observation tokens masked).
 
@@ -165,7 +165,7 @@ async def run(
     `start(cfg, **scoring)` opens the engine (`RolloutEngine`; the test suite passes its shared
     pools'); the epochs count on from the one it serves at the start (`start_epoch` in the result).
     """
-    from benchmarks.envs import Digits
+    from rollout.episodes.examples import Digits
     from rollout.learner.offpolicy import lag
 
     t_start = time.perf_counter()

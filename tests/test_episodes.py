@@ -6,10 +6,10 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from benchmarks.envs import Calculator, evaluate
 from rollout.batch import Batch
 from rollout.engine import RolloutEngine
 from rollout.episodes.env import Step
+from rollout.episodes.examples import Calculator, evaluate
 from rollout.errors import InvalidConfigError, InvalidPromptError
 from rollout.types import Prompt
 from tests.support.episodes import TIMEOUT, Echo, episode_cfg, episodes
@@ -133,7 +133,9 @@ async def test_an_unknown_environment_path_is_a_config_error():
         async with RolloutEngine(episode_cfg("env=no_such.mod:Env"), pool=FakePool(1)):
             pass
     with pytest.raises(InvalidConfigError, match="env_args: do not fit"):
-        async with RolloutEngine(episode_cfg("env=benchmarks.envs:Digits", "env_args={wrong: 1}"), pool=FakePool(1)):
+        async with RolloutEngine(
+            episode_cfg("env=rollout.episodes.examples:Digits", "env_args={wrong: 1}"), pool=FakePool(1)
+        ):
             pass
 
 
@@ -172,7 +174,7 @@ async def test_calculator_tool_calls_and_malformed_ones():
 
 async def test_digits_episodes_through_the_engine():
     groups, _, _ = await episodes(
-        episode_cfg("env=benchmarks.envs:Digits", "env_args={turns: 2}"), None, [Prompt(text="go")]
+        episode_cfg("env=rollout.episodes.examples:Digits", "env_args={turns: 2}"), None, [Prompt(text="go")]
     )
     for ep in groups[0].trajectories:
         assert ep.ok and len(ep.turns) == 2 and 0.0 <= ep.reward <= 1.0
@@ -208,8 +210,8 @@ async def test_a_cancelled_submission_aborts_its_requests():
 
 async def test_reasoning_gym_scores_answers_with_its_verifier():
     pytest.importorskip("reasoning_gym")
-    from benchmarks.envs import ReasoningGym
     from rollout.episodes.env import Action
+    from rollout.episodes.examples import ReasoningGym
 
     env = ReasoningGym("basic_arithmetic", seed=1, size=10, attempts=2)
     question = env.reset(Prompt(text="solve", metadata={"index": 3}))

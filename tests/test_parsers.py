@@ -170,8 +170,8 @@ def test_a_chat_reply_carries_tool_calls_and_reasoning_as_vllms_server_does_stre
 
 
 async def test_an_episodes_action_carries_the_tool_calls_vllms_parser_reads_and_the_calculator_answers_them():
-    from benchmarks.envs import Calculator
     from rollout.episodes.chat import chat_renderer
+    from rollout.episodes.examples import Calculator
     from rollout.episodes.loop import _action
 
     chat = chat_renderer(build_tiny(), "hermes", "qwen3")

@@ -110,7 +110,7 @@ async def test_reward_failures_mark_only_that_trajectory(cfg):
 
 def test_a_reward_module_in_the_working_directory_imports_from_the_console_script(tmp_path, monkeypatch):
     # `rollout` is a console script: its sys.path lacks the working directory, where
-    # `reward: mymodule:fn` and `env: benchmarks.envs:Observations` live
+    # `reward: mymodule:fn` and `env: rollout.episodes.examples:Observations` live
     (tmp_path / "cwd_reward_mod.py").write_text("def fn(prompt, traj):\n    return 1.0\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])

@@ -1,5 +1,6 @@
 """Multi-turn episodes: the loop of turns (`loop`), environments and their steps (`env`), chat
-templates and vLLM's tool and reasoning parsers for a turn's text (`chat`).
+templates and vLLM's tool and reasoning parsers for a turn's text (`chat`), example environments
+(`examples`, named in configs as `env: rollout.episodes.examples:Calculator`).
 """
 
 from rollout.episodes.chat import ChatRenderer, chat_renderer

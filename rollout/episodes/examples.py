@@ -1,4 +1,4 @@
-"""Example environments for multi-turn episodes (`env: "benchmarks.envs:Calculator"`).
+"""Example environments for multi-turn episodes (`env: "rollout.episodes.examples:Calculator"`).
 
 - `Calculator`: a tool-call environment. A tool call `calculator(expression="3 * (4 + 5)")`, as
   vLLM's parser (`serve.tool_parser`) reads it in the turn (`Action.tool_calls`; hermes:
@@ -12,7 +12,7 @@
   the prompt id), each turn is an answer scored by the dataset's own verifier; a wrong one gets
   "Incorrect, try again." until `attempts` answers were given. Reward: the verifier's score.
 - `Observations`: fixed token-id observations, the multi-turn benchmark's workload.
-- `Digits`: the learnable toy task of `benchmarks/multiturn_grpo.py`: reward is the fraction of
+- `Digits`: the learnable toy task of `benchmarks/async_grpo.py --turns N`: reward is the fraction of
   digit tokens the model emits over `turns` turns, each observation a fixed "more" message.
 Random tiny weights will not solve the first two; the loop, masks and epochs are what they test.
 """
