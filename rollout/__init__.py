@@ -1,5 +1,6 @@
 """Asynchronous, actor-based rollout engine for LLM reinforcement learning."""
 
+from rollout import torch_addons  # noqa: F401  (first: before anything imports transformers or vLLM)
 from rollout.batch import Batch
 from rollout.config import Config, load_config
 from rollout.engine import RolloutEngine

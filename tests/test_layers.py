@@ -24,7 +24,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = ("rollout", "actors", "policies", "benchmarks")
 FOUNDATION = {
-    f"rollout.{m}" for m in ("aio", "batch", "config", "epochs", "errors", "log", "packed", "process", "types")
+    f"rollout.{m}"
+    for m in ("aio", "batch", "config", "epochs", "errors", "log", "packed", "process", "torch_addons", "types")
 }
 LOWER = ("rollout.scheduling", "rollout.handoff")
 ABOVE_THEM = ("rollout.serve", "rollout.weights", "rollout.bench.run", "rollout.learner", "benchmarks")
