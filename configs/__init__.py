@@ -1,1 +1,2 @@
-"""Experiment configs (YAML), shipped with the package: `rollout bench` with no path reads tiny.yaml from here."""
+"""Experiment configs (YAML). The wheel ships this folder as the package `rollout.configs`, so that
+`load_config("tiny")` and `rollout bench tiny` find `tiny.yaml` by its name in an installed package."""

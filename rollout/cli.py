@@ -1,11 +1,13 @@
 """The `rollout` command: bench, run, validate, serve. Every subcommand takes CONFIG and `-o key=value`.
 
-    rollout bench configs/tiny.yaml -o engines.count=1 -o sampling.n=8
-    rollout bench configs/tiny.yaml --rounds 12 --plot bench.png
-    rollout run configs/tiny.yaml --out trajectories.jsonl
-    rollout validate configs/tiny.yaml
-    rollout bench                         (no CONFIG: the packaged configs/tiny.yaml)
-    rollout serve configs/tiny.yaml --port 8000 [--api-key KEY] [--api-servers 4]
+    rollout bench tiny -o engines.count=1 -o sampling.n=8
+    rollout bench tiny --rounds 12 --plot bench.png
+    rollout run tiny --out trajectories.jsonl
+    rollout validate my_experiment.yaml
+    rollout bench                         (no CONFIG: the packaged tiny)
+    rollout serve tiny --port 8000 [--api-key KEY] [--api-servers 4]
+CONFIG is a packaged config's name (tiny, gpu, multiturn, ...: the files of the repository's
+configs/, shipped in the package) or a YAML file's path.
 Exit codes: 0 ok, 2 bad config or input, 1 anything else.
 """
 
@@ -22,7 +24,7 @@ from typing import BinaryIO
 import anyio
 import msgspec
 
-from rollout.config import Config, dump_config, load_config, packaged_config
+from rollout.config import Config, dump_config, load_config
 from rollout.errors import InvalidConfigError, InvalidPromptError, RolloutError
 from rollout.packed import json_hook
 
@@ -42,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         p = sub.add_parser(name, help=help_)
         p.add_argument(
-            "config", nargs="?", help="YAML experiment file (default: the packaged tiny.yaml, the embedded model)"
+            "config",
+            nargs="?",
+            help="a packaged config's name or a YAML file's path (default: tiny, the embedded model)",
         )
         p.add_argument(
             "-o", "--override", action="append", default=[], metavar="KEY=VALUE", help="dotted override, repeatable"
@@ -78,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    args.config = args.config or str(packaged_config("tiny.yaml"))  # a str: the bench report names it in JSON
+    args.config = args.config or "tiny"
     try:
         overrides = list(args.override) + (["logging.json=true"] if args.log_json else [])
         if getattr(args, "rounds", None) is not None:

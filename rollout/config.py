@@ -9,6 +9,7 @@ key's type, default and range, into the config reference (docs/reference/config.
 from __future__ import annotations
 
 import importlib.resources
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -320,20 +321,49 @@ class Config(Struct, frozen=True, forbid_unknown_fields=True):
 
 
 def packaged_config(name: str) -> Path:
-    """A file of the project's `configs/`, from the checkout or an installed wheel (data of the
-    `configs` package)."""
-    return Path(str(importlib.resources.files("configs").joinpath(name)))
+    """A file of the packaged configs (`tiny.yaml`, `example_prompts.jsonl`)."""
+    return _packaged_configs() / name
+
+
+def packaged_config_names() -> list[str]:
+    """The names `load_config` and the `rollout` command take for the packaged configs."""
+    return sorted(p.stem for p in _packaged_configs().glob("*.yaml"))
+
+
+def _packaged_configs() -> Path:
+    """The package `rollout.configs` of an installed wheel, which maps the checkout's top-level
+    `configs/` there; that folder itself in a checkout that no install maps."""
+    try:
+        return Path(str(importlib.resources.files("rollout.configs")))
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parent.parent / "configs"
+
+
+def config_path(path: str | Path) -> Path:
+    """The YAML file `path` names: a packaged config's name (`tiny`, no folder and no suffix) or a
+    file path. Raises FileNotFoundError for a name no packaged config has, listing those there are."""
+    if isinstance(path, str) and path and not any(c in path for c in ("/", os.sep, ".")):
+        found = packaged_config(f"{path}.yaml")
+        if not found.is_file():
+            names = ", ".join(packaged_config_names())
+            raise FileNotFoundError(
+                f"no packaged config named {path!r} (packaged: {names}); or give a YAML file's path"
+            )
+        return found
+    return Path(path)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Load a YAML config (or the defaults when `path` is None) and apply `a.b=value` overrides.
 
-    Override values are parsed as YAML (`-o sampling.n=8`, `-o sampling.stop=['\\n']`).
-    Raises InvalidConfigError naming the key path; FileNotFoundError for a missing file.
+    `path` is a packaged config's name (`load_config("tiny")`: `configs/tiny.yaml`, shipped in the
+    wheel) or a file's path. Override values are parsed as YAML (`-o sampling.n=8`,
+    `-o sampling.stop=['\\n']`). Raises InvalidConfigError naming the key path; FileNotFoundError for
+    a missing file or an unknown name.
     """
     raw: Any = {}
     if path is not None:
-        text = Path(path).read_bytes()
+        text = config_path(path).read_bytes()
         try:
             raw = msgspec.yaml.decode(text) or {}
         except msgspec.DecodeError as e:

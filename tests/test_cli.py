@@ -126,14 +126,19 @@ def test_validate_asks_vllm_about_the_model_config(capsys):
 
 
 def test_bench_without_a_config_writes_its_report_naming_the_packaged_one(tmp_path, run_args, pools, capsys):
-    # `rollout bench` with no CONFIG runs the packaged tiny.yaml; its report must still be written
-    # (the path once reached json.dumps as a PosixPath: the whole run lost at its last step).
+    # `rollout bench` with no CONFIG runs the packaged tiny; its report names it, as JSON can.
     report = tmp_path / "bench.json"
     overrides = run_args[1:]  # no config file: the packaged one
     assert main(["bench", *overrides, "--rounds", "1", "-o", "bench.warmup_prompts=2", "--report", str(report)]) == 0
     written = json.loads(report.read_text())
-    assert written["config"].endswith("tiny.yaml") and written["engine"]["trajectories"] == 6
+    assert written["config"] == "tiny" and written["engine"]["trajectories"] == 6
     assert "tokens/s" in capsys.readouterr().out
+
+
+def test_an_unknown_config_name_exits_2_naming_the_packaged_ones(capsys):
+    assert main(["validate", "tinyy"]) == 2
+    err = capsys.readouterr().err
+    assert "no packaged config named 'tinyy' (packaged: gpu, jsonl_prompts," in err, err
 
 
 def test_cli_rejects_bad_config_naming_the_key():

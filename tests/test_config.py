@@ -7,7 +7,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from rollout.config import Config, config_from_dict, dump_config, load_config
+from rollout.config import Config, config_from_dict, dump_config, load_config, packaged_config_names
 from rollout.errors import InvalidConfigError
 from rollout.types import Sampling
 
@@ -155,6 +155,22 @@ def test_repo_configs_all_load():
     for path in paths:
         cfg = load_config(path)
         assert isinstance(cfg, Config), path
+
+
+def test_a_packaged_config_loads_by_name_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no configs/ here: the name is not a path
+    assert packaged_config_names() == sorted(p.stem for p in (REPO / "configs").glob("*.yaml"))
+    assert load_config("tiny", ["sampling.n=4"]) == load_config(REPO / "configs" / "tiny.yaml", ["sampling.n=4"])
+    assert load_config("multiturn").env == "rollout.episodes.examples:Observations"
+    (tmp_path / "mine.yaml").write_text("engines: {count: 1}\n")
+    assert load_config("mine.yaml").engines.count == 1  # a suffix or a folder makes it a path
+
+
+def test_an_unknown_config_name_lists_the_packaged_ones():
+    with pytest.raises(FileNotFoundError, match=r"no packaged config named 'tinyy' \(packaged: gpu, .*tiny\)"):
+        load_config("tinyy")
+    with pytest.raises(FileNotFoundError):
+        load_config("no/such.yaml")
 
 
 # --- speculative decoding ---------------------------------------------------------------------
