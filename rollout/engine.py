@@ -3,7 +3,7 @@
 Owns the lifecycle: resolve the model, start the engine pool, run the scheduler in one task group,
 hand out groups and batches, and shut everything down (also on errors and cancellation).
 
-    async with RolloutEngine(load_config("configs/tiny.yaml")) as engine:
+    async with RolloutEngine(load_config("tiny")) as engine:
         engine.feed(prompts)                      # list: checked now; iterator: read lazily
         async for group in engine.groups(): ...   # ends once every fed prompt is handed out
         batch = await engine.batches(groups=8)    # or: async for batch in engine.batches(groups=8)

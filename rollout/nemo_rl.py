@@ -5,7 +5,7 @@ Owns: turning a right-padded batch (`input_ids` [B, S], `input_lengths` [B], opt
 building NeMo RL's output tensors. Row i of the output is row i of the input, always. Does not
 own: scheduling, sampling, weights (all `RolloutEngine`'s).
 
-    gen = RolloutGeneration("configs/tiny.yaml")          # starts and owns the engines
+    gen = RolloutGeneration("tiny")                       # starts and owns the engines
     out = gen.generate({"input_ids": ids, "input_lengths": lens}, greedy=True)
     gen.shutdown()
 

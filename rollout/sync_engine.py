@@ -20,7 +20,7 @@ from rollout.types import EngineStats, Group
 class SyncRolloutEngine:
     """Blocking facade: the async engine runs on an event loop in a thread this object owns.
 
-    with SyncRolloutEngine("configs/tiny.yaml") as engine:
+    with SyncRolloutEngine("tiny") as engine:
         engine.feed(prompts)
         for group in engine.groups(): ...
     """
