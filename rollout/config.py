@@ -8,8 +8,6 @@ key's type, default and range, into the config reference (docs/reference/config.
 
 from __future__ import annotations
 
-import importlib.resources
-import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -18,6 +16,7 @@ import msgspec
 import msgspec.yaml
 from msgspec import Meta, Struct
 
+from rollout.config_files import config_path
 from rollout.errors import InvalidConfigError
 from rollout.speculative import SpeculativeConfig, check_raw_speculative_args
 from rollout.types import NonNegInt, PositiveInt, Sampling, not_utf8_in, printable
@@ -318,39 +317,6 @@ class Config(Struct, frozen=True, forbid_unknown_fields=True):
         k = self.staleness.batch_groups
         if k is not None and k > self.queue.max_groups:
             raise ValueError(f"staleness.batch_groups: {k} can never fill, queue.max_groups is {self.queue.max_groups}")
-
-
-def packaged_config(name: str) -> Path:
-    """A file of the packaged configs (`tiny.yaml`, `example_prompts.jsonl`)."""
-    return _packaged_configs() / name
-
-
-def packaged_config_names() -> list[str]:
-    """The names `load_config` and the `rollout` command take for the packaged configs."""
-    return sorted(p.stem for p in _packaged_configs().glob("*.yaml"))
-
-
-def _packaged_configs() -> Path:
-    """The package `rollout.configs` of an installed wheel, which maps the checkout's top-level
-    `configs/` there; that folder itself in a checkout that no install maps."""
-    try:
-        return Path(str(importlib.resources.files("rollout.configs")))
-    except ModuleNotFoundError:
-        return Path(__file__).resolve().parent.parent / "configs"
-
-
-def config_path(path: str | Path) -> Path:
-    """The YAML file `path` names: a packaged config's name (`tiny`, no folder and no suffix) or a
-    file path. Raises FileNotFoundError for a name no packaged config has, listing those there are."""
-    if isinstance(path, str) and path and not any(c in path for c in ("/", os.sep, ".")):
-        found = packaged_config(f"{path}.yaml")
-        if not found.is_file():
-            names = ", ".join(packaged_config_names())
-            raise FileNotFoundError(
-                f"no packaged config named {path!r} (packaged: {names}); or give a YAML file's path"
-            )
-        return found
-    return Path(path)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

@@ -7,7 +7,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from rollout.config import Config, config_from_dict, dump_config, load_config, packaged_config_names
+from rollout.config import Config, config_from_dict, dump_config, load_config
+from rollout.config_files import packaged_config_names
 from rollout.errors import InvalidConfigError
 from rollout.types import Sampling
 

@@ -39,7 +39,8 @@ site = Path(sys.argv[1]).resolve()
 from rollout.cli import main
 code = main(["validate", "tiny"])  # first, in a fresh interpreter, as the command runs it
 assert code == 0, f"rollout validate tiny exited {code}"
-from rollout.config import load_config, packaged_config
+from rollout.config import load_config
+from rollout.config_files import packaged_config
 assert Path(str(packaged_config("tiny.yaml"))).resolve().is_relative_to(site / "rollout" / "configs")
 assert load_config("tiny").model.path == "tiny"
 names = []
