@@ -7,6 +7,7 @@ STAMP := $(VENV)/.installed-$(BACKEND)
 CONFIG ?= configs/tiny.yaml
 BENCH_ARGS ?=
 PYTEST_ARGS ?=
+UNIT_WORKERS ?= 2
 
 .PHONY: setup bench lint docs test test-unit test-integration test-fuzz clean
 
@@ -41,11 +42,15 @@ docs:
 	@test -x $(VENV)/bin/mkdocs || { echo "make docs: mkdocs is not installed in $(VENV); install the dev extra: $(VENV)/bin/pip install -e '.[dev]' (or run make setup)" >&2; exit 2; }
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
+# The unit tier runs on UNIT_WORKERS pytest workers (pytest-xdist): most of its time is front-end
+# processes, servers and driver subprocesses that each keep one core busy. The integration tier
+# runs in one process: its tests share engine pools, and its engines use every core there is.
 test: lint docs
-	$(VENV)/bin/python -m pytest tests $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest tests -m "not integration" -n $(UNIT_WORKERS) $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest tests -m integration $(PYTEST_ARGS)
 
 test-unit: setup
-	$(VENV)/bin/python -m pytest tests -m "not integration" $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest tests -m "not integration" -n $(UNIT_WORKERS) $(PYTEST_ARGS)
 
 test-integration: setup
 	$(VENV)/bin/python -m pytest tests -m integration $(PYTEST_ARGS)
