@@ -35,8 +35,9 @@ def connect(cfg: Config) -> bool:
     """
     if ray.is_initialized():
         return False
-    # Engines' warnings and errors reach the driver's stderr (vLLM logs at WARNING there unless
-    # logging.level is debug, see `engine_env`).
+    # What the engines print reaches the driver's stderr: their own log lines, and vLLM's and
+    # torch's output only with `-v` or logging.level debug; otherwise that goes to the run's
+    # engine logs before Ray sees it (`rollout.log.output_to_file`).
     kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=True)
     if cfg.ray.address is None:
         kwargs["address"] = "local"  # a new cluster, even if another one runs on this machine

@@ -14,6 +14,7 @@ import asyncio
 import os
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -31,7 +32,7 @@ from policies.vllm_args import checked_engine_args, engine_env
 from policies.vllm_policy import VLLMPolicy
 from rollout.config import Config
 from rollout.errors import EngineDeadError, InvalidConfigError, RolloutError
-from rollout.log import get_logger, record_engine_start
+from rollout.log import get_logger, open_run_logs, record_engine_start
 
 log = get_logger(__name__)
 ENGINE_ACTOR = shell(VLLMPolicy)  # what `ray.remote` gets: Ray's tracing wrappers stay on the driver's calls
@@ -52,11 +53,13 @@ class RayEnginePool:
         self._starting: dict[int, Any] = {}  # engine -> its `start` call, until it answers
         self._record = record  # what a SIGKILL of this driver would leave, for the next start (`actors.leftovers`)
         self._ray_pids: set[int] = set()  # this driver's children that are its local cluster's
+        self.logs: Path | None = None  # the folder of the engines' output files (`rollout.log`); None: the console
 
     @classmethod
     async def start(cls, cfg: Config, model_path: str) -> RayEnginePool:
         """Start every engine concurrently; raises EngineDeadError if one fails or times out."""
         t0 = time.perf_counter()
+        logs = open_run_logs(cfg.logging.dir, cfg.logging.level, cfg.logging.verbose)  # before vLLM and Ray speak
         checked_engine_args(cfg, model_path)  # bad engine args, and what vLLM's model config refuses, fail here
         await asyncio.to_thread(reap)  # what killed drivers on this machine left
         children = descendants(os.getpid())
@@ -73,6 +76,7 @@ class RayEnginePool:
         pg = placement_group([bundle] * e.count, strategy=e.placement_strategy)
         actors: list[Any] = []
         pool = cls(cfg, actors, pg, started_ray, record)
+        pool.logs = logs
         pool.model_path = model_path
         if started_ray and cfg.ray.address is None:  # a local cluster: its processes are this driver's children
             pool._ray_pids = descendants(os.getpid()) - children
@@ -109,6 +113,8 @@ class RayEnginePool:
     def _spawn(self, i: int) -> Any:
         """Engine actor `i` in bundle `i` of the placement group (not started yet)."""
         e = self.cfg.engines
+        log_file = str(self.logs / f"engine-{i}.log") if self.logs else ""
+        env = engine_env(i, e.cpus_per_engine, e.gpus_per_engine, self.cfg.logging.level, log_file)
         return (
             ray.remote(ENGINE_ACTOR)
             .options(
@@ -117,7 +123,7 @@ class RayEnginePool:
                 num_gpus=e.gpus_per_engine,
                 max_concurrency=e.max_inflight_per_engine + 16,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i),
-                runtime_env={"env_vars": engine_env(i, e.cpus_per_engine, e.gpus_per_engine, self.cfg.logging.level)},
+                runtime_env={"env_vars": env},
             )
             .remote(self.cfg, self.model_path, i)
         )

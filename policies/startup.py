@@ -4,8 +4,9 @@ vLLM's engine core runs in a process of its own; when it fails during start-up (
 small for one request at `max_model_len`, a model it cannot load) it logs the traceback to its
 stderr and exits, and `AsyncLLM` raises only "Engine core initialization failed. See root cause
 above". The root cause is the last exception line the engine core wrote. Under Ray an actor's
-stderr (which its engine core inherits) is a log file, so the actor can read it back
-(`cause_from_stderr`); elsewhere (a terminal) it is already on screen and vLLM's message is kept.
+stderr (which its engine core inherits) is a file, Ray's or the run's engine log
+(`rollout.log.output_to_file`), so the actor can read it back (`cause_from_stderr`) and the
+message names that log; elsewhere (a terminal) it is already on screen and vLLM's message is kept.
 The shared memory the half-built engine had opened is mapped by nobody once it is gone
 (`sweep_new`).
 """
@@ -17,6 +18,7 @@ import os
 import re
 
 from policies.shm import PREFIXES, SHM, Snapshot, sweep
+from rollout.log import ENGINE_LOG_ENV
 
 # "ValueError: To serve at least one request ...", "torch.OutOfMemoryError: ...": a traceback's last line.
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit): \S.*$")
@@ -38,7 +40,8 @@ def start_failure(error: BaseException, before: set[str], engine_id: int) -> str
     gc.collect()  # the half-built AsyncLLM's message queues let go of their mappings
     sweep_new(before)
     cause = cause_from_stderr() or f"{type(error).__name__}: {error}"
-    return f"engine {engine_id} failed to start: {cause}"
+    where = f" (its log: {path})" if (path := os.environ.get(ENGINE_LOG_ENV)) else ""
+    return f"engine {engine_id} failed to start: {cause}{where}"
 
 
 def sweep_new(before: set[str]) -> list[str]:

@@ -16,6 +16,7 @@ from policies.speculative import speculative_config
 from policies.vllm_adapter.worker import CPU_WORKER
 from rollout.config import Config
 from rollout.errors import InvalidConfigError
+from rollout.log import ENGINE_LOG_ENV
 from rollout.types import Request, Sampling
 
 # Keys of `engines.vllm` that are ours, not AsyncEngineArgs fields.
@@ -29,14 +30,17 @@ _OURS_ELSEWHERE = {"logprobs_mode": "sampling.logprobs (processed | raw)"}
 
 
 def engine_env(
-    engine_index: int, cpus_per_engine: int, gpus_per_engine: float, log_level: str = "info"
+    engine_index: int, cpus_per_engine: int, gpus_per_engine: float, log_level: str = "info", log_file: str = ""
 ) -> dict[str, str]:
-    """Environment for engine `engine_index`: on CPU, the cores it runs on; vLLM's log level.
+    """Environment for engine `engine_index`: on CPU, the cores it runs on; vLLM's log level and
+    where the engine's output goes.
 
     vLLM's automatic binding would put every engine's OpenMP threads on the same cores of NUMA
     node 0; `ROLLOUT_ENGINE_CORES` also confines the engine's other processes (see `start`).
-    Engine output reaches the driver: vLLM's own logging there is warnings and errors, all of it
-    at `logging.level: debug`.
+    vLLM logs warnings and errors, everything at `logging.level: debug`. With `log_file`, the
+    engine's processes write their output there (`rollout.log.output_to_file`), and vLLM formats
+    its own records even where the driver's environment says not to (`libraries_to_file`);
+    without, it reaches the driver's console through Ray.
     """
     env = {
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
@@ -44,6 +48,9 @@ def engine_env(
         "VLLM_LOGGING_LEVEL": "DEBUG" if log_level == "debug" else "WARNING",
         "TQDM_DISABLE": "0" if log_level == "debug" else "1",  # vLLM's loading bars would reach the driver too
     }
+    if log_file:
+        env[ENGINE_LOG_ENV] = log_file
+        env["VLLM_CONFIGURE_LOGGING"] = "1"
     if gpus_per_engine == 0:
         ncpu = os.cpu_count() or 1
         first = (engine_index * cpus_per_engine) % ncpu

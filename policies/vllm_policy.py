@@ -39,7 +39,7 @@ from rollout.aio import as_finished
 from rollout.config import Config
 from rollout.epochs import kv_runs
 from rollout.errors import EngineDeadError, InvalidPromptError
-from rollout.log import configure, get_logger
+from rollout.log import ENGINE_LOG_ENV, configure, get_logger, output_to_file
 from rollout.packed import Logprobs, TokenIds, encode
 from rollout.types import EngineStats, Request, SpecCounters, Trajectory
 
@@ -59,7 +59,8 @@ class VLLMPolicy(GroupCalls, WeightLoading):
     """
 
     def __init__(self, cfg: Config, model_path: str, engine_id: int = 0, frontend: Any = None):
-        configure(cfg.logging.level, cfg.logging.json)  # this process's log lines go to the driver
+        # This process's log lines go to the driver's console; vLLM's and torch's to its log file, if named.
+        configure(cfg.logging.level, cfg.logging.json, output_to_file(os.environ.get(ENGINE_LOG_ENV)))
         self.cfg = cfg
         self.model_path = model_path
         self.engine_id = engine_id

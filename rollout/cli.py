@@ -8,6 +8,8 @@
     rollout serve tiny --port 8000 [--api-key KEY] [--api-servers 4]
 CONFIG is a packaged config's name (tiny, gpu, multiturn, ...: the files of the repository's
 configs/, shipped in the package) or a YAML file's path.
+The console shows the engine's own progress and results; vLLM's, Ray's and torch's output goes to
+files under logging.dir (./rollout-logs), whose path is printed once; -v shows it all here too.
 Exit codes: 0 ok, 2 bad config or input, 1 anything else.
 """
 
@@ -52,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
             "-o", "--override", action="append", default=[], metavar="KEY=VALUE", help="dotted override, repeatable"
         )
         p.add_argument("--log-json", action="store_true", help="log JSON lines instead of console text")
+        if name != "validate":
+            p.add_argument(
+                "-v",
+                "--verbose",
+                action="store_true",
+                help="show vLLM's, Ray's and torch's output on the console too (default: in files under logging.dir)",
+            )
         if name == "bench":
             p.add_argument("--report", help="JSON report path (default: bench.report from the config)")
             p.add_argument(
@@ -85,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     args.config = args.config or "tiny"
     try:
         overrides = list(args.override) + (["logging.json=true"] if args.log_json else [])
+        overrides += ["logging.verbose=true"] if getattr(args, "verbose", False) else []
         if getattr(args, "rounds", None) is not None:
             overrides += [f"bench.rounds={args.rounds}", "bench.repeats=null"]  # the flag wins over the old key
         if getattr(args, "api_servers", None) is not None:

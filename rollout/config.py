@@ -226,12 +226,16 @@ class RayConfig(Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class LoggingConfig(Struct, frozen=True, forbid_unknown_fields=True):
-    """The engine's own log lines."""
+    """The engine's own log lines, and where those of the libraries under it (vLLM, Ray, torch) go."""
 
     level: Literal["debug", "info", "warning", "error"] = "info"
     """The lowest level logged."""
     json: bool = False
     """JSON lines instead of console text (`--log-json`)."""
+    verbose: bool = False
+    """vLLM's, Ray's and torch's output on the console, as they print it (`-v`; `level: debug` implies it)."""
+    dir: str = "rollout-logs"
+    """Otherwise it goes to files here: a folder per engine start (`<date>-<time>-<pid>/`); errors show too."""
 
 
 class MetricsConfig(Struct, frozen=True, forbid_unknown_fields=True):

@@ -58,6 +58,19 @@ def test_run_writes_every_trajectory(tmp_path, run_args, pools, capsys):
     assert len(out.read_text().splitlines()) == 6 and "wrote 6 trajectories" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("flags, verbose", [([], False), (["-v"], True), (["--verbose"], True)])
+def test_verbose_shows_the_libraries_output(tmp_path, run_args, monkeypatch, capsys, flags, verbose):
+    configs = []
+
+    async def start_pool(cfg, model_path):
+        configs.append(cfg)
+        return FakePool([FakeEngine(i) for i in range(cfg.engines.count)])
+
+    monkeypatch.setattr(rollout.engine, "start_pool", start_pool)
+    assert main(["run", *run_args, *flags, "--out", str(tmp_path / "t.jsonl")]) == 0
+    assert [c.logging.verbose for c in configs] == [verbose]
+
+
 @pytest.mark.parametrize("where", ["missing/dir/t.jsonl", "."])
 def test_run_refuses_an_output_it_cannot_write_before_starting_engines(tmp_path, run_args, pools, capsys, where):
     target = str(tmp_path / where)
