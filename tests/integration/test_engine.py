@@ -58,7 +58,7 @@ async def test_every_prompt_completes_exactly_once_with_one_logprob_per_token(en
             assert t.finish_reason in ("stop", "length")
             assert 2 not in t.token_ids[:-1]
             assert t.token_ids[-1] == 2 if t.finish_reason == "stop" else len(t.token_ids) == 16
-            assert t.policy_epochs == [(0, 0)]
+            assert t.policy_epochs == [(0, engine.epoch)]  # the shared engines' epoch; no update ran here
             assert t.queued_at <= t.submitted_at <= t.first_token_at <= t.finished_at
     assert used_engines == {0, 1}
     assert len({t.request_id for g in groups for t in g.trajectories}) == 800

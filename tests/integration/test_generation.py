@@ -79,7 +79,8 @@ async def test_generate_returns_the_engines_trajectories_row_for_row(engine, gen
         # logprobs line up with output_ids: the engine's logprob of the token at that position
         assert out["logprobs"][i, p:end].tolist() == pytest.approx(ref[i].logprobs, abs=1e-4)
         assert out["logprobs"][i, :p].abs().sum() == 0 and out["logprobs"][i, end:].abs().sum() == 0
-        assert out["token_epochs"][i].tolist() == [-1] * p + [0] * gen_len[i] + [-1] * (width - end)
+        # the shared engines' epoch (no update ran here): where the tests before left it
+        assert out["token_epochs"][i].tolist() == [-1] * p + [engine.epoch] * gen_len[i] + [-1] * (width - end)
 
 
 async def test_generate_async_streams_every_row_once_and_greedy_is_the_argmax(engine, gen):
