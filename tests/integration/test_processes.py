@@ -27,6 +27,15 @@ SMALL = [
 ]
 
 
+def rollout_cli(command: str, *args: str, overrides: list[str], **kwargs) -> subprocess.Popen:
+    """`rollout <command> configs/tiny.yaml <args> -o <override> ...` in the repository root, pipes on."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "rollout.cli", command, "configs/tiny.yaml", *args,
+         *sum((["-o", o] for o in overrides), [])],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs,
+    )  # fmt: skip
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -122,23 +131,7 @@ def test_cli_run_writes_trajectories_and_leaves_nothing_behind(tmp_path):
     # warns that it caps running requests, and that warning, logged inside the engine actor, must
     # reach the driver's stderr at the default log levels.
     small_kv = ["engines.preemption=avoid", "engines.vllm={kv_cache_gib: 0.01}"]
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "rollout.cli",
-            "run",
-            "configs/tiny.yaml",
-            "--out",
-            str(out),
-            "--no-progress",
-            *sum((["-o", o] for o in SMALL + small_kv), []),
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = rollout_cli("run", "--out", str(out), "--no-progress", overrides=SMALL + small_kv)
     stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-3000:]
     assert "KV cache holds fewer full-length requests" in stderr, stderr[-3000:]
@@ -155,24 +148,10 @@ def test_cli_bench_joins_a_running_cluster_and_prints_ratio_against_raw_vllm(tmp
     lands in the head's session), not a cluster of its own, and reports both sides' figures."""
     report = tmp_path / "r.json"
     with ray_head() as (port, temp_dir):
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "rollout.cli",
-                "bench",
-                "configs/tiny.yaml",
-                "--report",
-                str(report),
-                "--no-progress",
-                *sum((["-o", o] for o in [*SMALL, f"ray.address=127.0.0.1:{port}"]), []),
-            ],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+        proc = rollout_cli(
+            "bench", "--report", str(report), "--no-progress", overrides=[*SMALL, f"ray.address=127.0.0.1:{port}"],
             env={**os.environ, "RAY_AUTH_MODE": "disabled"},
-        )
+        )  # fmt: skip
         stdout, stderr = proc.communicate(timeout=600)
         joined = list(Path(temp_dir).glob(f"session_*/logs/python-core-driver-*_{proc.pid}.log"))
     assert proc.returncode == 0, stderr[-3000:]
@@ -194,26 +173,7 @@ def test_cli_serve_with_two_front_ends_answers_one_conversation_and_stops_cleanl
     import openai
 
     before_pids, before_shm = engine_processes(), shm_segments()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "rollout.cli",
-            "serve",
-            "configs/tiny.yaml",
-            "--port",
-            "0",
-            "--api-key",
-            "k",
-            "--api-servers",
-            "2",
-            *sum((["-o", o] for o in SMALL), []),
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = rollout_cli("serve", "--port", "0", "--api-key", "k", "--api-servers", "2", overrides=SMALL)
     front_ends: set[int] = set()
     try:
         while (line := proc.stdout.readline()) and "serving" not in line:
