@@ -11,8 +11,9 @@ import anyio
 import openai
 import pytest
 
+from rollout.errors import EngineDeadError
 from tests.support.fakes import FakePool
-from tests.support.serving import served
+from tests.support.serving import TIMEOUT, served
 
 
 async def test_a_chat_completion_carries_tokens_logprobs_and_epochs():
@@ -196,9 +197,24 @@ async def test_api_key_body_limit_and_overload():
                 g.set()
 
 
-async def test_every_engine_gone_is_503():
+async def test_every_engine_gone_is_503_on_every_route_and_every_request_after_it():
+    """The first request to find every engine dead, and every one after it, on every route and
+    through the SDK: a 503 at once, never a wait for an engine that cannot come back."""
     pool = FakePool(1)
+    chat = {"messages": [{"role": "user", "content": "x"}]}
     async with served("engines.count=1", "engines.max_restarts=0", pool=pool) as s:
         pool.engines[0].dead = True
-        r = await s.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
-        assert r.status_code == 503 and "engine unavailable" in r.json()["error"]["message"]
+        for path, body in [
+            ("/v1/chat/completions", chat),
+            ("/v1/chat/completions", chat),
+            ("/v1/completions", {"prompt": "x"}),
+            ("/inference/v1/generate", {"token_ids": [1, 2]}),
+        ]:
+            with anyio.fail_after(TIMEOUT):
+                r = await s.http.post(path, json=body)
+            assert r.status_code == 503 and "every engine is dead" in r.json()["error"]["message"], (path, r.text)
+        with anyio.fail_after(TIMEOUT), pytest.raises(openai.InternalServerError) as e:
+            await s.client.chat.completions.create(model=s.server.model, **chat)
+        assert e.value.status_code == 503
+        with anyio.fail_after(TIMEOUT), pytest.raises(EngineDeadError, match="every engine is dead"):
+            await s.engine.submit(["x"], train=False).result()

@@ -91,6 +91,7 @@ class Scheduler:
         self.runner = Runner(cfg, engines, on_engine_dead, self._all_dead)
         self.lobby = Lobby(self.runner)
         self._stopped = False  # every engine is dead: no prompt is read any more
+        self._failed: RolloutError | None = None  # why nothing can run any more (`fail`)
         self._direct = (
             env is None and cfg.engines.request_timeout_s is None
         )  # the learner's plain groups run as `Direct`s
@@ -116,6 +117,9 @@ class Scheduler:
     def submit(self, submission: Submission) -> None:
         """Run a caller's prompts now, alongside everything else; their groups go to `submission`."""
         assert self._tg is not None, "the scheduler is not running"
+        if self._failed is not None:  # nothing can run it: the caller hears why at once, not never
+            submission.fail(self._failed)
+            return
         self._submissions.add(submission)
         self._tg.start_soon(self._or_fail, self._run_submission, submission)
 
@@ -210,6 +214,7 @@ class Scheduler:
         """Nothing can run any more: whoever waits for a group gets `error` instead."""
         if isinstance(error, EngineDeadError):
             log.error("scheduler stopped", error=str(error))
+        self._failed = self._failed or error
         self.queue.fail(error)
         for sub in list(self._submissions):
             sub.fail(error)
@@ -299,6 +304,7 @@ class Scheduler:
             if not self._stopped:
                 self._stopped = True
                 self.fail(e)
+            dest.fail(self._failed or e)  # a group that came after the first to hear it
             return
         salt = (session[1] if session else f"s:{prompt.session}") if prompt.session is not None else None
         requests = [
