@@ -10,8 +10,9 @@ Does not own: loading into vLLM (see `vllm_policy.VLLMPolicy.commit_weights`).
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -46,21 +47,35 @@ class Packed(msgspec.Struct):
 
 
 def read_manifest(model_dir: str | Path) -> Manifest:
-    """Name -> (dtype, shape) of every tensor in the model's safetensors files (headers only)."""
-    from safetensors import safe_open
-
+    """Name -> (dtype, shape) of every tensor in the model's safetensors files (headers only).
+    Raises InvalidWeightsError naming the directory when it has none, and the file when one is
+    damaged (`_opened`)."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise InvalidWeightsError(f"{model_dir}: no *.safetensors files")
     manifest: Manifest = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as st:
+        with _opened(f) as st:
             for name in st.keys():
                 sl = st.get_slice(name)
                 manifest[name] = TensorSpec(
                     _ST_TO_TORCH.get(sl.get_dtype(), sl.get_dtype().lower()), tuple(sl.get_shape())
                 )
     return manifest
+
+
+@contextlib.contextmanager
+def _opened(f: Path) -> Iterator[Any]:
+    """`f` opened by safetensors. A file cut short or zeroed (a copy interrupted, a disk or sync
+    failure) raises InvalidWeightsError naming it: safetensors' own error speaks of a header and
+    names no file, which in a sharded checkpoint leaves the reader guessing which shard."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(f), framework="pt") as st:
+            yield st
+    except SafetensorError as e:
+        raise InvalidWeightsError(f"{f}: not a readable safetensors file (damaged or cut short?): {e}") from e
 
 
 def check_specs(got: Manifest, want: Manifest, what: str) -> None:
@@ -123,11 +138,9 @@ def check_directory(path: Path, manifest: Manifest) -> None:
     memory at a time (safetensors maps the file and copies out the one asked for), so a checkpoint
     larger than RAM is checked in the memory of its largest tensor; the reads also warm the page
     cache the engines load from next. Raises InvalidWeightsError naming the file and the tensor."""
-    from safetensors import safe_open
-
     check_specs(read_manifest(path), manifest, f"weights directory {path}")
     for f in sorted(path.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
+        with _opened(f) as st:
             for name in st.keys():
                 try:
                     check_finite(name, st.get_tensor(name))

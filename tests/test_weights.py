@@ -153,3 +153,19 @@ def test_finite_bits_reads_past_one_chunk_and_leaves_other_dtypes_to_torch():
             {"w": torch.tensor([0.0, float("nan")]).to(torch.float8_e4m3fnuz)},
             {"w": TensorSpec("float8_e4m3fnuz", (2,))},
         )
+
+
+@pytest.mark.parametrize("damage", ["truncated", "zeroed", "empty", "header cut"])
+def test_a_damaged_file_in_a_weights_directory_is_invalid_weights_naming_it(model_dir, tmp_path, damage):
+    """A file cut short (a copy interrupted) or zeroed (a disk or sync failure) fails as weights
+    that do not fit, naming the file, not with safetensors' own message about a header."""
+    d = save_dir(STATE, tmp_path / "damaged")
+    f = d / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes({"truncated": data[: len(data) - 10], "zeroed": bytes(len(data)), "empty": b"",
+                   "header cut": data[:20]}[damage])  # fmt: skip
+    with pytest.raises(InvalidWeightsError, match="model.safetensors") as e:
+        pack(d, read_manifest(model_dir))
+    assert str(d) in str(e.value)
+    with pytest.raises(InvalidWeightsError, match="model.safetensors"):
+        read_manifest(d)
