@@ -194,3 +194,28 @@ def test_rollout_serve_refuses_such_a_key_before_any_engine_starts(capsys):
 
     assert main(["serve", "configs/tiny.yaml", "--api-key", "clé€"]) == 2
     assert "serve.api_key (--api-key): character 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "body, says, param",
+    [
+        (b'{"messages": "\\ud800"}', "messages: is not valid UTF-8: lone surrogate '\\ud800'", "messages"),
+        (b'{"messages": [{"role": "user", "content": "ok \\udfff"}]}', "messages[0].content: is not valid UTF-8",
+         "messages"),
+        (b'{"messages": "\\ud800x"}', "messages: is not valid UTF-8: lone surrogate", "messages"),
+        (b'{"messages": [], "a": "\xff"}', "not valid UTF-8: byte 23: invalid start byte", None),
+        (b'{"messages": [', "truncated", None),
+        (b'{"messages": [] "n": 1}', "malformed JSON", None),
+    ],
+    ids=["lone-surrogate", "nested-surrogate", "surrogate-then-text", "raw-invalid-utf8", "truncated", "no-comma"],
+)  # fmt: skip
+async def test_a_malformed_body_is_answered_400_saying_what_is_malformed(body, says, param):
+    """msgspec answers a lone surrogate escape before a closing quote with "Input data was
+    truncated", and places a byte that is not UTF-8 inside its string: the 400 says what it is
+    and where, in the body."""
+    async with served() as s:
+        r = await s.http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        err = r.json()["error"]
+        assert r.status_code == 400 and says in err["message"] and err["param"] == param, r.text
+        if says != "truncated":
+            assert "truncated" not in err["message"], err

@@ -107,9 +107,10 @@ def decode(body: bytes) -> dict[str, Any]:
     try:
         data = msgspec.json.decode(body)
     except msgspec.DecodeError as e:
-        raise api.ApiError(400, f"malformed JSON: {e}") from e
-    except UnicodeDecodeError as e:
-        raise api.ApiError(400, f"the request body is not valid UTF-8: byte {e.start}: {e.reason}") from e
+        field, reason = _lone_surrogate(body) or ("", f"malformed JSON: {e}")
+        raise api.ApiError(400, reason, field or None) from e
+    except UnicodeDecodeError as e:  # its offset is within the string msgspec was reading: the body's is found again
+        raise api.ApiError(400, f"the request body is not valid UTF-8: {_utf8_error(body) or e.reason}") from e
     except RecursionError as e:  # msgspec's own depth limit (about 1000)
         raise api.ApiError(400, f"the request body is nested deeper than {MAX_DEPTH} levels") from e
     if not isinstance(data, dict):
@@ -120,6 +121,28 @@ def decode(body: bytes) -> dict[str, Any]:
 
 
 MAX_DEPTH = 64  # JSON nesting a request may have: templates, tool schemas and our own walks recurse
+
+
+def _lone_surrogate(body: bytes) -> tuple[str, str] | None:
+    """(top-level field, reason) when `body`, which msgspec refused, is JSON whose only fault is a
+    string with a lone surrogate escape (`"\\ud800"`); None otherwise. msgspec refuses those itself,
+    but says "Input data was truncated" (a high surrogate before the closing quote) or "invalid
+    utf-16 surrogate pair", naming no field; Python's json reads them, and `_unfit` names the
+    field. Only on the error path: the body is parsed a second time."""
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):  # malformed as msgspec says (JSONDecodeError is a ValueError)
+        return None
+    return _unfit(data) if isinstance(data, dict) else ("", "the request body must be a JSON object")
+
+
+def _utf8_error(body: bytes) -> str | None:
+    """Where `body` stops being UTF-8: "byte N: reason"."""
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"byte {e.start}: {e.reason}"
+    return None
 
 
 def _unfit(data: dict[str, Any]) -> tuple[str, str] | None:
