@@ -373,3 +373,36 @@ async def test_a_pause_or_resume_during_a_restart_reaches_the_restarted_engine(c
                 assert pool.engines[1].pauses == ["keep", "resume"] and (await http.get("/is_paused")).json() == {
                     "is_paused": False
                 }
+
+
+async def test_a_version_label_past_its_length_answers_400_and_is_not_kept(cfg):
+    """Every /weight_info echoes the current label: a label is at most MAX_VERSION_CHARS characters."""
+    from rollout.serve.rl_routes import MAX_VERSION_CHARS
+
+    async with served(cfg) as (engine, server, pool, http):
+        for path, field in (("/update_weight_version", "new_version"), ("/finish_weight_update", "weight_version")):
+            r = await http.post(path, json={field: "v" * (MAX_VERSION_CHARS + 1)})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == field and f"length <= {MAX_VERSION_CHARS}" in err["message"], err
+        assert engine.weight_transfer().versions == {}
+        assert (await http.get("/weight_info")).json() == {"weight_version": "0", "epoch": 0}
+        r = await http.post("/update_weight_version", json={"new_version": "v" * MAX_VERSION_CHARS})
+        assert (
+            r.status_code == 200
+            and (await http.get("/weight_info")).json()["weight_version"] == "v" * MAX_VERSION_CHARS
+        )
+
+
+async def test_version_labels_are_kept_up_to_a_count_the_oldest_forgotten(cfg):
+    """Labels map to epochs (`WeightSyncClient.versions`); a learner labelling every step keeps
+    the last MAX_LABELS, and /weight_info names the newest label of the current epoch."""
+    from rollout.weights.transfer import MAX_LABELS
+
+    async with served(cfg) as (engine, server, pool, http):
+        for i in range(MAX_LABELS + 5):
+            assert (await http.post("/update_weight_version", json={"new_version": f"step-{i}"})).status_code == 200
+        versions = engine.weight_transfer().versions
+        assert len(versions) == MAX_LABELS and "step-0" not in versions and f"step-{MAX_LABELS + 4}" in versions
+        assert (await http.post("/update_weight_version", json={"new_version": "step-10"})).status_code == 200
+        assert (await http.get("/weight_info")).json() == {"weight_version": "step-10", "epoch": 0}

@@ -25,7 +25,7 @@ app's `server_io.ApiKey` covers these routes like the rest), pausing vLLM (`poli
 # No `from __future__ import annotations`: FastAPI reads the endpoints' annotations.
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
@@ -48,12 +48,18 @@ class UpdateBody(msgspec.Struct):
     update_info: dict[str, Any] | list[dict[str, Any]]
 
 
+# A weight version label is echoed by every /weight_info: at most this many characters (vLLM's
+# are a step number or a short name); a longer one answers 400 naming the field, and is not kept.
+MAX_VERSION_CHARS = 256
+Label = Annotated[str, msgspec.Meta(max_length=MAX_VERSION_CHARS)]
+
+
 class FinishBody(msgspec.Struct):
-    weight_version: str | None = None
+    weight_version: Label | None = None
 
 
 class VersionBody(msgspec.Struct):
-    new_version: str
+    new_version: Label
 
 
 class AbortBody(msgspec.Struct):

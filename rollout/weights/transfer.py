@@ -55,6 +55,7 @@ from rollout.types import UpdateStats
 from rollout.weights.updates import LEARNER, WeightUpdates, describe, failures, model_workers
 
 log = get_logger(__name__)
+MAX_LABELS = 256  # weight_version labels kept (`WeightTransfer.versions`), the newest
 
 
 class _Round:
@@ -80,7 +81,7 @@ class WeightTransfer:
         self.members: list[int] | None = None  # engines that joined the learner's group
         self.incarnations: dict[int, int] = {}
         self.round: _Round | None = None
-        self.versions: dict[str, int] = {}  # weight_version label -> epoch
+        self.versions: dict[str, int] = {}  # weight_version label -> epoch, the newest last (`_label`)
 
     def world_size(self) -> int:
         """Model workers over every engine an update goes to (the learner's group adds itself)."""
@@ -292,7 +293,7 @@ class WeightTransfer:
         )  # its bytes live only in the learner: restarts wait for the next
         self.u.serve(rnd.epoch, rnd.live, rnd.bad)
         if weight_version is not None:
-            self.versions[weight_version] = rnd.epoch
+            self._label(weight_version, rnd.epoch)
         log.info("weights updated", epoch=rnd.epoch, failed=sorted(rnd.bad), source="weight transfer")
         if rnd.bad:
             raise WeightSyncError(
@@ -303,8 +304,16 @@ class WeightTransfer:
 
     def label(self, version: str) -> int:
         """vLLM's `update_weight_version`: `version` names the current epoch (weights do not change)."""
-        self.versions[version] = self.u.epoch
+        self._label(version, self.u.epoch)
         return self.u.epoch
+
+    def _label(self, version: str, epoch: int) -> None:
+        """`version` names `epoch`, as the newest label; past MAX_LABELS the oldest is forgotten
+        (a learner labelling every step would otherwise grow this without end)."""
+        self.versions.pop(version, None)
+        self.versions[version] = epoch
+        while len(self.versions) > MAX_LABELS:
+            del self.versions[next(iter(self.versions))]
 
     def _active(self, call: str) -> _Round:
         if self.round is None or not self.round.locked.is_set() or self.round.finishing:
