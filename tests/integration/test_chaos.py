@@ -7,8 +7,9 @@ or vLLM's engine-core process; 2 kills, spread so that no two restarts share a c
 prompt comes out exactly once with its whole group, epochs only grow along a trajectory, and the
 float32 oracle reproduces every logprob of every sample that moved to another engine.
 Then, on the same engines, kill-all: with no restarts left, every engine killed mid-rollout (an
-engine core and two actors), the fatal error comes within the health timeout, and nothing of the
-engines outlives the exit.
+engine core and two actors), the fatal error comes within the health timeout, the served request
+in flight and every new one on every route are answered 503, and nothing of the engines outlives
+the exit.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import contextlib
 import random
 import time
 
+import httpx
 import msgspec
+import openai
 import pytest
 import ray
 from safetensors.torch import load_file
@@ -176,9 +179,25 @@ async def kill_all(engine: RolloutEngine) -> None:
     engine.feed([Prompt(token_ids=[5 + i] * 8, sampling={"max_tokens": 400, "min_tokens": 400}) for i in range(32)])
     while not all(any(t.token_ids for t in runner.reports[i].values()) for i in range(len(runner.loads))):
         await asyncio.sleep(0.05)  # mid-rollout: tokens reported by every engine
-    killed_at = time.monotonic()
-    await asyncio.gather(*(kill(e, "engine core" if i == 0 else "actor") for i, e in enumerate(runner.engines)))
-    with pytest.raises(EngineDeadError, match="every engine is dead"):
-        async for _ in engine.groups():
-            pass
-    assert time.monotonic() - killed_at < engine.cfg.engines.health_timeout_s
+    server = await engine.serve(port=0)
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 400, "min_tokens": 400}
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+        in_flight = asyncio.create_task(http.post("/v1/chat/completions", json=chat))
+        while not server.inflight:
+            await asyncio.sleep(0.05)
+        killed_at = time.monotonic()
+        await asyncio.gather(*(kill(e, "engine core" if i == 0 else "actor") for i, e in enumerate(runner.engines)))
+        with pytest.raises(EngineDeadError, match="every engine is dead"):
+            async for _ in engine.groups():
+                pass
+        assert time.monotonic() - killed_at < engine.cfg.engines.health_timeout_s
+        # Served: the request in flight, and every new one on every route, answered 503 (not a wait).
+        assert (await in_flight).status_code == 503
+        for path, body in [("/v1/chat/completions", chat), ("/v1/completions", {"prompt": "x"}),
+                           ("/inference/v1/generate", {"token_ids": [5, 6]})]:  # fmt: skip
+            r = await http.post(path, json=body, timeout=10)
+            assert r.status_code == 503 and "every engine is dead" in r.text, (path, r.text)
+        assert (await http.get("/health", timeout=10)).status_code == 503
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=10) as sdk:
+            with pytest.raises(openai.InternalServerError):
+                await sdk.chat.completions.create(model=server.model, messages=chat["messages"])
