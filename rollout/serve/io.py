@@ -1,5 +1,5 @@
 """What `rollout.serve.server`'s routes stand on: reading requests so that one cannot stall the others,
-listening, bearer auth, the Prometheus figures.
+listening, the API key, the Prometheus figures.
 
 Owns: the body size limit (`serve.max_body_bytes`); decoding a body (JSON, an object, UTF-8
 throughout, nested at most MAX_DEPTH deep: a 400 naming the problem, never a RecursionError);
@@ -14,7 +14,9 @@ Does not own: routes, sessions, episodes (`rollout.serve.server`), the wire form
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import hmac
 import json
 import socket
 from collections.abc import Callable
@@ -232,20 +234,44 @@ def check_api_key(key: str | None) -> str | None:
     return key
 
 
+UNAUTHORIZED = api.ApiError(401, "missing or wrong API key (Authorization: Bearer <key>, or HTTP Basic auth "
+                                 "with the key as the password)", kind="authentication_error")  # fmt: skip
+
+
 class ApiKey:
-    """Bearer auth as plain ASGI middleware (Starlette's `BaseHTTPMiddleware` costs a task group
-    and two memory streams per request)."""
+    """The API key as plain ASGI middleware (Starlette's `BaseHTTPMiddleware` costs a task group
+    and two memory streams per request), on every route, vLLM's RL routes included: a request
+    without it answers 401 whichever host it comes from (`authorized` says what carries it)."""
 
     def __init__(self, app: Any, key: str):
-        self.app, self.expected = app, f"Bearer {key}".encode("ascii")
+        self.app, self.key = app, key.encode("ascii")
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and dict(scope["headers"]).get(b"authorization") != self.expected:
-            reply = error(
-                api.ApiError(401, "missing or wrong API key (Authorization: Bearer ...)", kind="authentication_error")
-            )
+        if scope["type"] == "http" and not authorized(dict(scope["headers"]).get(b"authorization"), self.key):
+            reply = error(UNAUTHORIZED)
             return await reply(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+def authorized(header: bytes | None, key: bytes) -> bool:
+    """Whether an `Authorization` header carries the key: `Bearer <key>` (OpenAI's clients), or
+    HTTP Basic auth with the key as the password, any user name. Basic is what vLLM's unmodified
+    `HTTPVLLMWeightSyncClient` can send: it sets no header, but `requests` sends a URL's user info
+    (`http://rollout:KEY@host:port`) or a `~/.netrc` entry as Basic auth. vLLM's own server leaves
+    its RL routes outside `--api-key`; here they stay behind it, and no client address is exempt
+    (a port-forward, SSH tunnel or sidecar proxy connects from loopback on anyone's behalf), since
+    these routes pause every engine and replace the weights it serves. Compared in constant time."""
+    scheme, _, token = (header or b"").partition(b" ")
+    if scheme.lower() == b"bearer":
+        return hmac.compare_digest(token, key)
+    if scheme.lower() == b"basic":
+        try:
+            user_password = base64.b64decode(token, validate=True)
+        except ValueError:  # binascii.Error
+            return False
+        _, colon, password = user_password.partition(b":")
+        return bool(colon) and hmac.compare_digest(password, key)
+    return False
 
 
 class Stats:

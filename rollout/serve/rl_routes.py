@@ -18,8 +18,12 @@ Errors in vLLM's shape (`{"error": {"message", "type", "param", "code"}}`): a ca
 call, and the epoch stays. Bodies are read like every other route's (`serve.max_body_bytes`,
 UTF-8, depth) and mirrored as msgspec Structs: vLLM declares them as FastAPI `Body(embed=True)`
 parameters, not models we could import, and its pydantic would bypass that reading.
-Does not own: the work (`rollout.serve.desk`), the update itself (`rollout.weights.transfer`), auth (the
-app's `server_io.ApiKey` covers these routes like the rest), pausing vLLM (`policies.vllm_policy`).
+The API key covers these routes like the rest, from every host (vLLM's own server leaves them
+outside `--api-key`, and they replace the weights every engine serves); vLLM's client, which sets
+no header, carries it in its URL (`http://rollout:KEY@host:port`, sent as HTTP Basic auth:
+`rollout.serve.io.authorized`).
+Does not own: the work (`rollout.serve.desk`), the update itself (`rollout.weights.transfer`), the
+key's check (`rollout.serve.io.ApiKey`), pausing vLLM (`policies.vllm_policy`).
 """
 
 # No `from __future__ import annotations`: FastAPI reads the endpoints' annotations.
