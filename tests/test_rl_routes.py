@@ -4,24 +4,16 @@ each route's shape; calls out of order; the API key. Real engines: tests/integra
 
 from __future__ import annotations
 
-import base64
-import contextlib
-from urllib.parse import quote
-
 import anyio
 import httpx
 import msgspec
 import pytest
 import torch
-from safetensors.torch import save_file
 
-from policies.gloo_transfer import GlooTrainerInitInfo, StateDictSource
-from rollout.config import load_config
 from rollout.engine import RolloutEngine
 from tests.support.fakes import FakeEngine, FakePool
+from tests.support.rl_serving import STATE, TIMEOUT, http_trainer, rl_cfg, served
 
-TIMEOUT = 30  # seconds; only reached when a test is about to fail
-STATE = {"embed.weight": torch.randn(40, 30), "norm.weight": torch.ones(30, dtype=torch.bfloat16)}
 ROUTES = [
     ("POST", "/pause"),
     ("POST", "/resume"),
@@ -40,41 +32,7 @@ ROUTES = [
 
 @pytest.fixture
 def cfg(tmp_path):
-    (tmp_path / "config.json").write_text('{"vocab_size": 260}')
-    save_file(STATE, str(tmp_path / "model.safetensors"))
-    cfg = load_config(
-        None,
-        [
-            "engines.count=2",
-            "logging.level=error",
-            "weight_sync.timeout_s=10",
-            "sampling.max_tokens=4",
-            "engines.restart_backoff_s=0",
-        ],
-    )
-    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=str(tmp_path)))
-
-
-@contextlib.asynccontextmanager
-async def served(cfg, api_key: str | None = None, api_servers: int = 1):
-    pool = FakePool(2)
-    cfg = msgspec.structs.replace(cfg, serve=msgspec.structs.replace(cfg.serve, api_servers=api_servers))
-    with anyio.fail_after(TIMEOUT * 2):
-        async with RolloutEngine(cfg, pool=pool) as engine:
-            server = await engine.serve(port=0, api_key=api_key)
-            async with httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT) as http:
-                yield engine, server, pool, http
-
-
-def http_trainer(url: str, weights: dict):
-    """A learner written for vLLM's server: vLLM's HTTP client, vLLM's trainer factory (gloo)."""
-    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
-    world = httpx.get(f"{url}/get_world_size").json()["world_size"]
-    client, source = HTTPVLLMWeightSyncClient(url, timeout=TIMEOUT), StateDictSource(weights)
-    init = GlooTrainerInitInfo(world_size=1 + world, rank=0, bucket_bytes=1000, timeout_s=10)
-    return WeightTransferTrainerFactory.trainer_init(init, client=client, source=source), source
+    return rl_cfg(tmp_path)
 
 
 async def until(what: str, predicate) -> None:
@@ -408,52 +366,3 @@ async def test_version_labels_are_kept_up_to_a_count_the_oldest_forgotten(cfg):
         assert len(versions) == MAX_LABELS and "step-0" not in versions and f"step-{MAX_LABELS + 4}" in versions
         assert (await http.post("/update_weight_version", json={"new_version": "step-10"})).status_code == 200
         assert (await http.get("/weight_info")).json() == {"weight_version": "step-10", "epoch": 0}
-
-
-async def test_vllms_http_client_authenticates_with_the_key_in_its_url_or_netrc(cfg, tmp_path, monkeypatch):
-    """vLLM's `HTTPVLLMWeightSyncClient` sets no header; `requests` sends a URL's user info (or a
-    netrc entry) as HTTP Basic auth, which a keyed server takes with the key as the password: the
-    unmodified client and trainer factory run a round. Without the key, or with a wrong one, even
-    from loopback: 401 and no engine touched."""
-    import requests
-    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-
-    async with served(cfg, api_key="se/cr:et@") as (engine, server, pool, http):
-        host = server.url.removeprefix("http://")
-        for url in (server.url, f"http://rollout:wrong@{host}"):
-            client = HTTPVLLMWeightSyncClient(url, timeout=TIMEOUT)
-            for call in (lambda: client.init_weight_transfer_engine({}), client.start_weight_update):
-                with pytest.raises(requests.HTTPError, match="401"):
-                    await anyio.to_thread.run_sync(call)
-        assert engine.epoch == 0 and all(e.pauses == [] for e in pool.engines)
-        keyed = f"http://rollout:{quote('se/cr:et@', safe='')}@{host}"  # the key percent-encoded
-        t, source = await anyio.to_thread.run_sync(http_trainer, keyed, STATE)
-        source.update({n: v + 1 for n, v in STATE.items()})
-        await anyio.to_thread.run_sync(t.send_weights)
-        assert engine.epoch == 1 and [e.commits for e in pool.engines] == [[1], [1]]
-        t.shutdown()
-        (tmp_path / "netrc").write_text("machine 127.0.0.1 login rollout password se/cr:et@\n")
-        monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
-        await anyio.to_thread.run_sync(HTTPVLLMWeightSyncClient(server.url).shutdown_weight_transfer_engine)
-
-
-@pytest.mark.parametrize(("header", "admitted"), [
-    (None, False),
-    (b"Bearer sekrit", True),
-    (b"bearer sekrit", True),
-    (b"Bearer wrong", False),
-    (b"Bearer sekrit2", False),
-    (b"Basic " + base64.b64encode(b"rollout:sekrit"), True),
-    (b"Basic " + base64.b64encode(b":sekrit"), True),
-    (b"basic " + base64.b64encode(b"any:sekrit"), True),
-    (b"Basic " + base64.b64encode(b"sekrit:"), False),  # the key is the password, not the user
-    (b"Basic " + base64.b64encode(b"rollout:wrong"), False),
-    (b"Basic " + base64.b64encode(b"sekrit"), False),
-    (b"Basic not-base64!", False),
-    (b"Digest sekrit", False),
-    (b"sekrit", False),
-])  # fmt: skip
-def test_the_key_is_taken_as_a_bearer_token_or_as_basic_auths_password(header, admitted):
-    from rollout.serve.io import authorized
-
-    assert authorized(header, b"sekrit") is admitted
