@@ -86,6 +86,7 @@ class VLLMPolicy(GroupCalls, WeightLoading):
         self._spec = SpecCounting(engine_id)
         super().__init__()  # GroupCalls: the submitted groups, their results
         self._held = Snapshot(set(), set())  # /dev/shm names of this engine's processes at start
+        self._core_watch: asyncio.Future | None = None  # `VllmFrontend.watch_core`, once started
 
     async def start(self) -> tuple[list[str], list[int], str]:
         """Start the engine; once it can serve, returns the /dev/shm names its processes hold, their
@@ -110,6 +111,7 @@ class VLLMPolicy(GroupCalls, WeightLoading):
         if not self.cfg.engines.gpus_per_engine:
             await self._repair_cpu_worker(args.worker_extension_cls)
         await self.ready()
+        self._core_watch = asyncio.ensure_future(self._vllm.watch_core(self.cfg.engines.health_interval_s))
         # As vLLM's own server does after startup: the long-lived heap (torch, vLLM, the model
         # config) leaves the collector's view, so a full collection no longer walks it. Measured
         # in this front-end: a third of its CPU went to collections scanning that heap.
@@ -322,12 +324,18 @@ class VLLMPolicy(GroupCalls, WeightLoading):
         Trajectories (`rollout.packed.encode`): what vLLM has produced of each one's current piece
         so far. What a crash of this engine keeps, so once vLLM's engine core died (its pieces'
         tokens unreadable) it raises EngineDeadError instead of replacing the last good report
-        with a poorer one. Left out: finished samples (each went to the driver in a results frame,
-        which leaves before any later report on the socket) and ones that produced nothing yet
-        (waiting in vLLM's queue: the driver runs them again from their prompt; ~40% of a report
-        at a full queue)."""
+        with a poorer one; so it does once the core has answered nothing for
+        `engines.health_timeout_s` (stuck in a step or a call: the driver restarts it). Left out:
+        finished samples (each went to the driver in a results frame, which leaves before any
+        later report on the socket) and ones that produced nothing yet (waiting in vLLM's queue:
+        the driver runs them again from their prompt; ~40% of a report at a full queue)."""
         if self._vllm.dead:
             raise EngineDeadError("vLLM's engine core died")
+        if (silent := self._vllm.core_silent_s()) > (bound := self.cfg.engines.health_timeout_s):
+            raise EngineDeadError(
+                f"vLLM's engine core has answered nothing for {silent:.0f} s "
+                f"(engines.health_timeout_s={bound}): it is stuck inside a step or a call"
+            )
         mode = self.cfg.weight_sync.mode
         out = []
         for traj, piece, _ in list(self._samples.values()):
@@ -396,6 +404,8 @@ class VLLMPolicy(GroupCalls, WeightLoading):
 
     async def shutdown(self) -> None:
         self.cancel(list(self._groups))
+        if self._core_watch is not None:
+            self._core_watch.cancel()
         for epoch in list(self._staged):
             await self.drop_weights(epoch)
         if self._vllm is not None:

@@ -5,6 +5,7 @@ tests/integration)."""
 
 from __future__ import annotations
 
+import asyncio
 import types
 
 import pytest
@@ -160,3 +161,58 @@ async def test_the_engine_keeps_vllms_stat_logging_off(monkeypatch):
     with pytest.raises(Built):
         await VllmFrontend.start(args, None, lambda: None)
     assert args.disable_log_stats and seen.get("disable_log_stats") is True
+
+
+class StuckCore:
+    """vLLM's AsyncLLM whose engine core answers a utility call only when the test lets it."""
+
+    def __init__(self) -> None:
+        self.answer = asyncio.Event()
+        self.asked = asyncio.Event()
+        self.calls = 0
+
+    async def is_paused(self) -> bool:
+        self.calls += 1
+        self.asked.set()
+        await self.answer.wait()
+        return False
+
+    async def init_weight_transfer_engine(self, request) -> None:
+        await self.answer.wait()
+
+
+async def test_an_engine_core_that_answers_nothing_is_silent_for_as_long_and_a_weight_call_is_not_counted():
+    now = [100.0]
+    llm = StuckCore()
+    f = VllmFrontend(llm=llm, clock=lambda: now[0])
+    watch = asyncio.ensure_future(f.watch_core(0.0))
+    try:
+        await llm.asked.wait()
+        assert f.core_silent_s() == 0.0
+        now[0] += 45.0
+        assert f.core_silent_s() == 45.0  # stuck: the round trip is still unanswered
+        init = asyncio.ensure_future(f.init_transfer({}))
+        await asyncio.sleep(0)
+        now[0] += 100.0
+        assert f.core_silent_s() == 0.0  # a weight call runs in the core: its caller bounds it
+        llm.answer.set()
+        await init
+        assert f.core_silent_s() == 0.0  # the core answers again
+        while llm.calls < 3:  # and the watch goes on asking
+            await asyncio.sleep(0)
+    finally:
+        watch.cancel()
+
+
+async def test_a_progress_report_names_an_engine_core_that_answers_nothing():
+    from policies.vllm_policy import VLLMPolicy
+    from rollout.config import Config
+    from rollout.errors import EngineDeadError
+
+    cfg = Config()
+    policy = VLLMPolicy(cfg, "unused", frontend=types.SimpleNamespace(dead=False, core_silent_s=lambda: 1.0))
+    policy.progress()  # silent for less than engines.health_timeout_s: a report
+    bound = cfg.engines.health_timeout_s
+    policy._vllm = types.SimpleNamespace(dead=False, core_silent_s=lambda: bound + 1)
+    with pytest.raises(EngineDeadError, match="engine core has answered nothing.*stuck inside a step or a call"):
+        policy.progress()

@@ -20,8 +20,9 @@ Private internals, each checked at start (`probe`), failing closed:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from policies.vllm_adapter import EVICTED, VllmChangedError, check_vllm
@@ -102,11 +103,14 @@ class StepWatch:
 class VllmFrontend:
     """Built by `start`; the policy's only way to its AsyncLLM."""
 
-    def __init__(self, llm: Any):
+    def __init__(self, llm: Any, clock: Callable[[], float] = time.monotonic):
         self.llm = llm
         self.meter: BatchMeter | None = None  # the running batch over time, once started
         self.held = False  # a learner's /pause (`hold`): vLLM stays paused until its /resume
         self.updating = False  # a weight update's pause: vLLM stays paused until the update resumes it
+        self.clock = clock
+        self.transferring = 0  # weight calls running in the engine core (each bounded by its caller)
+        self._asked_at: float | None = None  # when the unanswered round trip of `watch_core` was sent
 
     @classmethod
     async def start(cls, args: Any, stat_loggers: list[Any] | None, after_step: Callable[[], None]) -> VllmFrontend:
@@ -262,26 +266,66 @@ class VllmFrontend:
     async def set_epoch(self, epoch: int) -> None:
         await self.llm.update_weight_version(str(epoch))
 
+    # -- is the engine core stepping? ---------------------------------------------------------
+    # vLLM's engine core answers a utility call (`is_paused`) between two steps. A core stuck
+    # inside one step, or inside a utility call that never returns, answers none: the actor still
+    # answers the driver, so only a round trip to the core shows it.
+
+    async def watch_core(self, interval: float) -> None:
+        """Forever: one round trip to the engine core every `interval` seconds (`core_silent_s`).
+        Ends when the core dies (`dead` says so)."""
+        while True:
+            self._asked_at = self.clock()
+            try:
+                await self.llm.is_paused()
+            except Exception:  # the core is gone: `dead` reports it, not silence
+                self._asked_at = None
+                return
+            self._asked_at = None
+            await asyncio.sleep(interval)
+
+    def core_silent_s(self) -> float:
+        """Seconds the engine core has left `watch_core`'s round trip unanswered; 0 while a weight
+        call runs in it (that call is bounded by its caller, `weight_sync.timeout_s`)."""
+        if self._asked_at is None or self.transferring:
+            return 0.0
+        return self.clock() - self._asked_at
+
+    @contextlib.contextmanager
+    def _transfer(self) -> Iterator[None]:
+        self.transferring += 1
+        try:
+            yield
+        finally:
+            self.transferring -= 1
+            if self._asked_at is not None:  # the round trip waited behind the weight call: counted from now
+                self._asked_at = self.clock()
+
     async def load(self, weights: str) -> None:
         """Load new weights from a directory of safetensors with vLLM's layerwise reload."""
-        await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": weights})
+        with self._transfer():
+            await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": weights})
 
     # vLLM's own weight-transfer calls (its `weight_transfer_config` backend: gloo of ours on CPU)
     async def init_transfer(self, init_info: dict[str, Any]) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-        await self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+        with self._transfer():
+            await self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
 
     async def start_update(self) -> None:
-        await self.llm.start_weight_update()
+        with self._transfer():
+            await self.llm.start_weight_update()
 
     async def update_weights(self, update_info: Any) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        await self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+        with self._transfer():
+            await self.llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
 
     async def finish_update(self) -> None:
-        await self.llm.finish_weight_update()
+        with self._transfer():
+            await self.llm.finish_weight_update()
 
     async def reset_prefix_cache(self) -> None:
         await self.llm.reset_prefix_cache()

@@ -212,7 +212,8 @@ class Runner:
         """Every `engines.health_interval_s`: each healthy engine reports its requests' progress.
 
         The reports are what a crash keeps. An engine that fails to answer within
-        `engines.health_timeout_s` is killed, so its running groups move on instead of hanging.
+        `engines.health_timeout_s`, or whose engine core has answered nothing for that long (the
+        report says so), is killed, so its running groups move on instead of hanging.
         """
         async with anyio.create_task_group() as tg:
             for i in range(len(self.engines)):  # each on its own beat: a slow engine holds back no other's report

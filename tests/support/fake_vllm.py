@@ -124,6 +124,9 @@ class FakeVllm:
 
     # -- what VllmFrontend offers ------------------------------------------------------------
 
+    def core_silent_s(self) -> float:  # this engine core steps on the test's loop: never stuck
+        return 0.0
+
     @staticmethod
     def params(sampling: Any, seed: int | None, done: int = 0) -> Any:
         return _Params(sampling.max_tokens - done)
