@@ -99,3 +99,16 @@ async def test_a_spoiled_engine_s_pool_is_not_handed_on(make_cfg):
         pass
     assert len(started) == 2 and started[1].shutdown_calls == 0
     await pools.close()
+
+
+async def test_an_engine_killed_by_the_test_restarts_in_the_hand_back_and_the_pool_is_handed_on(make_cfg):
+    """A test that kills an engine and ends before the health watch's next look: the hand-back
+    looks itself, waits for the restart, and hands the pool on."""
+    pools, started = pools_of_fakes()
+    cfg = make_cfg("engines.health_interval_s=3600", "engines.restart_backoff_s=0")
+    async with pools.engine(cfg) as engine:
+        await engine.pool.engines[1].kill()
+    assert started[0].restarts == [1] and started[0].shutdown_calls == 0, "restarted, not dropped"
+    async with pools.engine(cfg) as engine:
+        assert len(started) == 1 and all(not e.dead for e in engine.pool.engines)
+    await pools.close()

@@ -192,6 +192,9 @@ async def _hand_back(engine: RolloutEngine, epoch: int) -> str | None:
     runner = engine._scheduler.runner
     try:
         async with asyncio.timeout(300):
+            for i, load in enumerate(runner.loads):  # a killed engine the health watch has not seen yet
+                if load.healthy:
+                    await runner._check(i)  # ... is seen now, and restarts
             while any(load.restarting for load in runner.loads):  # a killed engine's restart ends first
                 await asyncio.sleep(0.1)
             if await engine.is_paused():
