@@ -16,13 +16,18 @@ worker: the sends run side by side, and a failed worker breaks only its own pair
 broadcast on its own into its place in the worker's staging (no packing copy on either side),
 two buckets on their way per pair; 3) `finish_weight_update`, inside the engine's
 pause: each worker waits for its buckets and feeds them to `model.load_weights` inside vLLM's
-layerwise reload, so the pause holds the load alone.
+layerwise reload, so the pause holds the load alone. Before it, the engine asks each worker to
+settle (`update_weights({"settle": true})`: every bucket arrived, or the staging and the group
+go, the model untouched); a round called off is dropped unloaded (`{"discard": true}`). Every
+wait of a worker (connect, rendezvous, each receive) is bounded by its init's `timeout_s`.
 Does not own: the two-phase guarantee and epochs (`rollout.weights.transfer`, `rollout.weights.updates`).
 """
 
 from __future__ import annotations
 
 import datetime
+import socket
+import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
@@ -43,6 +48,9 @@ from vllm.distributed.weight_transfer.base import (
 
 BACKEND = "gloo"
 DEFAULT_BUCKET_BYTES = 64 << 20
+# update infos that move no bytes (`rollout.weights.transfer` sends them through vLLM's update_weights,
+# so vLLM ends its update session when they fail): wait for the staged bytes; drop them unloaded
+SETTLE, DISCARD = "settle", "discard"
 
 
 def register() -> None:
@@ -141,6 +149,21 @@ def tcp_store(address: str, port: int, timeout_s: float, master: bool = False) -
     )
 
 
+def reachable(address: str, port: int, timeout_s: float) -> None:
+    """Until something accepts a connection at (`address`, `port`), within `timeout_s`: TCPStore's
+    own connect retries with a backoff that can outlast its timeout by minutes. Raises TimeoutError."""
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            socket.create_connection((address, port), timeout=left).close()
+            return
+        except ConnectionRefusedError:  # the learner's store may be just starting
+            time.sleep(min(0.05, max(left, 0)))
+        except OSError as e:
+            raise ConnectionError(f"no connection to {address}:{port}: {type(e).__name__}: {e}") from e
+    raise TimeoutError(f"nothing accepted a connection at {address}:{port} within {timeout_s:g} s")
+
+
 def pair_group(store: Any, session: str, worker: int, timeout_s: float, *, trainer: bool) -> Any:
     """The ProcessGroupGloo of the trainer (rank 0) and worker rank `worker` (rank 1), standalone
     (never vLLM's). A pair per worker: broadcasts to all workers run side by side, each on its
@@ -195,11 +218,21 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         ] = []  # (what, bucket, its tensors' bytes, works)
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        """Joins the trainer's store and this worker's pair group, each wait within `timeout_s`
+        (the engine caps it: `rollout.weights.transfer`). A failure leaves nothing joined."""
         self.shutdown()
-        p = self.parallel_config
-        self.rank = p.data_parallel_index * p.world_size + p.rank + init_info.rank_offset
-        self.store = tcp_store(init_info.master_address, init_info.master_port, init_info.timeout_s)
-        self.pg = pair_group(self.store, init_info.session, self.rank, init_info.timeout_s, trainer=False)
+        p, i = self.parallel_config, init_info
+        self.rank = p.data_parallel_index * p.world_size + p.rank + i.rank_offset
+        try:
+            reachable(i.master_address, i.master_port, i.timeout_s)
+            self.store = tcp_store(i.master_address, i.master_port, i.timeout_s)
+            self.pg = pair_group(self.store, i.session, self.rank, i.timeout_s, trainer=False)
+        except Exception as e:
+            self.shutdown()
+            raise RuntimeError(
+                f"gloo transfer: worker rank {self.rank} could not join the learner's group at "
+                f"{i.master_address}:{i.master_port} within timeout_s={i.timeout_s:g}: {type(e).__name__}: {e}"
+            ) from e
         self.info = init_info
 
     def start_weight_update(self) -> None:
@@ -240,7 +273,30 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         finalize_layerwise_reload(self.model, self.model_config)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.receive_weights(self.parse_update_info(update_info))  # CPU: nothing to synchronize
+        if update_info.get(SETTLE):
+            self.settle()
+        elif update_info.get(DISCARD):
+            self.discard()
+        else:
+            self.receive_weights(self.parse_update_info(update_info))  # CPU: nothing to synchronize
+
+    def settle(self) -> None:
+        """Waits for every staged bucket. One that did not arrive drops the staging and the group
+        (the learner inits again) and raises naming it; the model is untouched either way."""
+        for what, _, _, works in self.staged:
+            try:
+                for work in works:
+                    work.wait()
+            except Exception as e:
+                self.shutdown()
+                raise RuntimeError(f"gloo transfer: {what}: {type(e).__name__}: {e}; the model is unchanged") from e
+
+    def discard(self) -> None:
+        """Drops the round's staging unloaded. Receives still posted close the group: the learner's
+        next round would meet them out of step, so it inits again."""
+        if any(not work.is_completed() for *_, works in self.staged for work in works):
+            self.shutdown()
+        self.staged = []
 
     def shutdown(self) -> None:
         _close([self.pg] if self.pg is not None else [])

@@ -51,7 +51,14 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferInitInfo,
 )
 
-from policies.gloo_transfer import GlooInitInfo, GlooUpdateInfo, GlooWeightTransferEngine, register_engines
+from policies.gloo_transfer import (
+    DISCARD,
+    SETTLE,
+    GlooInitInfo,
+    GlooUpdateInfo,
+    GlooWeightTransferEngine,
+    register_engines,
+)
 
 BACKEND = "shm"
 ALIGN = 64  # each tensor's offset in the stream: any dtype's view, on a cache line
@@ -187,8 +194,8 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         except Exception as e:
             sock.close()
             raise RuntimeError(
-                f"shm transfer: worker rank {rank} could not join the learner at {init_info.address}: "
-                f"{type(e).__name__}: {e}"
+                f"shm transfer: worker rank {rank} could not join the learner at {init_info.address} "
+                f"within timeout_s={init_info.timeout_s:g}: {type(e).__name__}: {e}"
             ) from e
         self.sock, self.info = sock, init_info
 
@@ -274,8 +281,28 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
     def update_weights(self, update_info: dict[str, Any]) -> None:
         if gloo := self._via_gloo():
             gloo.update_weights(update_info)
-            return
-        self.receive_weights(self.parse_update_info(update_info))  # CPU: nothing to synchronize
+        elif update_info.get(SETTLE):
+            self.settle()
+        elif update_info.get(DISCARD):
+            self.discard()
+        else:
+            self.receive_weights(self.parse_update_info(update_info))  # CPU: nothing to synchronize
+
+    def settle(self) -> None:
+        """Waits for the drain. A round whose bytes did not all arrive is dropped (its socket already
+        closed: the learner inits again) and raises naming the chunk; the model is untouched."""
+        if self.pending is not None:
+            self.pending[0].join()
+            if errors := self.pending[1]:
+                self.pending = None
+                raise RuntimeError(f"shm transfer: {errors[0]}; the model is unchanged")
+
+    def discard(self) -> None:
+        """Drops the round's staging unloaded; a drain still running closes the socket (the
+        learner's stream is out of step: it inits again)."""
+        if self.pending is not None and self.pending[0].is_alive():
+            self.shutdown()
+        self.pending = None
 
     def _close(self) -> None:
         if self.sock is not None:

@@ -11,7 +11,10 @@ tag the epoch, resume. vLLM's weight-transfer calls (`rollout.weights.transfer` 
 `finish_transfer` its `finish_weight_update`, then the epoch tag and resume; the pause (as
 `weight_sync.mode` says) comes before `finish_weight_update` when the backend stages the bytes
 (ours, `gloo`: the engine generates while they come), else before `start_weight_update`.
-An engine that fails to load stays paused and refuses work, so it never serves torn weights.
+A staging round is settled (`transfer({"settle": true})`: every byte arrived, or the engine drops
+them and serves its weights as before) before its finish pauses; called off (`finish_transfer`
+with `loaded=False`), it is dropped unloaded. An engine that fails to load stays paused and
+refuses work, so it never serves torn weights.
 Does not own: checking weights (`policies.weights`, `rollout.weights.transfer`), moving bytes
 (vLLM's weight-transfer engines, `policies.gloo_transfer`), vLLM's internals (`policies.vllm_adapter`).
 """
@@ -24,6 +27,7 @@ import shutil
 import time
 from typing import Any
 
+from policies.gloo_transfer import DISCARD, SETTLE
 from policies.shm import staging_dir
 from policies.weights import Packed
 
@@ -128,10 +132,14 @@ class WeightLoading:
             self._open.set()
             raise
 
-    async def transfer(self, update_info: Any) -> None:
+    async def transfer(self, update_info: Any) -> str | None:
         """vLLM's `update_weights` (bytes from the learner: staged, or loaded as they come), within
         `weight_sync.timeout_s`. A failure leaves the engine paused and refusing work: it may hold
-        torn weights."""
+        torn weights. `{"settle": true}` (a staging backend's round, before `finish_transfer`):
+        waits for the staged bytes; returns None when all came, else why not, with the staging
+        dropped, vLLM's update ended and the engine serving its weights as before."""
+        if isinstance(update_info, dict) and update_info.get(SETTLE):
+            return await self._settle()
         self._transfer_t1 = time.perf_counter()
         try:
             async with asyncio.timeout(self.cfg.weight_sync.timeout_s):
@@ -147,11 +155,27 @@ class WeightLoading:
             await self._break(f"transfer failed: {type(e).__name__}: {e}")
             raise e from None
 
+    async def _settle(self) -> str | None:
+        if not self._staging or self._start is None:
+            return None
+        try:
+            async with asyncio.timeout(self.cfg.weight_sync.timeout_s):
+                await asyncio.shield(self._start)
+                await self._vllm.update_weights({SETTLE: True})
+        except TimeoutError:  # the engine core may still be waiting: it cannot be trusted
+            why = f"no settle within weight_sync.timeout_s={self.cfg.weight_sync.timeout_s}"
+            await self._break(why)
+            raise TimeoutError(why) from None
+        except Exception as e:  # vLLM ends its update when update_weights raises: the model is untouched
+            self._staging, self._start = False, None
+            return f"{type(e).__name__}: {e}"
+        return None
+
     async def finish_transfer(self, epoch: int, loaded: bool = True) -> dict[str, float]:
         """vLLM's `finish_weight_update` (staged bytes: pause first, as `weight_sync.mode` says,
         the drain's wait outside `weight_sync.timeout_s`), then the epoch tag and resume.
-        `loaded=False` calls a started round off before any transfer: the epoch stays (vLLM puts
-        the old tensors back; a staging backend has nothing to drop)."""
+        `loaded=False` calls a started round off: the epoch stays (vLLM puts the old tensors back
+        of a round called off before any transfer; a staging backend drops its staging unloaded)."""
         t2 = time.perf_counter()
         staged = self._staging and loaded
         if self._staging and self._start is None:  # called off before any transfer: vLLM's update never started here
@@ -167,6 +191,8 @@ class WeightLoading:
                 if staged:
                     self._recomputed = await self._quiesce(self.cfg.weight_sync.mode)
                     t2 = time.perf_counter()
+                elif self._staging:  # vLLM's finish then loads nothing
+                    await self._vllm.update_weights({DISCARD: True})
                 await self._vllm.finish_update()
                 if loaded:
                     await self._vllm.set_epoch(epoch)
@@ -229,11 +255,19 @@ class WeightLoading:
         return t1, t2, recomputed
 
 
-def _stages(cfg: Any) -> bool:
-    """Whether the engines' vLLM weight-transfer backend stages the bytes before the load: ours,
-    `gloo` (the default on CPU, `policies.vllm_args`; `engines.vllm.weight_transfer_config` wins)."""
+def transfer_backend(cfg: Any) -> str:
+    """The engines' vLLM weight-transfer backend: `engines.vllm.weight_transfer_config`'s, else
+    `nccl` on GPUs and ours, `gloo`, on CPU (`policies.vllm_args`)."""
     from policies.gloo_transfer import BACKEND
 
     conf = cfg.engines.vllm.get("weight_transfer_config") or {}
     backend = conf.get("backend") if isinstance(conf, dict) else getattr(conf, "backend", None)
-    return (backend or ("nccl" if cfg.engines.gpus_per_engine else BACKEND)) in (BACKEND, "shm")  # ours: gloo, shm
+    return backend or ("nccl" if cfg.engines.gpus_per_engine else BACKEND)
+
+
+def _stages(cfg: Any) -> bool:
+    """Whether the engines' backend stages the bytes before the load: ours, `gloo` and `shm`."""
+    return transfer_backend(cfg) in STAGING
+
+
+STAGING = ("gloo", "shm")  # backends of ours: bytes staged until finish, waits bounded by their init's timeout_s

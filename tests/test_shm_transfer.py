@@ -390,10 +390,10 @@ async def test_weights_that_do_not_fit_are_refused_before_any_byte_naming_the_te
             t.shutdown()
 
 
-async def test_a_learner_gone_mid_transfer_leaves_no_engine_serving_torn_weights(pool_cfg):
+async def test_a_learner_gone_mid_transfer_leaves_every_engine_serving_the_previous_epoch(pool_cfg):
     """The learner goes after its first chunks (its sockets close): every engine's round fails
-    (the model untouched), each leaves rotation and restarts, the epoch stays where it was and its
-    number is never used again."""
+    (the model untouched); with no learner call within weight_sync.timeout_s the round is called
+    off, every engine stays in rotation on the epoch before, and its number is never used again."""
     import anyio
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
@@ -420,12 +420,11 @@ async def test_a_learner_gone_mid_transfer_leaves_no_engine_serving_torn_weights
             workers = [e.worker for e in pool.engines]
             with pytest.raises(ConnectionError):
                 await anyio.to_thread.run_sync(t.send_weights)
-            while engine.weight_transfer().round is not None or len(pool.restarts) < 2:
-                await anyio.sleep(
-                    0.05
-                )  # the round ends on its own (no learner call within weight_sync.timeout_s); they restart
-            assert engine.epoch == 0 and not any(e.commits for e in pool.engines) and sorted(pool.restarts) == [0, 1]
-            assert engine._updates.allocated == 1  # epoch 1 may be torn somewhere: never used again
+            while engine.weight_transfer().round is not None:
+                await anyio.sleep(0.05)  # the round ends on its own (no learner call within weight_sync.timeout_s)
+            assert engine.epoch == 0 and not any(e.commits for e in pool.engines) and not pool.restarts
+            assert all(load.healthy for load in engine._scheduler.runner.loads)
+            assert engine._updates.allocated == 1  # epoch 1 was started: never used again
             assert all(
                 w.model.loaded == {} and w.sock is None for w in workers
             )  # nothing loaded; the socket's end was seen

@@ -11,11 +11,19 @@ own call on its workers: `policies.weight_loading`), and `WeightSyncClient`, the
 `VLLMWeightSyncClient` a learner hands to vLLM's `TrainerWeightTransferEngine` (ours, `gloo`, on
 CPU; vLLM's `nccl` / `ipc` on GPUs). What we add to vLLM's calls:
 1) `init_weight_transfer_engine`: every healthy engine joins, each at its own rank (`rank_offset`
-   + k x its model workers); `world_size` is checked against them.
+   + k x its model workers); `world_size` is checked against them. Our backends' `timeout_s`
+   (each of a worker's waits: connect, rendezvous, receive) is capped at `weight_sync.timeout_s`,
+   whatever the learner asked (the error says so), so an init naming a rendezvous nobody serves
+   frees each engine core within it; an engine that does not answer within twice that (plus a
+   margin) is stuck inside the call: it leaves rotation and restarts. A failed init leaves no
+   engine joined; the next init starts afresh.
 2) `start_weight_update`: takes the update lock (no other update runs until the round ends) and
    fixes the engines and the epoch the round would load (`max(epoch, allocated) + 1`). No engine
    changes yet.
-3) `update_weights`: the update's names, dtypes and shapes are checked against the model first
+3) `update_weights`: the update's names, dtypes and shapes are checked against the model first,
+   each name once per round, and, where one call carries the whole round (`ONE_CALL_ROUND`: vLLM's
+   `nccl` trainer and ours send every name in it; vLLM's `ipc` trainer one call per packed chunk,
+   so its completeness is known only at finish), every parameter of the model
    (InvalidWeightsError naming the tensor; no engine changed). Then every engine runs vLLM's
    `start_weight_update` (vLLM's `nccl` / `ipc`: after pausing as `weight_sync.mode` says; our
    `gloo` stages the bytes, so its engines keep generating); if one cannot, the started ones go
@@ -23,12 +31,17 @@ CPU; vLLM's `nccl` / `ipc` on GPUs). What we add to vLLM's calls:
    again) and the bytes received (`gloo`: into a staging copy in each worker, the model
    untouched); an engine that fails or exceeds `weight_sync.timeout_s` leaves rotation (it may
    hold torn weights; it refuses work and restarts).
-4) `finish_weight_update`: every engine (`gloo`: pausing now, as `weight_sync.mode` says, for the
-   load alone) finishes the load, tags the epoch and resumes: the new epoch starts here, and is
+4) `finish_weight_update`: a staging backend's engines first wait for every staged byte (a
+   settle); then every engine (`gloo`: pausing now, as `weight_sync.mode` says, for the load
+   alone) finishes the load, tags the epoch and resumes: the new epoch starts here, and is
    returned and recorded (`engine.weight_updates`). Without every checkpoint tensor received, no
    engine serves the round. Tokens produced before an engine's pause carry the old epoch.
-A round with no call for `weight_sync.timeout_s` (a learner gone between calls) is ended: engines
-that loaded bytes leave rotation, the others resume on their weights. Restarts: the epoch's bytes
+A round refused after its engines started (a later call's bad metadata, bytes that did not all
+arrive, no learner call for `weight_sync.timeout_s`) is called off: a staging backend's engines
+hold the bytes beside the model, so each drops them and goes on serving the epoch before, in
+rotation (the learner inits again); an engine that cannot drop them, or a backend that loads as
+the bytes come (vLLM's `nccl`, `ipc`: the engines hold part of the round), leaves rotation and
+restarts, and the error names which. Restarts: the epoch's bytes
 live only in the learner, so a restarted engine waits out of rotation for the next update
 (`rollout.weights.updates`); it joins the learner's group at the next
 `init_weight_transfer_engine`.
@@ -54,7 +67,14 @@ from rollout.log import get_logger
 from rollout.types import UpdateStats
 from rollout.weights.updates import LEARNER, WeightUpdates, describe, failures, model_workers
 
+SETTLE = "settle"  # the update info asking a staging backend's engine to wait for its bytes (`policies.weight_loading`)
+
 log = get_logger(__name__)
+LEARNER_TIMEOUT_S = 300.0  # the timeout_s of our backends' init infos when the learner gives none
+# backends whose trainer sends a round's names, dtypes and shapes in one update_weights call (vLLM's
+# `nccl` trainer; ours, `gloo` and `shm`): a round that leaves a parameter out is refused there.
+# vLLM's `ipc` trainer sends one call per packed chunk: its completeness is known only at finish.
+ONE_CALL_ROUND = ("nccl", "gloo", "shm")
 MAX_LABELS = 256  # weight_version labels kept (`WeightTransfer.versions`), the newest
 
 
@@ -105,13 +125,33 @@ class WeightTransfer:
                 {**init_info, "rank_offset": offset + k * workers} if "rank_offset" in init_info else init_info
                 for k in range(len(live))
             ]
-            engines = [self.u.pool.engines[i] for i in live]
-            got = await fan_out(asyncio.wait_for(e.call("init_transfer", info), self.u.cfg.weight_sync.timeout_s)
+            infos, capped = self._capped(infos)
+            engines, bound = [self.u.pool.engines[i] for i in live], 2 * self.u.cfg.weight_sync.timeout_s + 5
+            got = await fan_out(asyncio.wait_for(e.call("init_transfer", info), bound)
                                 for e, info in zip(engines, infos))  # fmt: skip
-            if bad := failures(live, got):
+            if bad := failures(live, got, f"no answer within {bound:g} s"):
                 self.members = None
-                raise WeightSyncError(f"init_weight_transfer_engine failed on {describe(bad)}", sorted(bad))
+                hung = [i for i, r in zip(live, got) if isinstance(r, TimeoutError)]
+                for i in hung:  # its engine core is still inside the call: it cannot be trusted
+                    self.u.failed_transfer(i)
+                    self.u.lost(i, f"init_weight_transfer_engine: {bad[i]}")
+                raise WeightSyncError(f"init_weight_transfer_engine failed on {describe(bad)}"
+                                      f"{f'; engines {hung} out of rotation, restarting' if hung else ''}{capped}",
+                                      sorted(bad))  # fmt: skip
             self.members, self.incarnations = live, {i: self.u.incarnations.get(i, 0) for i in live}
+
+    def _capped(self, infos: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+        """Our backends' init infos with `timeout_s` (each of the worker's waits: connect,
+        rendezvous, receive) at most `weight_sync.timeout_s`, so a learner's init naming a
+        rendezvous nobody serves frees each engine core within it; and what was capped, said."""
+        from policies.weight_loading import _stages
+
+        if not _stages(self.u.cfg):
+            return infos, ""  # vLLM's nccl / ipc take no timeout of ours
+        bound = self.u.cfg.weight_sync.timeout_s
+        asked = float(infos[0].get("timeout_s", LEARNER_TIMEOUT_S)) if infos else bound
+        said = f"; the learner's timeout_s {asked:g} is capped at weight_sync.timeout_s={bound:g}"
+        return [{**info, "timeout_s": min(asked, bound)} for info in infos], said if asked > bound else ""
 
     async def start(self) -> None:
         """vLLM's `start_weight_update`: the round's lock, engines and epoch; no engine changes.
@@ -155,7 +195,14 @@ class WeightTransfer:
             rnd.poke.set()
 
     async def _update(self, rnd: _Round, update_info: Any) -> None:
-        names = self._check(rnd, update_info)
+        names, problems = self._check(rnd, update_info)
+        if problems:
+            shown = "; ".join(problems[:8]) + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else "")
+            if not rnd.started:
+                self._close(rnd)
+                raise InvalidWeightsError(f"the learner's weights do not fit the model: {shown}; no engine changed")
+            raise InvalidWeightsError(f"the learner's weights do not fit the model: {shown}; "
+                                      f"{await self._call_off(rnd, f'update_weights: {shown}')}")  # fmt: skip
         if not rnd.started:
             await self._start_engines(rnd)
         rnd.names |= set(names)
@@ -195,9 +242,11 @@ class WeightTransfer:
                 f"the epoch stays {self.u.epoch}", sorted(rnd.bad),
             )  # fmt: skip
 
-    def _check(self, rnd: _Round, update_info: Any) -> list[str]:
-        """The update's names, dtypes and shapes against the model. Raises InvalidWeightsError;
-        before any engine loads the round ends with no engine changed, after that they leave rotation."""
+    def _check(self, rnd: _Round, update_info: Any) -> tuple[list[str], list[str]]:
+        """The update's names, dtypes and shapes against the model, each name once in the round;
+        the round's first call of a backend that sends it in one (`ONE_CALL_ROUND`) lists every
+        parameter. Returns the names, and what does not fit."""
+        from policies.weight_loading import transfer_backend
         from policies.weights import TensorSpec, read_manifest
 
         if self.u.manifest is None:
@@ -211,22 +260,22 @@ class WeightTransfer:
             names, dtypes, shapes = [], [], []
         if not problems and not (len(names) == len(dtypes) == len(shapes)):
             problems.append(f"update_info: {len(names)} names, {len(dtypes)} dtype_names, {len(shapes)} shapes")
+        seen = set(rnd.names)
         for name, dtype, shape in zip(names, dtypes, shapes):
             want = self.u.manifest.get(name)
             if want is None:
                 problems.append(f"unknown {name}")
             elif want != TensorSpec(dtype, shape):
                 problems.append(f"{name}: {dtype} {list(shape)}, model has {want.dtype} {list(want.shape)}")
-        if problems:
-            shown = "; ".join(problems[:8]) + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else "")
-            if not rnd.started:
-                self._close(rnd)
-                raise InvalidWeightsError(f"the learner's weights do not fit the model: {shown}; no engine changed")
-            self._fail_all(rnd, f"update_weights: {shown}")
-            raise InvalidWeightsError(f"the learner's weights do not fit the model: {shown}; engines {rnd.live} "
-                                      f"had loaded earlier chunks of epoch {rnd.epoch}: out of rotation")  # fmt: skip
-        rnd.nbytes += sum(math.prod(s) * _itemsize(d) for d, s in zip(dtypes, shapes))
-        return names
+            if name in seen:
+                problems.append(f"{name} twice in the round")
+            seen.add(name)
+        if not problems and not rnd.names and transfer_backend(self.u.cfg) in ONE_CALL_ROUND:
+            if missing := sorted(set(self.u.manifest) - seen):
+                problems.append(f"the round left out {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+        if not problems:
+            rnd.nbytes += sum(math.prod(s) * _itemsize(d) for d, s in zip(dtypes, shapes))
+        return names, problems
 
     async def finish(self, weight_version: str | None = None, wait: bool = True) -> int:
         """vLLM's `finish_weight_update`: the new epoch starts on every engine that loaded it; returns it.
@@ -236,7 +285,7 @@ class WeightTransfer:
         rnd.busy += 1
         if not wait and rnd.started:
             try:
-                self._complete(rnd)
+                await self._complete(rnd)
             except BaseException:
                 rnd.busy -= 1
                 raise
@@ -254,18 +303,31 @@ class WeightTransfer:
             rnd.busy -= 1
             self._close(rnd)
 
-    def _complete(self, rnd: _Round) -> None:
-        """Every checkpoint tensor was sent, or no engine serves the round: InvalidWeightsError."""
+    async def _complete(self, rnd: _Round) -> None:
+        """Every checkpoint tensor was sent, or no engine serves the round: InvalidWeightsError.
+        (A round sent in one call was checked whole there: this catches rounds of several calls.)"""
         if missing := sorted(set(self.u.manifest) - rnd.names):
-            self._fail_all(rnd, f"the update left out {missing[:4]}")
-            raise InvalidWeightsError(f"epoch {rnd.epoch}: the learner sent no {', '.join(missing[:4])}"
-                                      f"{' ...' if len(missing) > 4 else ''}; "
-                                      f"engines {rnd.live} out of rotation")  # fmt: skip
+            sent = f"the learner sent no {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
+            raise InvalidWeightsError(f"epoch {rnd.epoch}: {sent}; {await self._call_off(rnd, sent)}")
+
+    async def _settle(self, rnd: _Round) -> None:
+        """A staging backend's round: every engine has every byte staged, or none loads it and
+        each goes on serving its weights (WeightSyncError); an engine that does not answer leaves rotation."""
+        live = [i for i in rnd.live if i not in rnd.bad]
+        got = await fan_out(e.call("transfer", {SETTLE: True}) for i, e in zip(rnd.live, rnd.engines) if i in live)
+        for i, reason in failures(live, got).items():
+            rnd.bad[i] = reason
+            self.u.lost(i, reason)
+        if short := {i: r for i, r in zip(live, got) if isinstance(r, str)}:
+            said = await self._call_off(rnd, "bytes missing", skip=short)
+            raise WeightSyncError(f"epoch {rnd.epoch}: bytes missing on {describe(short)}; {said}", sorted(short))
 
     async def _finish(self, rnd: _Round, weight_version: str | None) -> int:
         if not rnd.started:  # nothing was sent: no engine changed
             return self.u.epoch
-        self._complete(rnd)
+        await self._complete(rnd)
+        if _stages(self.u.cfg):
+            await self._settle(rnd)
         live = [i for i in rnd.live if i not in rnd.bad]
         engines = [e for i, e in zip(rnd.live, rnd.engines) if i not in rnd.bad]
         t0 = time.perf_counter()
@@ -320,6 +382,26 @@ class WeightTransfer:
             raise WeightSyncError(f"{call} called without start_weight_update; the epoch stays {self.u.epoch}", [])
         return self.round
 
+    async def _call_off(self, rnd: _Round, reason: str, skip: Any = ()) -> str:
+        """Ends a started round no engine may serve; says where each engine stands. A staging
+        backend's engines (all but `skip`, whose vLLM update already ended) drop the bytes and go
+        on with their weights; the learner inits again. Otherwise the engines hold part of the
+        round: out of rotation, restarted."""
+        if not _stages(self.u.cfg):
+            self._fail_all(rnd, reason)
+            return f"engines {rnd.live} had loaded part of epoch {rnd.epoch}: out of rotation, restarting"
+        self._close(rnd)  # no call of the learner's joins the round from here on
+        live = [i for i in rnd.live if i not in rnd.bad and i not in skip]
+        engines = [e for i, e in zip(rnd.live, rnd.engines) if i in live]
+        got = await fan_out(e.call("finish_transfer", rnd.epoch, False) for e in engines)
+        for i in rnd.live:
+            self.u.failed_transfer(i)  # their groups may be mid-round: the learner inits again
+        for i, why in failures(live, got).items():
+            rnd.bad[i] = f"could not drop epoch {rnd.epoch}: {why}"
+            self.u.lost(i, rnd.bad[i])
+        out = f"; {describe(rnd.bad)}: out of rotation, restarting" if rnd.bad else ""
+        return f"no engine loaded epoch {rnd.epoch}; every engine serves epoch {self.u.epoch}{out}"
+
     def _fail_all(self, rnd: _Round, reason: str) -> None:
         for i in rnd.live:
             if i not in rnd.bad:
@@ -351,11 +433,16 @@ class WeightTransfer:
                         started=rnd.started,
                     )
                     if rnd.started:
-                        self._fail_all(
-                            rnd,
-                            f"the learner made no call for weight_sync.timeout_s={self.u.cfg.weight_sync.timeout_s}",
-                        )
+                        why = f"the learner made no call for weight_sync.timeout_s={self.u.cfg.weight_sync.timeout_s}"
+                        said = await self._call_off(rnd, why)
+                        log.error("weight transfer: round called off", epoch=rnd.epoch, outcome=said)
                     self._close(rnd)
+
+
+def _stages(cfg: Any) -> bool:
+    from policies.weight_loading import _stages
+
+    return _stages(cfg)
 
 
 def _itemsize(dtype: str) -> int:

@@ -1,0 +1,180 @@
+"""A learner's mistakes through vLLM's trainer API, without vLLM engines or Ray: fake engines whose
+model workers run the real gloo worker engine (real process groups over a real TCPStore, in this
+process). Each mistake costs the learner its round, never the engines: a round that leaves a
+tensor out or names one twice is refused before any engine changes; an init naming a rendezvous
+nobody serves ends within `weight_sync.timeout_s` on the engines' own bound, whatever the learner
+asked for; bytes that never all arrive leave every engine on the previous epoch, in rotation."""
+
+from __future__ import annotations
+
+import anyio
+import msgspec
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from policies.gloo_transfer import GlooTrainerInitInfo, StateDictSource
+from rollout.config import load_config
+from rollout.engine import RolloutEngine
+from rollout.errors import InvalidWeightsError, WeightSyncError
+from tests.support.fakes import FakeEngine, FakePool
+
+TIMEOUT = 60  # seconds; only reached when a test is about to fail
+BOUND = 2  # weight_sync.timeout_s of these tests
+STATE = {
+    "embed.weight": torch.randn(40, 30),
+    "layers.0.weight": torch.randn(30, 30).to(torch.bfloat16),
+    "norm.weight": torch.ones(30, dtype=torch.bfloat16),
+}
+NOWHERE = {"master_address": "127.0.0.1", "master_port": 9, "rank_offset": 1, "world_size": 3}
+
+
+class StagingEngine(FakeEngine):
+    """A fake engine whose staging round ends as `policies.weight_loading` ends one: a settle that
+    finds bytes missing answers why (vLLM's update ended, the model untouched); a round called off
+    drops the staging."""
+
+    async def transfer(self, update_info: dict):
+        if not update_info.get("settle"):
+            return await super().transfer(update_info)
+        try:
+            await anyio.to_thread.run_sync(self.worker.update_weights, update_info)
+        except RuntimeError as e:
+            return f"{type(e).__name__}: {e}"
+
+    async def finish_transfer(self, epoch: int, loaded: bool = True) -> dict[str, float]:
+        if not loaded:
+            self.worker.update_weights({"discard": True})
+        return await super().finish_transfer(epoch, loaded)
+
+
+def changed(k: int) -> dict[str, torch.Tensor]:
+    return {n: t + k for n, t in STATE.items()}
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    (tmp_path / "config.json").write_text('{"vocab_size": 260}')
+    save_file(STATE, str(tmp_path / "model.safetensors"))
+    cfg = load_config(None, ["engines.count=2", "logging.level=error", f"weight_sync.timeout_s={BOUND}",
+                             "engines.restart_backoff_s=0"])  # fmt: skip
+    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=str(tmp_path)))
+
+
+async def trainer(engine, weights, **kw):
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    client, source = engine.weight_sync_client(), StateDictSource(weights, **kw)
+    init = GlooTrainerInitInfo(world_size=1 + client.world_size(), rank=0, bucket_bytes=1000, timeout_s=20)
+    t = await anyio.to_thread.run_sync(
+        lambda: WeightTransferTrainerFactory.trainer_init(init, client=client, source=source)
+    )
+    return t, client, source
+
+
+def untouched(pool) -> bool:
+    """No engine restarted, loaded, or started vLLM's update."""
+    return not pool.restarts and not any(e.commits or (e.worker is not None and e.worker.staged) for e in pool.engines)
+
+
+def counting(pool) -> list[str]:
+    """Every weight-transfer call the engines got after this, by name."""
+    calls: list[str] = []
+    for e in pool.engines:
+        for name in ("start_transfer", "transfer", "finish_transfer"):
+            real = getattr(e, name)
+
+            async def counted(*args, real=real, name=name):
+                calls.append(name)
+                return await real(*args)
+
+            setattr(e, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "weights, name_map, match",
+    [
+        ({n: v for n, v in STATE.items() if n != "norm.weight"}, None, "left out norm.weight"),
+        ({**STATE, "model.norm.weight": STATE["norm.weight"]}, lambda n: n.removeprefix("model."),
+         "norm.weight twice"),
+    ],
+)  # fmt: skip
+async def test_a_round_that_leaves_a_tensor_out_or_sends_one_twice_is_refused_before_any_engine_changes(
+    cfg, weights, name_map, match
+):
+    pool = FakePool(2)
+    with anyio.fail_after(TIMEOUT):
+        async with RolloutEngine(cfg, pool=pool) as engine:
+            t, client, _ = await trainer(engine, STATE)
+            t.source, calls = StateDictSource(weights, name_map=name_map), counting(pool)
+            with pytest.raises(InvalidWeightsError, match=f"{match}.*no engine changed"):
+                await anyio.to_thread.run_sync(t.send_weights)
+            assert calls == [] and untouched(pool) and engine.epoch == 0
+            t.source = StateDictSource(changed(1))
+            await anyio.to_thread.run_sync(t.send_weights)
+            assert engine.epoch == 1 and not pool.restarts
+            t.shutdown()
+
+
+async def test_an_init_naming_a_rendezvous_nobody_serves_ends_on_the_engines_bound_and_the_next_init_works(cfg):
+    """The learner asks its workers to wait 300 s for a store nobody serves: each engine's own wait
+    ends at weight_sync.timeout_s (its error says so, and is the engine's, not the driver's give-up),
+    no engine leaves rotation, and a correct learner's round goes on."""
+    pool = FakePool(2)
+    with anyio.fail_after(TIMEOUT):
+        async with RolloutEngine(cfg, pool=pool) as engine:
+            client = engine.weight_sync_client()
+            with pytest.raises(WeightSyncError, match=f"capped at weight_sync.timeout_s={BOUND}") as e:
+                await anyio.to_thread.run_sync(client.init_weight_transfer_engine, {**NOWHERE, "timeout_s": 300})
+            assert "127.0.0.1:9" in str(e.value) and not pool.restarts
+            t, client, source = await trainer(engine, STATE)
+            source.update(changed(1))
+            await anyio.to_thread.run_sync(t.send_weights)
+            assert engine.epoch == 1 and not pool.restarts
+            t.shutdown()
+
+
+async def test_an_engine_whose_init_never_answers_leaves_rotation_and_restarts(cfg):
+    pool = FakePool(2)
+
+    async def stuck(info):
+        await anyio.sleep_forever()
+
+    pool.engines[1].init_transfer = stuck
+    with anyio.fail_after(TIMEOUT):
+        async with RolloutEngine(cfg, pool=pool) as engine:
+            client = engine.weight_sync_client()
+            with pytest.raises(WeightSyncError, match="engine 1: no answer within.*out of rotation"):
+                await anyio.to_thread.run_sync(client.init_weight_transfer_engine, {**NOWHERE, "timeout_s": 1})
+            while pool.restarts != [1]:
+                await anyio.sleep(0.01)  # restarted (the restart is a fresh fake)
+            t, client, source = await trainer(engine, STATE)
+            source.update(changed(1))
+            await anyio.to_thread.run_sync(t.send_weights)
+            assert engine.epoch == 1
+
+
+async def test_bytes_that_never_all_arrive_leave_every_engine_on_the_previous_epoch_in_rotation(cfg):
+    """The learner's group goes after update_weights, before its bytes, and the learner still calls
+    finish: the engines had staged, not loaded; each drops the staging and keeps serving epoch 0;
+    the learner inits again and its next round loads."""
+    pool = FakePool([StagingEngine(0), StagingEngine(1)])
+    with anyio.fail_after(TIMEOUT):
+        async with RolloutEngine(cfg, pool=pool) as engine:
+            t, client, source = await trainer(engine, STATE)
+            info = {"names": list(STATE), "dtype_names": [str(v.dtype).removeprefix("torch.") for v in STATE.values()],
+                    "shapes": [list(v.shape) for v in STATE.values()], "round": 1}  # fmt: skip
+            run = anyio.to_thread.run_sync
+            await run(client.start_weight_update)
+            await run(client.update_weights, info)
+            t.shutdown()  # the learner's groups go: no byte comes
+            with pytest.raises(WeightSyncError, match="no engine loaded epoch 1; every engine serves epoch 0"):
+                await run(client.finish_weight_update)
+            assert engine.epoch == 0 and untouched(pool) and not any(e.worker.staged for e in pool.engines)
+            assert all(load.healthy for load in engine._scheduler.runner.loads)
+            t, client, source = await trainer(engine, STATE)
+            source.update(changed(2))
+            await run(t.send_weights)
+            assert engine.epoch == 2 and not pool.restarts  # epoch 1 was allocated: never used again
+            t.shutdown()
