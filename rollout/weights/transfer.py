@@ -45,6 +45,7 @@ restarts, and the error names which. Restarts: the epoch's bytes
 live only in the learner, so a restarted engine waits out of rotation for the next update
 (`rollout.weights.updates`); it joins the learner's group at the next
 `init_weight_transfer_engine`.
+`WeightSyncClient` and `loop_caller` live in `rollout.weights.sync_client`.
 Does not own: moving bytes (vLLM's engines, `policies.gloo_transfer`), epochs and restarts
 (`rollout.weights.updates`).
 """
@@ -52,11 +53,8 @@ Does not own: moving bytes (vLLM's engines, `policies.gloo_transfer`), epochs an
 from __future__ import annotations
 
 import asyncio
-import inspect
 import math
-import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -65,6 +63,7 @@ from rollout.aio import fan_out
 from rollout.errors import EngineDeadError, InvalidWeightsError, WeightSyncError
 from rollout.log import get_logger
 from rollout.types import UpdateStats
+from rollout.weights.sync_client import WeightSyncClient, loop_caller  # the learner's side
 from rollout.weights.updates import LEARNER, WeightUpdates, describe, failures, model_workers
 
 SETTLE = "settle"  # the update info asking a staging backend's engine to wait for its bytes (`policies.weight_loading`)
@@ -451,63 +450,4 @@ def _itemsize(dtype: str) -> int:
     return getattr(torch, dtype).itemsize
 
 
-class WeightSyncClient:
-    """vLLM's `VLLMWeightSyncClient` over this engine: blocking calls, made from a learner thread
-    (not the engine's event loop: `await anyio.to_thread.run_sync(trainer.send_weights)`)."""
-
-    def __init__(self, transfer: WeightTransfer, call: Callable[..., Any], wait: bool = True):
-        self.transfer, self._call, self.wait = transfer, call, wait
-
-    def world_size(self) -> int:
-        """Model workers over every engine: the learner's group is 1 + this (one sending rank)."""
-        return self._call(self.transfer.world_size)
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._call(self.transfer.init, init_info)
-
-    def start_weight_update(self) -> None:
-        self._call(self.transfer.start)
-
-    def update_weights(self, update_info: Any) -> None:
-        self._call(self.transfer.update, update_info)
-
-    def finish_weight_update(self, weight_version: str | None = None) -> int:
-        """Returns the round's epoch: every healthy engine serves it now, or (`wait=False`) once
-        the engines finish in the background (`RolloutEngine.weights_loaded`)."""
-        return self._call(self.transfer.finish, weight_version, self.wait)
-
-    def update_weight_version(self, new_version: str) -> int:
-        """Labels the current epoch `new_version` (`versions`); returns the epoch."""
-        return self._call(self.transfer.label, new_version)
-
-    @property
-    def versions(self) -> dict[str, int]:
-        return dict(self.transfer.versions)
-
-    def shutdown_weight_transfer_engine(self) -> None:
-        self.transfer.members = None  # a restarted trainer inits again; the workers' groups go with that
-
-
-def loop_caller(loop: asyncio.AbstractEventLoop) -> Callable[..., Any]:
-    """Run a function on `loop` (the running one, whose thread this is) from another thread and
-    wait for it; a plain (non-blocking) function runs at once on the loop's own thread too."""
-    home = threading.get_ident()
-
-    def call(fn: Callable[..., Any], *args: Any) -> Any:
-        if not inspect.iscoroutinefunction(fn):
-            return fn(*args) if threading.get_ident() == home else _on(loop, fn, *args)
-        if threading.get_ident() == home:
-            raise RuntimeError(
-                "the weight-sync client blocks: call it from a thread, "
-                "e.g. await anyio.to_thread.run_sync(trainer.send_weights)"
-            )
-        return asyncio.run_coroutine_threadsafe(fn(*args), loop).result()
-
-    return call
-
-
-def _on(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> Any:
-    async def run() -> Any:
-        return fn(*args)
-
-    return asyncio.run_coroutine_threadsafe(run(), loop).result()
+__all__ = ["WeightSyncClient", "WeightTransfer", "loop_caller"]
