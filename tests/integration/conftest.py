@@ -23,7 +23,7 @@ RERUNS = int(os.environ.get("ROLLOUT_INTEGRATION_RERUNS", "0"))
 ORDER = [
     "test_chaos", "test_parsers", "test_spec_decode", "test_gpu_transfer", "test_shutdown", "test_processes",
     "test_robust", "test_grpo", "test_engine", "test_generation", "test_metrics", "test_weight_transfer",
-    "test_rl_http", "test_update_nowait", "test_weights", "test_serve", "test_episodes",
+    "test_docs_blocks", "test_rl_http", "test_update_nowait", "test_weights", "test_serve", "test_episodes",
 ]  # fmt: skip
 
 
