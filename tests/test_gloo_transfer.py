@@ -258,3 +258,72 @@ def test_a_transfer_that_hangs_fails_the_worker_at_its_timeout():
         wk.finish_weight_update()
     assert 2 < time.monotonic() - t0 < 20
     wk.shutdown()
+
+
+def test_an_init_naming_nothing_fails_within_its_timeout_and_the_next_init_joins():
+    """Nobody serves the learner's store: the worker's init gives up at its timeout_s (which the
+    engine caps at weight_sync.timeout_s), naming where it looked, with nothing joined; a correct
+    learner's init on the same worker then joins and its round loads."""
+    import socket
+
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from policies.gloo_transfer import GlooInitInfo
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nothing listens here once closed
+    w0 = weights(0)
+    workers = [worker(r, w0) for r in range(2)]
+    nowhere = GlooInitInfo(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=3, timeout_s=1.0)
+    with pytest.raises(
+        RuntimeError, match=f"could not join the learner's group at 127.0.0.1:{port} within timeout_s=1"
+    ):
+        workers[0].init_transfer_engine(nowhere)
+    assert workers[0].pg is None and workers[0].store is None and workers[0].info is None
+    source = StateDictSource(weights(1))
+    init = GlooTrainerInitInfo(world_size=3, rank=0, bucket_bytes=3000, timeout_s=30)
+    trainer = WeightTransferTrainerFactory.trainer_init(init, client=Client(workers), source=source)
+    trainer.send_weights()
+    assert all(torch.equal(wk.model.w[n], v) for wk in workers for n, v in weights(1).items())
+    trainer.shutdown()
+
+
+def test_a_settle_that_finds_a_bucket_missing_drops_the_round_and_a_discard_drops_it_unloaded():
+    """The learner joined but sends nothing: a settle (the engine's, before its finish) fails at the
+    group's timeout naming the bucket, with the staging and the group dropped (the learner inits
+    again) and the model untouched; a discard of a round whose receives are still posted drops
+    both too, loading nothing."""
+    from policies.gloo_transfer import GlooInitInfo, pair_group, tcp_store
+
+    w = weights(0)
+    info = {"names": list(w), "dtype_names": [str(v.dtype).removeprefix("torch.") for v in w.values()],
+            "shapes": [list(v.shape) for v in w.values()]}  # fmt: skip
+    for control, match in (("settle", r"gloo transfer: bucket 1/1 \(model.embed.weight .. model.norm.weight\)"),
+                           ("discard", None)):  # fmt: skip
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        host: list = []
+        t = threading.Thread(
+            target=lambda: host.append(
+                pair_group(tcp_store("127.0.0.1", port, 3.0, master=True), "h", 1, 3.0, trainer=True)
+            )
+        )
+        t.start()
+        wk = worker(0, w)
+        wk.init_transfer_engine(GlooInitInfo(master_address="127.0.0.1", master_port=port, rank_offset=1,
+                                             world_size=2, session="h", timeout_s=3.0))  # fmt: skip
+        t.join()
+        wk.start_weight_update()
+        wk.update_weights(info)
+        if match:
+            with pytest.raises(RuntimeError, match=f"{match}.*the model is unchanged"):
+                wk.update_weights({control: True})
+        else:
+            wk.update_weights({control: True})
+        assert wk.staged == [] and wk.pg is None and wk.model.loaded == []
+        wk.finish_weight_update()  # vLLM's finish of a discarded round: nothing to load
+        assert wk.model.loaded == [] and all(not v.any() for v in wk.model.w.values())
