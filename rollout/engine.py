@@ -6,6 +6,8 @@ hand out groups and batches, and shut everything down (also on errors and cancel
     async with RolloutEngine(load_config("tiny")) as engine:
         engine.feed(prompts)                      # list: checked now; iterator: read lazily
         async for group in engine.groups(): ...   # ends once every fed prompt is handed out
+        server = await engine.serve()             # agents' rewarded episodes come out of groups() too,
+        await engine.stop_serving()               # which waits for them until serving stops
         batch = await engine.batches(groups=8)    # or: async for batch in engine.batches(groups=8)
         epoch = await engine.update_weights(model.state_dict())   # or a directory of safetensors
         await engine.commit(batch)                # with queue.durable_dir: never hand it out again
@@ -264,13 +266,31 @@ class RolloutEngine:
     ) -> Server | FrontEnds:
         """Start the OpenAI-compatible HTTP server (`rollout.serve`, `serve:` config) next to a learner
         using the engine: in this process, on this engine's loop, or in `serve.api_servers`
-        front-end processes; stopped when the engine exits. Its URL is `server.url`. Raises OSError
-        when it cannot listen."""
+        front-end processes; stopped by `stop_serving()` or when the engine exits. Its URL is
+        `server.url`. While it serves, the episodes agents reward over HTTP are a stream the
+        learner iterates: `groups()`, `next_group()` and `batches()` wait for them instead of ending
+        when the fed prompts run out. Raises OSError when it cannot listen."""
         from rollout.serve.frontends import serve
 
+        scheduler = self._live_scheduler()
         server = await serve(self, self._tg, host, port, api_key)
         self._servers.append(server)
+        scheduler.queue.producer_started()  # its episodes: the learner's stream waits for them
         return server
+
+    async def stop_serving(self) -> None:
+        """Stop every server `serve()` started, once the requests they accepted are answered (a reward
+        answered 200 is in the learner's queue): the learner's signal that no more episodes come.
+        `groups()`, `next_group()` and `batches()` then end once everything fed and accepted has
+        been handed out. Shielded: a cancelled caller still leaves no server half stopped."""
+        scheduler = self._live_scheduler()
+        servers, self._servers = self._servers, []
+        with anyio.CancelScope(shield=True):
+            for server in servers:
+                try:
+                    await server.stop()
+                finally:
+                    scheduler.queue.producer_done()
 
     async def hand_in(self, group: Group) -> None:
         """Put a group finished elsewhere (an episode served over HTTP) into the learner's queue.
@@ -283,8 +303,10 @@ class RolloutEngine:
         return self._staleness.stats
 
     async def next_group(self, *, keep_dropped: bool = False) -> Group | None:
-        """The next finished group, or None once every fed prompt has been handed out. `keep_dropped`:
-        a group dropped as too stale comes back with `error` set instead of being skipped."""
+        """The next finished group, or None once every fed prompt has been handed out and no server
+        accepts episodes (`serve()` until `stop_serving()`: a rewarded episode is waited for).
+        `keep_dropped`: a group dropped as too stale comes back with `error` set instead of being
+        skipped."""
         return await self._hand_out().next_group(keep_dropped)
 
     def admit_step(self, groups: int) -> None:
@@ -304,7 +326,9 @@ class RolloutEngine:
             await self._hand.commit(handed)
 
     async def groups(self) -> AsyncIterator[Group]:
-        """Finished groups as they complete; ends once every prompt fed so far is handed out."""
+        """Finished groups as they complete, episodes rewarded over HTTP among them; ends once every
+        prompt fed so far is handed out and, after `serve()`, `stop_serving()` was called and every
+        episode its servers accepted is handed out too (a learner may also just `break`)."""
         while (group := await self.next_group()) is not None:
             yield group
 
@@ -315,7 +339,8 @@ class RolloutEngine:
         return await self._hand_out().next_batch(groups)
 
     def batches(self, groups: int) -> Batches:
-        """`await engine.batches(groups=k)` for one batch, `async for b in engine.batches(groups=k)` for all."""
+        """`await engine.batches(groups=k)` for one batch, `async for b in engine.batches(groups=k)` for all;
+        like `groups()`, they wait for served episodes until `stop_serving()`."""
         return self._hand_out().batches(groups)
 
     async def update_weights(self, weights: Any, *, wait: bool = True) -> int:

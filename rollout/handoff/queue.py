@@ -3,9 +3,11 @@
 The trajectory queue holds finished groups waiting for the learner. Bounded, and the bound is admission.
 
 Owns: capacity (`queue.max_groups` groups admitted but not yet taken), the hand-off order, and the
-end-of-stream rule. The scheduler `reserve()`s a slot before it starts a group, so a full queue
-stops admission (backpressure from the learner to the engines) and `put` never blocks or grows
-memory past the bound. A slot frees when the learner takes the group.
+end-of-stream rule: the stream ends once nothing is queued or running and no producer is left (a
+prompt source still being read, a server still accepting episodes). The scheduler `reserve()`s a
+slot before it starts a group, so a full queue stops admission (backpressure from the learner to
+the engines) and `put` never blocks or grows memory past the bound. A slot frees when the learner
+takes the group.
 Order: `ready_first` hands groups out as they finish; `in_order` in the order their slots were
 reserved (the order prompts were fed), holding back a finished group until the ones before it.
 """
@@ -34,7 +36,7 @@ class TrajectoryQueue:
         # starts a burst of groups in one turn (and the engines get them in one call each).
         self._slots = anyio.Semaphore(max_groups, fast_acquire=True)
         self._reserved = 0  # slots taken by groups still running
-        self._producers = 0  # sources still being read
+        self._producers = 0  # sources still being read, servers still accepting episodes
         self._error: BaseException | None = None
         self._changed = asyncio.Event()
         self._getters = 0  # `get` calls waiting: only they need `_changed` set
@@ -48,7 +50,8 @@ class TrajectoryQueue:
 
     @property
     def idle(self) -> bool:
-        """Nothing queued, nothing running, nothing left to read: every fed prompt was handed out."""
+        """Nothing queued, nothing running, no producer left: every fed prompt and every episode
+        accepted was handed out."""
         return not self._items and not self._reserved and not self._producers
 
     async def reserve(self) -> int:
@@ -82,6 +85,8 @@ class TrajectoryQueue:
         self._notify()
 
     def producer_started(self) -> None:
+        """A producer (a prompt source, a server accepting episodes) may still put groups: `get`
+        waits for them instead of ending, until `producer_done`."""
         self._producers += 1
         self._notify()
 

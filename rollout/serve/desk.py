@@ -11,7 +11,8 @@ carries) and raises `ApiError` or the engine's own errors, so the HTTP half call
 over `rollout.serve.frontends.RemoteDesk`, the same way.
 
 Owns: a request's run through the engine (its session, its abort), the sessions found by token
-ids, the episodes kept until rewarded, the Prometheus figures, the RL routes' work and its errors
+ids, the episodes kept until rewarded and each reward's outcome (a retried reward POST gets the
+first one's, never a second group), the Prometheus figures, the RL routes' work and its errors
 in vLLM's statuses (out of order 409, weights that do not fit 400, an engine failing 500, none
 alive 503). Does not own: HTTP (`rollout.serve.server`, `rollout.serve.rl_routes`), scheduling.
 """
@@ -100,6 +101,7 @@ class Desk:
         )
         self.by_ids: OrderedDict[bytes, str] = OrderedDict()  # hash of a turn's prompt + generation -> session
         self.episodes: OrderedDict[str, list[Trajectory]] = OrderedDict()
+        self.rewarded: OrderedDict[str, Outcome] = OrderedDict()  # closed episodes: what their reward POST got
         self.running: dict[object, tuple[str, Callable[[], None]]] = {}  # requests in flight: (request id, abort it)
         self.stats = io.Stats(engine.prometheus_collector())
         self._client: WeightSyncClient | None = None
@@ -162,8 +164,12 @@ class Desk:
             self.stats.episodes_forgotten.inc(_put(self.episodes, episode, turns))
 
     async def reward(self, episode_id: str, value: Any) -> dict[str, Any]:
-        """Close an episode: its turns become one trajectory, rewarded, handed to the learner. A full
-        learner's queue (429) leaves the episode as it was, for the client's retry."""
+        """Close an episode: its turns become one trajectory, rewarded, handed to the learner.
+        Idempotent: a retry (its client timed out, its connection reset) gets the first POST's outcome,
+        the answer or the error, waiting for it if the first is still handing in; turns served
+        under the id after its reward make a new episode. A full learner's queue (429) leaves the
+        episode as it was, for the client's retry. Raises ApiError (400 a bad reward, 404 no such
+        episode, 409 turns that do not continue each other, 429), or the engine's error."""
         if (
             isinstance(value, bool)
             or not isinstance(value, (int, float))
@@ -173,11 +179,32 @@ class Desk:
             raise ApiError(400, "reward: expected a finite number", "reward")
         turns = self.episodes.pop(episode_id, None)
         if not turns:
+            if (outcome := self.rewarded.get(episode_id)) is not None:
+                return await outcome.result()
             raise ApiError(
                 404,
                 f"episode {printable(episode_id)!r}: no turns were served with this episode_id",
                 kind="not_found_error",
             )
+        outcome = Outcome()
+        _put(self.rewarded, episode_id, outcome)
+        try:
+            with anyio.CancelScope(shield=True):  # begun, it ends: handed in once, its outcome kept
+                answer = await self._hand_in(episode_id, turns, float(value))
+        except RetryableError as e:  # not closed: the turns are kept for the retry
+            if self.rewarded.get(episode_id) is outcome:
+                del self.rewarded[episode_id]
+            kept = turns + self.episodes.get(episode_id, [])  # before any turn sent meanwhile
+            self.stats.episodes_forgotten.inc(_put(self.episodes, episode_id, kept))
+            outcome.set(error := ApiError(429, str(e), kind="rate_limit_error", headers=RETRY_AFTER))
+            raise error from e
+        except Exception as e:
+            outcome.set(e)
+            raise
+        outcome.set(answer)
+        return answer
+
+    async def _hand_in(self, episode_id: str, turns: list[Trajectory], reward: float) -> dict[str, Any]:
         observations = []
         for a, b in zip(turns, turns[1:]):
             before = a.prompt_token_ids + a.token_ids
@@ -189,20 +216,10 @@ class Desk:
         first = turns[0].prompt_token_ids
         request = EngineRequest(episode_id, episode_id, 0, self.engine.cfg.sampling, token_ids=first)
         episode = assemble(request, turns, observations, "stop", None)
-        episode.reward = float(value)
+        episode.reward = reward
         group = Group(prompt_id=episode_id, prompt=Prompt(token_ids=first, id=episode_id), trajectories=[episode])
-        try:
-            await self.engine.hand_in(group)
-        except RetryableError as e:
-            kept = turns + self.episodes.get(episode_id, [])  # kept for the retry, before any turn sent meanwhile
-            self.stats.episodes_forgotten.inc(_put(self.episodes, episode_id, kept))
-            raise ApiError(429, str(e), kind="rate_limit_error", headers=RETRY_AFTER) from e
-        return {
-            "episode_id": episode_id,
-            "turns": len(turns),
-            "tokens": len(episode.token_ids),
-            "reward": episode.reward,
-        }
+        await self.engine.hand_in(group)
+        return {"episode_id": episode_id, "turns": len(turns), "tokens": len(episode.token_ids), "reward": reward}
 
     def record(self, path: str, status: int, seconds: float) -> None:
         """An HTTP request answered (by any front end)."""
@@ -308,6 +325,29 @@ def rl_error(e: Exception) -> ApiError:
         log.exception("serve: an RL route failed")
         status, e = 500, RuntimeError(f"internal error: {type(e).__name__}: {e}")
     return ApiError(status, str(e), kind=HTTPStatus(status).phrase)
+
+
+class Outcome:
+    """What an episode's reward POST got, its answer or its error, once it has one."""
+
+    def __init__(self) -> None:
+        self._done = anyio.Event()
+        self._answer: dict[str, Any] | None = None
+        self._error: Exception | None = None
+
+    def set(self, answer: dict[str, Any] | Exception) -> None:
+        if isinstance(answer, Exception):
+            self._error = answer
+        else:
+            self._answer = answer
+        self._done.set()
+
+    async def result(self) -> dict[str, Any]:
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._answer is not None
+        return self._answer
 
 
 def _key(ids: list[int]) -> bytes:
