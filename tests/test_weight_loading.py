@@ -106,3 +106,46 @@ async def test_update_calls_of_one_staged_round_made_together_all_go_out_after_i
     assert [g for g in core.gaps if g] == [
         ["start_weight_update", "update_weights", "update_weights", "update_weights"]
     ]
+
+
+class RefusingCore(SteppingCore):
+    """vLLM's update_weights raises for a settle whose bytes did not all arrive (as our staging
+    backends do; vLLM then ends its update), and records the control infos it got."""
+
+    def __init__(self, missing: bool) -> None:
+        super().__init__()
+        self.missing, self.controls = missing, []
+
+    async def update_weights(self, update_info: Any) -> None:
+        await super().update_weights(update_info)
+        if set(update_info) & {"settle", "discard"}:
+            self.controls.append(next(iter(update_info)))
+            if self.missing and "settle" in update_info:
+                raise RuntimeError("gloo transfer: bucket 2/3 (lm_head.weight): closed; the model is unchanged")
+
+
+async def test_a_staged_round_whose_bytes_did_not_all_arrive_answers_why_and_the_engine_serves_on() -> None:
+    """The settle before the finish finds a bucket missing: the engine answers why instead of
+    breaking (vLLM ended its update, the model untouched), never paused, still serving its epoch."""
+    core = RefusingCore(missing=True)
+    policy = VLLMPolicy(load_config(None), "", 0, frontend=core)
+    await run_round(policy, core, ("start_transfer", (1,)), ("transfer", ({"names": []},)))
+    settle = asyncio.ensure_future(policy.transfer({"settle": True}))
+    while not settle.done():
+        await core.gap()
+    assert "bucket 2/3 (lm_head.weight)" in settle.result() and policy._broken is None
+    assert "pause" not in [n for g in core.gaps for n in g] and policy.epoch == 0 and policy._open.is_set()
+
+
+async def test_a_staged_round_called_off_after_its_transfer_drops_the_bytes_unloaded() -> None:
+    """Another engine's bytes did not all arrive: this engine's round is called off (`loaded=False`)
+    after its transfer; its backend drops the staging (a discard), vLLM's finish loads nothing,
+    no pause, and the epoch stays."""
+    core = RefusingCore(missing=False)
+    policy = VLLMPolicy(load_config(None), "", 0, frontend=core)
+    await run_round(policy, core, ("start_transfer", (1,)), ("transfer", ({"names": []},)),
+                    ("transfer", ({"settle": True},)), ("finish_transfer", (1, False)))  # fmt: skip
+    names = [n for g in core.gaps for n in g]
+    assert core.controls == ["settle", "discard"] and "pause" not in names and "set_epoch" not in names
+    assert names.index("update_weights", names.index("start_weight_update") + 2) < names.index("finish_weight_update")
+    assert policy.epoch == 0 and policy._broken is None
