@@ -11,6 +11,7 @@ tensors, the model untouched.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -192,6 +193,28 @@ def test_a_source_that_disagrees_with_its_metadata_ends_the_round_everywhere_at_
     trainer.send_weights()
     for wk in client.workers:
         assert all(torch.equal(wk.model.w[k], v) for k, v in w.items())
+    trainer.shutdown()
+
+
+def test_a_settle_finds_a_round_the_learner_ended_and_a_discard_drops_a_drain_in_flight():
+    """The engine's settle before its finish: a round the learner ended raises naming the chunk,
+    the model untouched, nothing left pending. A round called off while the bytes still come: the
+    discard ends the drain (the socket closes: the learner inits again), loading nothing."""
+    trainer, client, _ = setup(timeout_s=300)
+    trainer.source = Lying(weights(1), "model.layers.0.b")
+    with pytest.raises(ValueError, match="model.layers.0.b"):
+        trainer.send_weights()
+    for wk in client.workers:
+        with pytest.raises(RuntimeError, match=r"chunk \d+/\d+: the learner ended the round.*the model is unchanged"):
+            wk.update_weights({"settle": True})
+        assert wk.pending is None and wk.model.loaded == []
+    wk = client.workers[0]
+    wk.start_weight_update()
+    wk.update_weights(dataclasses.asdict(info_of(weights(2), round=trainer.round + 1)))  # nothing will come
+    wk.update_weights({"discard": True})
+    wk.finish_weight_update()
+    assert wk.pending is None and wk.sock is None and wk.model.loaded == []
+    assert all(not t.any() for t in wk.model.w.values())
     trainer.shutdown()
 
 
