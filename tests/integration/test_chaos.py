@@ -7,7 +7,8 @@ or vLLM's engine-core process; 2 kills, spread so that no two restarts share a c
 prompt comes out exactly once with its whole group, epochs only grow along a trajectory, and the
 float32 oracle reproduces every logprob of every sample that moved to another engine.
 Then, on the same engines, kill-all: with no restarts left, every engine killed mid-rollout (an
-engine core and two actors), the fatal error comes within the health timeout, the served request
+engine core, an actor, and an engine core stopped, which only the health watch's round trip to the
+core sees), the fatal error comes within twice the health timeout, the served request
 in flight and every new one on every route are answered 503, and nothing of the engines outlives
 the exit.
 """
@@ -16,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
+import signal
 import time
 
 import httpx
@@ -29,13 +32,14 @@ from safetensors.torch import load_file
 from actors.cluster import connect
 from policies.oracle import Oracle, compare
 from policies.processing import Processing
+from policies.shm import descendants
 from policies.vllm_args import engine_env
 from rollout import Prompt, RolloutEngine
 from rollout.epochs import kv_runs
 from rollout.errors import EngineDeadError
 from rollout.types import Trajectory
 from tests.support.engines import engine_processes, integration_config, leaked_shm, shm_segments
-from tests.support.oracle_runs import kill, random_weights
+from tests.support.oracle_runs import actor_pid, kill, random_weights
 
 # Every prompt's sampling. The oracle must process logprobs the same way: below min_tokens the
 # engine masks the stop tokens, so a processed logprob is renormalised without them.
@@ -170,8 +174,10 @@ async def chaos_then_kill_all(cfg, rng: random.Random, prompts: list[Prompt], ki
 
 async def kill_all(engine: RolloutEngine) -> None:
     """Every engine back in rotation, none with a restart left (as if each had used its
-    `engines.max_restarts`), then each killed mid-rollout: one engine core and the other engines'
-    Ray actors (each kind of death must be noticed, or "every engine is dead" never comes)."""
+    `engines.max_restarts`), then each killed mid-rollout: one engine core, one Ray actor, and one
+    engine core stopped (SIGSTOP: its actor still answers, its core answers nothing, as a core stuck
+    inside a step or a call; the health watch must see it). Each kind of death must be noticed, or
+    "every engine is dead" never comes."""
     runner = engine._scheduler.runner
     while not all(load.healthy and not load.restarting for load in runner.loads):
         await asyncio.sleep(0.1)  # the chaos' last restart is still starting its engine
@@ -186,11 +192,20 @@ async def kill_all(engine: RolloutEngine) -> None:
         while not server.inflight:
             await asyncio.sleep(0.05)
         killed_at = time.monotonic()
-        await asyncio.gather(*(kill(e, "engine core" if i == 0 else "actor") for i, e in enumerate(runner.engines)))
-        with pytest.raises(EngineDeadError, match="every engine is dead"):
-            async for _ in engine.groups():
-                pass
-        assert time.monotonic() - killed_at < engine.cfg.engines.health_timeout_s
+        stuck = descendants(await actor_pid(runner.engines[2]))  # its engine core and worker
+        try:
+            for pid in stuck:
+                os.kill(pid, signal.SIGSTOP)
+            await asyncio.gather(kill(runner.engines[0], "engine core"), kill(runner.engines[1], "actor"))
+            with pytest.raises(EngineDeadError, match="every engine is dead"):
+                async for _ in engine.groups():
+                    pass
+            # the stuck core: silent for engines.health_timeout_s, then reported within a health interval
+            assert time.monotonic() - killed_at < 2 * engine.cfg.engines.health_timeout_s
+        finally:  # a stopped process notices no parent gone: let it run on to exit
+            for pid in stuck:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
         # Served: the request in flight, and every new one on every route, answered 503 (not a wait).
         assert (await in_flight).status_code == 503
         for path, body in [("/v1/chat/completions", chat), ("/v1/completions", {"prompt": "x"}),
