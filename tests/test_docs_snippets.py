@@ -146,14 +146,20 @@ def reader_objects() -> Iterator[dict[str, Any]]:
 
 @pytest.mark.parametrize("example", BLOCKS)
 def test_the_docs_block_runs(example: Example, reader_objects: dict[str, Any]) -> None:
+    """A block runs once per process, after its document's blocks before it: where pytest-xdist
+    sent those to another worker, they run here first, as this block's setup."""
     namespace = example.namespace
     if "__loop__" not in namespace:
         held = Held()
         namespace.update(reader_objects, __loop__=asyncio.new_event_loop(), hold=held.hold, release=held.release)
-    failed = None
-    try:
-        example.evaluate()
-    except BlockFailed as e:
-        failed = str(e)
-    if failed:
+    outcomes: dict[int, str | None] = namespace.setdefault("__outcomes__", {})  # line -> failure, or None
+    for block in [b.values[0] for b in BLOCKS if b.values[0].path == example.path]:
+        if block.line > example.line or block.line in outcomes:
+            continue
+        try:
+            block.evaluate()
+            outcomes[block.line] = None
+        except BlockFailed as e:
+            outcomes[block.line] = str(e)
+    if failed := outcomes[example.line]:
         pytest.fail(failed, pytrace=False)
