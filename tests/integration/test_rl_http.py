@@ -12,6 +12,10 @@ unmodified, between vLLM's `/pause` and `/resume`.
 - An engine killed while the learner holds `/pause` restarts paused, and the `/resume` resumes it.
 - `/is_paused`, `/weight_info`, `/get_world_size` and the round's calls answer with vLLM's
   response bodies (`vllm/entrypoints/rl/online/api_router.py`); ours add `epoch`.
+- A learner's mistakes cost its call, never the engines: an init naming a rendezvous nobody
+  serves ends on the engines' own bound (`weight_sync.timeout_s`), a round that leaves
+  `lm_head.weight` out is refused at its update call before any engine stages a byte; chats are
+  answered meanwhile, no engine restarts, and a correct learner's round goes on.
 Nothing here waits on a clock or on engine load: each wait is on an HTTP answer or a finished
 task, and each has a timeout that fails the test with what it was waiting for.
 """
@@ -26,6 +30,7 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+import requests
 from safetensors.torch import load_file
 
 from policies.gloo_transfer import GlooTrainerInitInfo, StateDictSource
@@ -43,7 +48,7 @@ async def served(pools) -> AsyncIterator[tuple[RolloutEngine, Any]]:
     """One start of the engines and their server for both tests (an engine start is the slow part),
     with the restart test's health checks every 0.5 s and restarts after 0.5 s. The restart test
     runs first: the update test then drives an engine that was killed and restarted."""
-    cfg = integration_config("engines.count=2", "weight_sync.timeout_s=60",
+    cfg = integration_config("engines.count=2", "weight_sync.timeout_s=20",
                              "engines.health_interval_s=0.5", "engines.restart_backoff_s=0.5")  # fmt: skip
     async for engine in held(lambda: pools.engine(cfg)):
         yield engine, await engine.serve(port=0)
@@ -168,4 +173,66 @@ async def test_vllms_http_client_updates_a_real_rollout_serve_between_pause_and_
         assert [via_http[k] for k in same] == [via_store[k] for k in same], "the learner's bytes loaded exactly"
         assert set(epochs(via_http)) == {s + 2} and set(epochs(via_store)) == {s + 3}
         assert await post("/shutdown_weight_transfer_engine") == {"message": "Weight transfer shut down"}
+        await anyio.to_thread.run_sync(t.shutdown)
+
+
+NOWHERE = {"master_address": "127.0.0.1", "master_port": 9, "rank_offset": 1, "world_size": 3}  # nobody serves it
+
+
+async def a_correct_round(engine: RolloutEngine, server: Any, seed: int) -> None:
+    """A correct learner's init and round over HTTP: the engines serve the next epoch."""
+    s, base = engine.epoch, load_file(f"{engine.model_path}/model.safetensors")
+    t, source = await within("trainer_init over HTTP", anyio.to_thread.run_sync(learner, server.url, base))
+    source.update(random_weights(base, seed=seed))
+    await within("the correct learner's round", anyio.to_thread.run_sync(t.send_weights))
+    assert engine.epoch == s + 1 and engine.weight_updates[-1].failed == []
+    await anyio.to_thread.run_sync(t.shutdown)
+
+
+async def test_an_init_naming_a_rendezvous_nobody_serves_ends_on_the_engines_bound(served):
+    """vLLM's init waits inside each engine core: capped at weight_sync.timeout_s (the learner's 300 s
+    default says so in the error), the cores are free again, the chat sent meanwhile is answered,
+    no engine restarts, and a correct learner's init and round succeed."""
+    engine, server = served
+    runner = engine._scheduler.runner
+    before = list(runner.engines)
+    async with client(server) as (http, tasks):
+        bad = asyncio.ensure_future(http.post("/init_weight_transfer_engine", json={"init_info": NOWHERE}))
+        meanwhile = asyncio.ensure_future(chat(http, server.model, "sent during the bad init", GREEDY))
+        tasks += [bad, meanwhile]
+        r = await within("the init naming nothing", bad)
+        assert r.status_code == 500 and "capped at weight_sync.timeout_s=20" in r.text, r.text
+        assert (await within("the chat sent meanwhile", meanwhile))["generation_token_ids"]
+        assert (await chat(http, server.model, "after the bad init", GREEDY))["generation_token_ids"]
+        await a_correct_round(engine, server, seed=60)
+        assert all(a is b for a, b in zip(runner.engines, before)), "an engine restarted"
+
+
+async def test_a_round_without_lm_head_is_refused_before_staging_and_chats_are_answered(served):
+    """The commonest learner bug, a state dict without its (untied here) `lm_head.weight`: vLLM's
+    trainer sends start, then update, which answers 400 naming the tensor before any engine starts
+    or stages; the chats in flight are answered on the epoch before, no engine restarts, and the
+    same learner's next round loads."""
+    engine, server = served
+    runner = engine._scheduler.runner
+    before, s = list(runner.engines), engine.epoch
+    async with client(server) as (http, tasks):
+        base = load_file(f"{engine.model_path}/model.safetensors")
+        t, source = await within("trainer_init over HTTP", anyio.to_thread.run_sync(learner, server.url, base))
+        flying = [asyncio.ensure_future(chat(http, server.model, f"in flight {i}", LONG)) for i in range(2)]
+        tasks += flying
+        source.update({n: v for n, v in random_weights(base, seed=70).items() if n != "lm_head.weight"})
+        with pytest.raises(requests.HTTPError) as e:  # vLLM's HTTP client posts with requests
+            await within("the round without lm_head.weight", anyio.to_thread.run_sync(t.send_weights))
+        r = e.value.response
+        assert r.status_code == 400 and "/update_weights" in str(r.url), (r.url, r.text)
+        assert "left out lm_head.weight" in r.text and "no engine changed" in r.text, r.text
+        assert engine.epoch == s and all(a is b for a, b in zip(runner.engines, before))
+        for m in await within("the chats in flight", asyncio.gather(*flying)):
+            assert epochs(m) == [s] * LONG["max_tokens"]
+        source.update(random_weights(base, seed=71))
+        await within("the same learner's next round", anyio.to_thread.run_sync(t.send_weights))
+        assert engine.epoch == s + 1 and engine.weight_updates[-1].failed == []
+        assert (await chat(http, server.model, "after", GREEDY))["policy_epoch"] == [[[0, s + 1]]]
+        assert all(a is b for a, b in zip(runner.engines, before)), "an engine restarted"
         await anyio.to_thread.run_sync(t.shutdown)
