@@ -124,6 +124,7 @@ class Server:
     def _app(self) -> Any:
         from fastapi import FastAPI, Request
         from fastapi.responses import PlainTextResponse, Response
+        from starlette.requests import ClientDisconnect
 
         app = FastAPI(title="rollout", docs_url=None, redoc_url=None, openapi_url=None)
         if self.api_key:
@@ -168,6 +169,9 @@ class Server:
             except (EngineDeadError, EngineClosedError) as e:
                 status = 503
                 return io.error(api.ApiError(503, f"engine unavailable: {e}", kind="service_unavailable"))
+            except ClientDisconnect:  # gone before its body arrived: nothing was done, nobody reads this
+                status = 499
+                return io.error(api.ApiError(499, "the client closed the request", kind="client_closed_request"))
             except Exception as e:  # a defect: answered in OpenAI's shape, logged, the server serves on
                 status = 500
                 log.exception("serve: request failed", path=request.url.path)

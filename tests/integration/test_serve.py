@@ -6,6 +6,8 @@
   prompt extends the one before token for token.
 - An engine killed mid-request: the request still completes, on the other engine.
 - 512 concurrent chat requests: every one answered exactly once, the driver's memory bounded.
+- A learner iterating `engine.groups()` with nothing fed collects the agents' rewarded episodes, one
+  group each (a reward POST retried after its connection was reset too), and stops with serving.
 """
 
 from __future__ import annotations
@@ -14,9 +16,13 @@ import asyncio
 import contextlib
 import os
 import resource
+import socket
+import struct
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
+import httpx
 import msgspec
 import openai
 import pytest
@@ -243,3 +249,55 @@ async def test_seed_repeats_the_tokens_and_stop_strings_leave_the_text_as_vllms_
             )
             assert t.choices[0].text == choice.message.content and t.choices[0].finish_reason == "stop"
         assert stopped, "no turn ended by a stop string"
+
+
+async def test_a_learner_iterates_rewarded_episodes_until_serving_stops(served):
+    """Last in the file: it stops the module's server."""
+    engine, server = served
+    agents = 4  # and one more whose first reward POST's connection is reset
+    send, taken = anyio.create_memory_object_stream[str](2 * agents)
+
+    async def learner() -> None:  # nothing fed: the stream is the served episodes
+        async with send:
+            async for group in engine.groups():
+                await send.send(group.prompt_id)
+
+    async def episode(client: openai.AsyncOpenAI, name: str) -> None:
+        messages = [{"role": "user", "content": name}]
+        for k in range(2):
+            r = await client.chat.completions.create(
+                model=server.model, messages=messages, max_tokens=4, extra_body={"episode_id": name}
+            )
+            messages = [*messages, r.choices[0].message.model_dump(), {"role": "user", "content": f"turn {k}"}]
+
+    async def dropped(name: str) -> None:  # the POST sent, its connection reset before any answer
+        url = httpx.URL(server.url)
+        body = b'{"reward": 1}'
+        head = f"POST /v1/episodes/{name}/reward HTTP/1.1\r\nHost: {url.host}\r\nContent-Length: {len(body)}"
+        async with await anyio.connect_tcp(url.host, url.port) as conn:
+            await conn.send(f"{head}\r\nContent-Type: application/json\r\n\r\n".encode() + body)
+            raw = conn.extra(anyio.abc.SocketAttribute.raw_socket)
+            raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close: RST
+
+    names = [f"agent-{i}" for i in range(agents)]
+    async with (
+        connected(server) as client,
+        httpx.AsyncClient(base_url=server.url, timeout=600) as http,
+        anyio.create_task_group() as tg,
+        taken,
+    ):
+        tg.start_soon(learner)
+        answers = {}
+        for name in [*names, "dropped"]:
+            await episode(client, name)
+        for name in names:
+            answers[name] = await http.post(f"/v1/episodes/{name}/reward", json={"reward": 1})
+        await dropped("dropped")
+        retried = [await http.post("/v1/episodes/dropped/reward", json={"reward": 1}) for _ in range(2)]
+        assert all(r.status_code == 200 for r in [*answers.values(), *retried]), [r.text for r in retried]
+        assert retried[0].json() == retried[1].json() and retried[0].json()["turns"] == 2
+        with anyio.fail_after(300):
+            got = sorted([await taken.receive() for _ in range(agents + 1)])
+        assert got == sorted([*names, "dropped"])
+        await engine.stop_serving()
+        assert [name async for name in taken] == []  # nothing more: the dropped one was handed in once
