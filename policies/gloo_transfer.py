@@ -44,14 +44,14 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from policies.gloo_wire import (  # noqa: F401 -- re-exported: the backend's callers name them here
-    _close,
-    _offsets,
-    _slices,
     broadcast,
     buckets,
+    close_groups,
+    offsets,
     pair_group,
     reachable,
     send,
+    slices,
     tcp_store,
     wait_ready,
 )
@@ -167,9 +167,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             raise RuntimeError("gloo weight transfer not initialized: call init_weight_transfer_engine first")
         cut = buckets(update_info.names, update_info.dtype_names, update_info.shapes, self.info.bucket_bytes)
         for k, bucket in enumerate(cut):
-            buf = torch.empty(_offsets(bucket)[1], dtype=torch.uint8)
+            buf = torch.empty(offsets(bucket)[1], dtype=torch.uint8)
             names = bucket[0][0] if len(bucket) == 1 else f"{bucket[0][0]} .. {bucket[-1][0]}"
-            parts = _slices(buf, bucket)
+            parts = slices(buf, bucket)
             self.staged.append(
                 (f"bucket {k + 1}/{len(cut)} ({names})", bucket, parts, [broadcast(self.pg, part) for part in parts])
             )
@@ -223,7 +223,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.staged = []
 
     def shutdown(self) -> None:
-        _close([self.pg] if self.pg is not None else [])
+        close_groups([self.pg] if self.pg is not None else [])
         self.pg = self.store = self.info = None
         self.staged = []
 
@@ -349,7 +349,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             self.settle()
         finally:
             self._sender.shutdown(wait=False)
-            _close(self.pgs)
+            close_groups(self.pgs)
             self.pgs, self.store = [], None
 
 
@@ -382,7 +382,7 @@ class GlooCollective:
         send(self.pgs, iter(weights.items()), info, self.bucket_bytes)
 
     def shutdown(self) -> None:
-        _close(self.pgs)
+        close_groups(self.pgs)
         self.pgs, self.store = [], None
 
 

@@ -40,7 +40,7 @@ def buckets(
     return [b for b in out if b]
 
 
-def _offsets(bucket: list[tuple[str, torch.dtype, list[int], int]]) -> tuple[list[int], int]:
+def offsets(bucket: list[tuple[str, torch.dtype, list[int], int]]) -> tuple[list[int], int]:
     """Where each of the bucket's tensors starts in the staging buffer, each at a multiple of its
     itemsize (a load views it as its dtype), and the buffer's size."""
     out, at = [], 0
@@ -51,9 +51,9 @@ def _offsets(bucket: list[tuple[str, torch.dtype, list[int], int]]) -> tuple[lis
     return out, at
 
 
-def _slices(buf: torch.Tensor, bucket: list[tuple[str, torch.dtype, list[int], int]]) -> list[torch.Tensor]:
+def slices(buf: torch.Tensor, bucket: list[tuple[str, torch.dtype, list[int], int]]) -> list[torch.Tensor]:
     """`buf` cut into the bucket's tensors, in order: each is broadcast on its own (no packing)."""
-    return [buf[at : at + b[3]] for at, b in zip(_offsets(bucket)[0], bucket)]
+    return [buf[at : at + b[3]] for at, b in zip(offsets(bucket)[0], bucket)]
 
 
 def tcp_store(address: str, port: int, timeout_s: float, master: bool = False) -> Any:
@@ -91,7 +91,7 @@ def pair_group(store: Any, session: str, worker: int, timeout_s: float, *, train
     return dist.ProcessGroupGloo(dist.PrefixStore(f"{session}/pair{worker}/", store), 0 if trainer else 1, 2, opts)
 
 
-def _close(groups: list[Any]) -> None:
+def close_groups(groups: list[Any]) -> None:
     for pg in groups:
         try:
             pg.shutdown()

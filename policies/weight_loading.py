@@ -116,7 +116,7 @@ class WeightLoading:
             None,
             0,
         )
-        self._staging, self._start = _stages(self.cfg), None
+        self._staging, self._start = stages(self.cfg), None
         if self._staging:  # sent with the transfer: both in one gap between the engine's steps, not two
             return
         self._open.clear()
@@ -265,7 +265,7 @@ def transfer_backend(cfg: Any) -> str:
     return backend or ("nccl" if cfg.engines.gpus_per_engine else BACKEND)
 
 
-def _stages(cfg: Any) -> bool:
+def stages(cfg: Any) -> bool:
     """Whether the engines' backend stages the bytes before the load: ours, `gloo` and `shm`."""
     return transfer_backend(cfg) in STAGING
 

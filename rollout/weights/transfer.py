@@ -143,8 +143,6 @@ class WeightTransfer:
         """Our backends' init infos with `timeout_s` (each of the worker's waits: connect,
         rendezvous, receive) at most `weight_sync.timeout_s`, so a learner's init naming a
         rendezvous nobody serves frees each engine core within it; and what was capped, said."""
-        from policies.weight_loading import _stages
-
         if not _stages(self.u.cfg):
             return infos, ""  # vLLM's nccl / ipc take no timeout of ours
         bound = self.u.cfg.weight_sync.timeout_s
@@ -439,9 +437,9 @@ class WeightTransfer:
 
 
 def _stages(cfg: Any) -> bool:
-    from policies.weight_loading import _stages
+    from policies.weight_loading import stages
 
-    return _stages(cfg)
+    return stages(cfg)
 
 
 def _itemsize(dtype: str) -> int:
