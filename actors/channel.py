@@ -3,7 +3,7 @@
 A Ray call costs the driver ~300-450 us of CPU, its event loop's and Ray's IO thread's, whatever it
 carries (a streaming generator's item costs as much), and at 256 engines an engine starts and
 finishes a group or two a second: batching Ray calls per engine had nothing to batch, and two calls
-per group were most of the driver's CPU (README, "Past one driver"). So groups travel as vLLM's
+per group were most of the driver's CPU (docs/guides/scaling.md). So groups travel as vLLM's
 own front end talks to its engine core: over zmq, msgpack frames. Each engine actor's `serve` call
 (`policies.group_calls`: a Ray call that lasts as long as the engine, so its failure is the
 engine's death) connects a DEALER socket, named by its handle's identity, to this ROUTER socket

@@ -5,14 +5,12 @@ worker) fill the cores they run on, and on a small machine the driver shares tho
 starts its workers at nice 15 so that the driver and the raylet come first, but the kernel's
 autogroups (`kernel.sched_autogroup_enabled`, on by default) give every session an equal share of
 the CPU and apply nice only inside a session: every Ray worker is in the raylet's session, so the
-nice orders nothing against the driver. Measured on 2 cores with 2 engines (tiny model, 1024
-prompts x 4): the driver's threads sat runnable but unscheduled for 1-3.5 s at a time, finished
-samples took a median 0.4-1.7 s (p99 3.5 s) to reach it, and the engines' batches drained while the
-driver counted them full; with the engines' session at nice 19, p99 20 ms and the batch as full as
-raw vLLM's. So each CPU engine lowers its autogroup (Ray's session on that machine) to Ray's worker nice,
-which restores what Ray meant: the driver first. (A Ray worker leads its process group, so it
-cannot start a session, and an autogroup, of its own.) GPU engines are left alone: there the
-engine core feeds the GPU, and nothing should come before it.
+nice orders nothing against the driver: on a small machine the driver's threads wait runnable but
+unscheduled for seconds, finished samples reach it late, and the engines' batches drain while the
+driver counts them full. So each CPU engine lowers its autogroup (Ray's session on that machine) to
+Ray's worker nice, which restores what Ray meant: the driver first. (A Ray worker leads its process
+group, so it cannot start a session, and an autogroup, of its own.) GPU engines are left alone:
+there the engine core feeds the GPU, and nothing should come before it.
 """
 
 from __future__ import annotations
@@ -48,8 +46,8 @@ def _session(autogroup: str) -> str:
 
 def pin(cores: str) -> None:
     """This process, and the engine core and worker processes vLLM spawns next (they inherit the
-    mask), on `cores` ("0,1"). Left to the OS, the six busy processes of two engines on two cores
-    ran ~20% slower and far less evenly."""
+    mask), on `cores` ("0,1"). Left to the OS, the busy processes of engines sharing cores run
+    slower and far less evenly."""
     os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
 
 

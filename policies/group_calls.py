@@ -39,9 +39,9 @@ CALLS = frozenset({"stage_weights", "drop_weights", "commit_weights", "init_tran
 class FrameSocket:
     """A zmq socket of the data path, run from this thread's event loop without zmq.asyncio.
 
-    zmq.asyncio makes a future and a loop callback or two for every send and every receive: at 256
-    simulated engines that machinery was ~9% of the driver's event loop (README, "Past one driver"),
-    and the results frames' sends ~8-10% of an engine actor's front-end. Here a send goes out at
+    zmq.asyncio makes a future and a loop callback or two for every send and every receive, a cost
+    the driver's event loop pays per frame at hundreds of engines (docs/guides/scaling.md), and an
+    engine actor's front end per results frame. Here a send goes out at
     once (no high-water mark: a frame is never dropped or held back for one, so it never waits),
     and the frames that arrive go to `on_frames`, in order, from a reader callback on zmq's
     notification fd. That fd is edge-triggered (it says "something changed", and a send may take

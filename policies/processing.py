@@ -1,5 +1,5 @@
-"""How vLLM turned logits into a behaviour logprob, replayed for the oracle (README, "Behaviour
-logprobs"). `raw` is log_softmax of the model's logits. `processed` is what vLLM's sampler samples from,
+"""How vLLM turned logits into a behaviour logprob, replayed for the oracle (docs/design/epochs.md,
+"Behaviour logprobs"). `raw` is log_softmax of the model's logits. `processed` is what vLLM's sampler samples from,
 computed as vLLM does in float32: stop tokens masked while
 fewer than `min_tokens` are generated, logits divided by the temperature (by 1 at temperature 0),
 then top-k (keep logits >= the k-th largest), then top-p (over the ascending sort, drop tokens

@@ -54,7 +54,7 @@ class VLLMPolicy(GroupCalls, WeightLoading):
     computed its logits, whatever the timing of the stream. Prefix-cache blocks are salted with
     the epoch a request was submitted at, and a request whose prompt was not computed in that
     epoch is rerun; a request vLLM preempts for KV cache comes back evicted and continues as a new
-    request, its recompute recorded (README, "Per-token epochs"; rules in `policies.ledger`).
+    request, its recompute recorded (docs/design/epochs.md; rules in `policies.ledger`).
     `frontend`: a started `VllmFrontend` stand-in (tests drive the ledger with a fake engine).
     """
 
@@ -113,8 +113,8 @@ class VLLMPolicy(GroupCalls, WeightLoading):
         await self.ready()
         self._core_watch = asyncio.ensure_future(self._vllm.watch_core(self.cfg.engines.health_interval_s))
         # As vLLM's own server does after startup: the long-lived heap (torch, vLLM, the model
-        # config) leaves the collector's view, so a full collection no longer walks it. Measured
-        # in this front-end: a third of its CPU went to collections scanning that heap.
+        # config) leaves the collector's view, so a full collection no longer walks it (collections
+        # scanning that heap took much of this front end's CPU).
         gc.collect()
         gc.freeze()
         # Also as vLLM's engine core does after startup: environment variables are read once, not
@@ -328,7 +328,7 @@ class VLLMPolicy(GroupCalls, WeightLoading):
         `engines.health_timeout_s` (stuck in a step or a call: the driver restarts it). Left out:
         finished samples (each went to the driver in a results frame, which leaves before any
         later report on the socket) and ones that produced nothing yet (waiting in vLLM's queue:
-        the driver runs them again from their prompt; ~40% of a report at a full queue)."""
+        the driver runs them again from their prompt; much of a report at a full queue)."""
         if self._vllm.dead:
             raise EngineDeadError("vLLM's engine core died")
         if (silent := self._vllm.core_silent_s()) > (bound := self.cfg.engines.health_timeout_s):

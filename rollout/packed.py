@@ -2,8 +2,8 @@
 
 A trajectory's token ids and logprobs used to be Python lists: a Python object per token, which the
 driver decoded from msgpack one by one and whose lists its garbage collector walked, per token, in
-every full collection (at 256 simulated engines, ~8k samples in flight: collections of 0.2-0.55 s,
-the driver's p99; README, "Past one driver"). Packed, a trajectory's ids cross the data path as one
+every full collection (with thousands of samples in flight, long pauses of the driver's loop;
+docs/guides/scaling.md). Packed, a trajectory's ids cross the data path as one
 msgpack bin each (little-endian, decoded by one copy), the collector sees one object with nothing to
 walk, and `Batch.to_tensors` views them as tensors without a Python int or float per token.
 

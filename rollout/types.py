@@ -184,7 +184,7 @@ class Trajectory(Struct):
     finished_at: float = 0.0
     reward: float | None = None
     stale_tokens: int = 0  # leading generated tokens masked out of the loss as too stale (staleness.stale: mask)
-    # Episodes (README, "Episodes"). Of a turn: `kv_reused` leading prompt positions kept the KV
+    # Episodes (docs/guides/episodes.md). Of a turn: `kv_reused` leading prompt positions kept the KV
     # the episode's turns before computed (as their `kv_epochs` say); the rest was computed by its
     # first step. `cache_salt`: the prefix-cache salt its KV is held under (the next turn's).
     kv_reused: int = 0

@@ -127,7 +127,7 @@ class VllmFrontend:
         kind = "EvictingAsyncScheduler" if sched.async_scheduling else "EvictingScheduler"
         sched.scheduler_cls = f"policies.vllm_adapter.scheduler.{kind}"
         # `disable_log_stats` is an argument here, not part of the config: without it vLLM keeps
-        # per-step iteration stats and its Prometheus logger (~10-15% of this front end's CPU).
+        # per-step iteration stats and its Prometheus logger, a good part of this front end's CPU.
         # Custom loggers (speculative decoding's counts) still get their records.
         llm = AsyncLLM.from_vllm_config(config, stat_loggers=stat_loggers, disable_log_stats=args.disable_log_stats)
         frontend = cls(llm)

@@ -1,6 +1,6 @@
 """Exporters of a trajectory's tokens and epochs to Megatron-Core's and NeMo Gym's shapes.
 
-Owns the mapping from our fields (README, "Per-token epochs": `policy_epochs` over generated
+Owns the mapping from our fields (docs/design/epochs.md: `policy_epochs` over generated
 indices, `kv_epochs` over positions, `kv_recomputes`) to Megatron-Core's dynamic inference engine's
 `policy_epoch`, `kv_cache_epoch`, `num_evictions`, which Megatron-RL and NeMo Gym read. Does not
 change the trajectory.

@@ -43,8 +43,8 @@ def route(
     `prefer` (the engine an episode or a session is on, holding its KV): that engine while it is
     healthy, waiting for its room rather than moving.
     `keys`: each engine's `key`, kept up to date by the caller (`Runner`): the least loaded engine
-    is then found at C speed (`min`, `index`); a loop over 256 engines per group was ~9% of the
-    driver's event loop. Without, they are computed here. `counts`: each engine's requests (OUT
+    is then found at C speed (`min`, `index`), not by a Python loop over every engine per group.
+    Without, they are computed here. `counts`: each engine's requests (OUT
     when out of rotation), kept the same way: when no engine runs below a full batch, the answer
     (wait) is known without looking for the least loaded engine with room, a loop in Python that
     was most of the driver's time once groups were routed as each sample ended.

@@ -183,7 +183,7 @@ class Runner:
 
         Returns (failure, whether the rest may move to another engine)."""
         failure, moved = None, False
-        try:  # a cancel scope per group only where there is a timeout (one was ~5% of the driver's loop at 256 engines)
+        try:  # a cancel scope per group only where there is a timeout: one per group costs the driver's loop
             with anyio.fail_after(timeout) if timeout is not None else contextlib.nullcontext():
                 async for traj in self.engines[i].generate_group(list(pending.values())):
                     del pending[traj.sample_index]

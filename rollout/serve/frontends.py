@@ -1,11 +1,11 @@
 """`rollout serve` in one process or several: `serve.api_servers` HTTP front-end processes over one
 engine, as vLLM's API-server scale-out (`vllm serve --api-server-count`).
 
-One front-end process serves ~1,000 requests/s on one core: most of a request's CPU is HTTP (the
-ASGI stack ~0.9 ms, rendering and tokenizing ~0.3 ms), while the engine's driver spends ~0.16 ms on
-it (README, "Past one driver"). So with `api_servers` > 1 the driver binds the listening socket and
-starts that many processes (`python -m rollout.serve`) that accept on it, the kernel handing each
-connection to one of them. Each runs the HTTP half (`rollout.serve.server.Server`) over a
+Most of a served request's CPU is HTTP (the ASGI stack, rendering and tokenizing), not the engine's
+driver (docs/guides/scaling.md; `benchmarks/serve.py` measures both). So with `api_servers` > 1 the
+driver binds the listening socket and starts that many processes (`python -m rollout.serve`) that
+accept on it, the kernel handing each connection to one of them. Each runs the HTTP half
+(`rollout.serve.server.Server`) over a
 `RemoteDesk`: its calls to the desk (`rollout.serve.desk.Desk`: sessions, episodes, requests in
 flight, figures, the RL routes' work) go as msgpack frames over a zmq socket to the driver's
 `DeskService`, which runs each as a task of its own on the engine's loop and answers on the same

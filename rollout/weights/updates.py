@@ -419,11 +419,9 @@ def describe(failures: dict[int, str]) -> str:
 async def pack_on_loop(weights: Any, manifest: Any) -> Any:
     """`policies.weights.pack` for the driver's event loop: a state dict of CPU tensors is checked
     and packed on the loop's own thread, one tensor per loop turn, so the loop blocks for one
-    tensor at a time (the check reads about 20 GB/s: 14 ms for a 272 MB embedding). Not in a
-    worker thread: each torch call there releases the GIL and must win it back from the loop, and
-    on cores the engines keep busy each hand-off waits to be scheduled. Measured on the tiny model
-    while 2 engines generate (`benchmarks/weight_sync.py`): the update call took 750 ms with the
-    pack in a thread, 121 ms with it here. A directory (file reads) and tensors off the CPU (a copy
+    tensor at a time. Not in a worker thread: each torch call there releases the GIL and must win
+    it back from the loop, and on cores the engines keep busy each hand-off waits to be scheduled
+    (`benchmarks/weight_sync.py` times the update call). A directory (file reads) and tensors off the CPU (a copy
     each) go to a worker thread, where those costs outweigh the hand-offs."""
     from pathlib import Path
 
