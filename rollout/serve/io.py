@@ -108,11 +108,13 @@ def decode(body: bytes) -> dict[str, Any]:
     """The body as a JSON object whose strings are valid UTF-8, nested at most MAX_DEPTH deep."""
     try:
         data = msgspec.json.decode(body)
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
+        # Bytes that are not UTF-8: msgspec raises either error, by version, with an offset within
+        # the string it was reading at best; the body's own offset is found here.
+        if (where := _utf8_error(body)) is not None:
+            raise api.ApiError(400, f"the request body is not valid UTF-8: {where}") from e
         field, reason = _lone_surrogate(body) or ("", f"malformed JSON: {e}")
         raise api.ApiError(400, reason, field or None) from e
-    except UnicodeDecodeError as e:  # its offset is within the string msgspec was reading: the body's is found again
-        raise api.ApiError(400, f"the request body is not valid UTF-8: {_utf8_error(body) or e.reason}") from e
     except RecursionError as e:  # msgspec's own depth limit (about 1000)
         raise api.ApiError(400, f"the request body is nested deeper than {MAX_DEPTH} levels") from e
     if not isinstance(data, dict):
