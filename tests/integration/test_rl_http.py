@@ -14,8 +14,9 @@ unmodified, between vLLM's `/pause` and `/resume`.
   response bodies (`vllm/entrypoints/rl/online/api_router.py`); ours add `epoch`.
 - A learner's mistakes cost its call, never the engines: an init naming a rendezvous nobody
   serves ends on the engines' own bound (`weight_sync.timeout_s`), a round that leaves
-  `lm_head.weight` out is refused at its update call before any engine stages a byte; chats are
-  answered meanwhile, no engine restarts, and a correct learner's round goes on.
+  `lm_head.weight` out is refused at its update call before any engine stages a byte, a learner
+  SIGKILLed mid-transfer costs its round (called off, every engine on the epoch before); chats
+  are answered meanwhile, no engine restarts, and a correct learner's round goes on.
 Nothing here waits on a clock or on engine load: each wait is on an HTTP answer or a finished
 task, and each has a timeout that fails the test with what it was waiting for.
 """
@@ -185,7 +186,8 @@ async def a_correct_round(engine: RolloutEngine, server: Any, seed: int) -> None
     t, source = await within("trainer_init over HTTP", anyio.to_thread.run_sync(learner, server.url, base))
     source.update(random_weights(base, seed=seed))
     await within("the correct learner's round", anyio.to_thread.run_sync(t.send_weights))
-    assert engine.epoch == s + 1 and engine.weight_updates[-1].failed == []
+    # the next epoch, past any a called-off round allocated (an allocated epoch is never used again)
+    assert engine.epoch > s and engine.weight_updates[-1].failed == []
     await anyio.to_thread.run_sync(t.shutdown)
 
 
@@ -236,3 +238,71 @@ async def test_a_round_without_lm_head_is_refused_before_staging_and_chats_are_a
         assert (await chat(http, server.model, "after", GREEDY))["policy_epoch"] == [[[0, s + 1]]]
         assert all(a is b for a, b in zip(runner.engines, before)), "an engine restarted"
         await anyio.to_thread.run_sync(t.shutdown)
+
+
+# A learner process written for vLLM's server that dies mid-transfer: its source gives the first
+# tensor, says so, and blocks; the test SIGKILLs it there (after start and update were answered,
+# with the engines receiving its bytes).
+DYING_LEARNER = """
+import sys, time
+import httpx
+from safetensors.torch import load_file
+from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+from policies.gloo_transfer import GlooTrainerInitInfo, StateDictSource
+
+url, model = sys.argv[1], sys.argv[2]
+
+class Dying(StateDictSource):
+    def __iter__(self):
+        for k, (name, tensor) in enumerate(super().__iter__()):
+            if k == 1:
+                print("MID", flush=True)
+                time.sleep(3600)
+            yield name, tensor
+
+world = httpx.get(f"{url}/get_world_size", timeout=60).json()["world_size"]
+weights = {n: v + 0.01 for n, v in load_file(f"{model}/model.safetensors").items()}
+t = WeightTransferTrainerFactory.trainer_init(
+    GlooTrainerInitInfo(world_size=1 + world, rank=0, timeout_s=60),
+    client=HTTPVLLMWeightSyncClient(url, timeout=60), source=Dying(weights))
+t.send_weights()
+"""
+
+
+async def test_a_learner_killed_mid_transfer_costs_its_round_and_chats_are_answered_throughout(served):
+    """A learner SIGKILLed with its round's bytes on the way: the chats sent before and after the
+    kill are answered on the epoch before, the round is called off (no call of the learner's for
+    weight_sync.timeout_s) with every engine in rotation on that epoch, no engine restarts, and a
+    correct learner's round loads after it."""
+    import subprocess
+    import sys
+
+    engine, server = served
+    runner = engine._scheduler.runner
+    before, s = list(runner.engines), engine.epoch
+    proc = subprocess.Popen([sys.executable, "-c", DYING_LEARNER, server.url, engine.model_path],
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        async with client(server) as (http, tasks):
+            flying = [asyncio.ensure_future(chat(http, server.model, f"in flight {i}", LONG)) for i in range(2)]
+            tasks += flying
+            line = await within("the learner mid-transfer", anyio.to_thread.run_sync(proc.stdout.readline))
+            assert line.strip() == "MID", line
+            proc.kill()
+            after_kill = asyncio.ensure_future(chat(http, server.model, "after the kill", LONG))
+            tasks.append(after_kill)
+            for m in await within("the chats around the kill", asyncio.gather(*flying, after_kill)):
+                assert epochs(m) == [s] * LONG["max_tokens"]
+
+            async def called_off() -> None:  # no call of the learner's for weight_sync.timeout_s
+                while engine.weight_transfer().round is not None:
+                    await asyncio.sleep(0.2)
+
+            await within("the round called off", called_off())
+            assert engine.epoch == s and all(load.healthy for load in runner.loads)
+            await a_correct_round(engine, server, seed=80)
+            assert all(a is b for a, b in zip(runner.engines, before)), "an engine restarted"
+    finally:
+        proc.kill()
+        proc.wait()
