@@ -1,15 +1,15 @@
 """Per-token data held and moved packed: `TokenIds` (int32) and `Logprobs` (float64), typed arrays.
 
-A trajectory's token ids and logprobs used to be Python lists: a Python object per token, which the
-driver decoded from msgpack one by one and whose lists its garbage collector walked, per token, in
-every full collection (with thousands of samples in flight, long pauses of the driver's loop;
-docs/guides/scaling.md). Packed, a trajectory's ids cross the data path as one
-msgpack bin each (little-endian, decoded by one copy), the collector sees one object with nothing to
-walk, and `Batch.to_tensors` views them as tensors without a Python int or float per token.
+As Python lists, a trajectory's token ids and logprobs would be a Python object per token, which
+the driver decodes from msgpack one by one and whose lists its garbage collector walks, per token,
+in every full collection (with thousands of samples in flight, long pauses of the driver's loop;
+docs/guides/scaling.md). Packed, a trajectory's ids cross the data path as one msgpack bin each
+(little-endian, decoded by one copy), the collector sees one object with nothing to walk, and
+`Batch.to_tensors` views them as tensors without a Python int or float per token.
 
-For user code they behave as the lists did: `len`, indexing, iteration, `==` with a list or tuple of
+For user code they behave as lists: `len`, indexing, iteration, `==` with a list or tuple of
 the same values, `+` with any sequence, `+=`, `extend`, `append`; a slice or a concatenation is a
-plain list (as it was). Underneath each is an `array.array`: the buffer protocol gives numpy and
+plain list. Underneath each is an `array.array`: the buffer protocol gives numpy and
 torch a view (`torch.frombuffer`, `numpy.asarray`), `list(x)` a list. Encoding them takes a hook
 (msgspec knows no arrays): `encode` (msgpack, packed) and `to_json` (lists) here, or `enc_hook=`
 `wire_hook` / `json_hook` with msgspec's own encoders. Decoding needs none: the fields that hold them

@@ -4,7 +4,7 @@
 calls its methods through `collective_rpc`. (Weights reach the workers through vLLM's own
 weight-transfer engine: `policies.gloo_transfer` on CPU.)
 - CPU repairs, each probing for its bug first and changing nothing where vLLM is right: seeded
-  sampling (a seeded request whose prompt is prefilled in chunks used to kill the engine,
+  sampling (without it, a seeded request whose prompt is prefilled in chunks kills the engine,
   `rollout_fix_seeded_sampling`); draft verification when speculating (`rollout_fix_spec_sampling`).
   Internals touched: the model runner's `_sample`, `_bookkeeping_sync`, `discard_request_mask` and
   `input_batch.generators`; `vllm.v1.sample.rejection_sampler.expand_batch_to_tokens`.
