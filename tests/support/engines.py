@@ -128,6 +128,9 @@ class SharedPools:
         finally:
             self._leased.discard(key)
             if why is not None:  # engines not as a fresh pool's: the next test starts anew
+                # the test whose engine it was (pytest names it during its setup, call and teardown)
+                test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
+                why = f"{why} (after {test})" if test else why
                 log.warning("shared pool dropped", reason=why)
                 _record_drop(why)
                 await self._stop(key)
