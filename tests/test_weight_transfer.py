@@ -10,45 +10,19 @@ import anyio
 import msgspec
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from policies.gloo_transfer import GlooTrainerInitInfo, StateDictSource
-from rollout.config import load_config
 from rollout.engine import RolloutEngine
 from rollout.errors import InvalidWeightsError, WeightSyncError
 from tests.support.fakes import FakePool
+from tests.support.trainer_api import STATE, changed, trainer, trainer_config
 
 TIMEOUT = 30  # seconds; only reached when a test is about to fail
-STATE = {
-    "embed.weight": torch.randn(40, 30),
-    "layers.0.weight": torch.randn(30, 30).to(torch.bfloat16),
-    "norm.weight": torch.ones(30, dtype=torch.bfloat16),
-}
-
-
-def changed(k: int) -> dict[str, torch.Tensor]:
-    return {n: t + k for n, t in STATE.items()}
 
 
 @pytest.fixture
 def cfg(tmp_path):
-    (tmp_path / "config.json").write_text('{"vocab_size": 260}')
-    save_file(STATE, str(tmp_path / "model.safetensors"))
-    cfg = load_config(
-        None, ["engines.count=2", "logging.level=error", "weight_sync.timeout_s=5", "engines.restart_backoff_s=0"]
-    )
-    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=str(tmp_path)))
-
-
-async def trainer(engine, weights, **info):
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
-    client, source = engine.weight_sync_client(), StateDictSource(weights)
-    init = GlooTrainerInitInfo(world_size=1 + client.world_size(), rank=0, bucket_bytes=1000, timeout_s=10, **info)
-    t = await anyio.to_thread.run_sync(
-        lambda: WeightTransferTrainerFactory.trainer_init(init, client=client, source=source)
-    )
-    return t, client, source
+    return trainer_config(tmp_path, 5)
 
 
 async def send(t, source, weights) -> None:
@@ -64,7 +38,7 @@ async def test_each_round_loads_every_engine_and_starts_the_next_epoch(cfg):
     pool = FakePool(2)
     with anyio.fail_after(TIMEOUT):
         async with RolloutEngine(cfg, pool=pool) as engine:
-            t, client, source = await trainer(engine, STATE)
+            t, client, source = await trainer(engine, STATE, timeout_s=10)
             for k in (1, 2):
                 await send(t, source, changed(k))
                 assert engine.epoch == k and [e.commits for e in pool.engines] == [list(range(1, k + 1))] * 2
@@ -102,7 +76,7 @@ async def test_calls_out_of_order_change_nothing_and_name_the_call(cfg):
                 )
             with pytest.raises(RuntimeError, match="call it from a thread"):
                 client.start_weight_update()  # on the engine's own loop it would deadlock
-            t, client, source = await trainer(engine, STATE)
+            t, client, source = await trainer(engine, STATE, timeout_s=10)
             await run(client.start_weight_update)
             with pytest.raises(WeightSyncError, match="start_weight_update called while a weight update is active"):
                 await run(client.start_weight_update)
@@ -128,7 +102,7 @@ async def test_weights_that_do_not_fit_change_no_engine_and_name_the_tensor(cfg,
     pool = FakePool(2)
     with anyio.fail_after(TIMEOUT):
         async with RolloutEngine(cfg, pool=pool) as engine:
-            t, client, source = await trainer(engine, STATE)
+            t, client, source = await trainer(engine, STATE, timeout_s=10)
             with pytest.raises(InvalidWeightsError, match=match) as e:
                 await send(t, source, bad)  # fails at once: no broadcast waits out its timeout
             assert "no engine changed" in str(e.value)
@@ -142,7 +116,7 @@ async def test_an_unknown_name_after_the_learners_name_map_is_named(cfg):
     pool = FakePool(2)
     with anyio.fail_after(TIMEOUT):
         async with RolloutEngine(cfg, pool=pool) as engine:
-            t, client, source = await trainer(engine, STATE)
+            t, client, source = await trainer(engine, STATE, timeout_s=10)
             t.source = StateDictSource(
                 {f"module.{n}": v for n, v in STATE.items()},
                 name_map=lambda n: n.removeprefix("module.").replace("norm", "nrm"),
@@ -161,7 +135,7 @@ async def test_an_engine_that_cannot_start_changes_no_engine(cfg):
     pool = FakePool(2)
     with anyio.fail_after(TIMEOUT):
         async with RolloutEngine(cfg, pool=pool) as engine:
-            t, client, source = await trainer(engine, STATE)
+            t, client, source = await trainer(engine, STATE, timeout_s=10)
             pool.engines[1].fail_stage = True
             with pytest.raises(
                 WeightSyncError, match="engine 1: RuntimeError: cannot start the update.*no engine changed"
@@ -178,7 +152,7 @@ async def test_an_engine_failing_to_load_leaves_rotation_and_the_others_serve(cf
     pool = FakePool(2)
     with anyio.fail_after(TIMEOUT):
         async with RolloutEngine(cfg, pool=pool) as engine:
-            t, client, source = await trainer(engine, STATE)
+            t, client, source = await trainer(engine, STATE, timeout_s=10)
             pool.engines[1].fail_commit = True
             with pytest.raises(
                 WeightSyncError,
@@ -202,7 +176,7 @@ async def test_a_learner_that_stops_calling_mid_round_ends_its_round(cfg):
     pool = FakePool(2)
     with anyio.fail_after(TIMEOUT):
         async with RolloutEngine(cfg, pool=pool) as engine:
-            t, client, source = await trainer(engine, STATE)
+            t, client, source = await trainer(engine, STATE, timeout_s=10)
             await anyio.to_thread.run_sync(client.start_weight_update)
             while engine.weight_transfer().round is not None:
                 await anyio.sleep(0.05)
@@ -220,7 +194,7 @@ async def test_a_learner_gone_mid_transfer_leaves_every_engine_serving_the_previ
     pool = FakePool(2)
     with anyio.fail_after(TIMEOUT):
         async with RolloutEngine(cfg, pool=pool) as engine:
-            t, client, source = await trainer(engine, STATE)
+            t, client, source = await trainer(engine, STATE, timeout_s=10)
 
             class Dies(StateDictSource):
                 def __iter__(self):
@@ -238,7 +212,7 @@ async def test_a_learner_gone_mid_transfer_leaves_every_engine_serving_the_previ
             assert engine.epoch == 0 and not any(e.commits for e in pool.engines) and not pool.restarts
             assert all(load.healthy for load in engine._scheduler.runner.loads)
             assert engine._updates.allocated == 1  # epoch 1 was started: never used again
-            t, client, source = await trainer(engine, STATE)
+            t, client, source = await trainer(engine, STATE, timeout_s=10)
             await send(t, source, changed(2))
             assert engine.epoch == 2 and not pool.restarts
             t.shutdown()

@@ -8,24 +8,16 @@ asked for; bytes that never all arrive leave every engine on the previous epoch,
 from __future__ import annotations
 
 import anyio
-import msgspec
 import pytest
-import torch
-from safetensors.torch import save_file
 
-from policies.gloo_transfer import GlooTrainerInitInfo, StateDictSource
-from rollout.config import load_config
+from policies.gloo_transfer import StateDictSource
 from rollout.engine import RolloutEngine
 from rollout.errors import InvalidWeightsError, WeightSyncError
 from tests.support.fakes import FakeEngine, FakePool
+from tests.support.trainer_api import STATE, changed, trainer, trainer_config
 
 TIMEOUT = 60  # seconds; only reached when a test is about to fail
 BOUND = 2  # weight_sync.timeout_s of these tests
-STATE = {
-    "embed.weight": torch.randn(40, 30),
-    "layers.0.weight": torch.randn(30, 30).to(torch.bfloat16),
-    "norm.weight": torch.ones(30, dtype=torch.bfloat16),
-}
 NOWHERE = {"master_address": "127.0.0.1", "master_port": 9, "rank_offset": 1, "world_size": 3}
 
 
@@ -48,28 +40,9 @@ class StagingEngine(FakeEngine):
         return await super().finish_transfer(epoch, loaded)
 
 
-def changed(k: int) -> dict[str, torch.Tensor]:
-    return {n: t + k for n, t in STATE.items()}
-
-
 @pytest.fixture
 def cfg(tmp_path):
-    (tmp_path / "config.json").write_text('{"vocab_size": 260}')
-    save_file(STATE, str(tmp_path / "model.safetensors"))
-    cfg = load_config(None, ["engines.count=2", "logging.level=error", f"weight_sync.timeout_s={BOUND}",
-                             "engines.restart_backoff_s=0"])  # fmt: skip
-    return msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, path=str(tmp_path)))
-
-
-async def trainer(engine, weights, **kw):
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
-    client, source = engine.weight_sync_client(), StateDictSource(weights, **kw)
-    init = GlooTrainerInitInfo(world_size=1 + client.world_size(), rank=0, bucket_bytes=1000, timeout_s=20)
-    t = await anyio.to_thread.run_sync(
-        lambda: WeightTransferTrainerFactory.trainer_init(init, client=client, source=source)
-    )
-    return t, client, source
+    return trainer_config(tmp_path, BOUND)
 
 
 def untouched(pool) -> bool:
