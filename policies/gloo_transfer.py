@@ -19,13 +19,17 @@ pause: each worker waits for its buckets and feeds them to `model.load_weights` 
 layerwise reload, so the pause holds the load alone. Before it, the engine asks each worker to
 settle (`update_weights({"settle": true})`: every bucket arrived, or the staging and the group
 go, the model untouched); a round called off is dropped unloaded (`{"discard": true}`). Every
-wait of a worker (connect, rendezvous, each receive) is bounded by its init's `timeout_s`.
+wait of a worker (connect, rendezvous, each receive) is bounded by its init's `timeout_s`. A
+worker's init returns once its info is checked: the rendezvous runs in a thread of the worker
+(`policies.transfer_join`), so the engine core generates while the learner's side is not there,
+and the round's first call that needs the group waits for it or raises why it failed.
 Does not own: the two-phase guarantee and epochs (`rollout.weights.transfer`, `rollout.weights.updates`);
-the buckets, store and pair groups on the wire (`policies.gloo_wire`).
+the infos, buckets, store and pair groups on the wire, `GlooCollective` (`policies.gloo_wire`).
 """
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,11 +43,16 @@ from vllm.distributed.weight_transfer.base import (
     TrainerWeightTransferEngine,
     WeightSource,
     WeightTransferEngine,
-    WeightTransferInitInfo,
-    WeightTransferUpdateInfo,
 )
 
 from policies.gloo_wire import (  # noqa: F401 -- re-exported: the backend's callers name them here
+    DEFAULT_BUCKET_BYTES,
+    DISCARD,
+    JOINED,
+    SETTLE,
+    GlooCollective,
+    GlooInitInfo,
+    GlooUpdateInfo,
     broadcast,
     buckets,
     close_groups,
@@ -55,12 +64,9 @@ from policies.gloo_wire import (  # noqa: F401 -- re-exported: the backend's cal
     tcp_store,
     wait_ready,
 )
+from policies.transfer_join import Join
 
 BACKEND = "gloo"
-DEFAULT_BUCKET_BYTES = 64 << 20
-# update infos that move no bytes (`rollout.weights.transfer` sends them through vLLM's update_weights,
-# so vLLM ends its update session when they fail): wait for the staged bytes; drop them unloaded
-SETTLE, DISCARD = "settle", "discard"
 
 
 def register() -> None:
@@ -75,29 +81,6 @@ def register_engines(backend: str, module: str, worker_cls: str, trainer_cls: st
     for factory, cls in ((WeightTransferEngineFactory, worker_cls), (WeightTransferTrainerFactory, trainer_cls)):
         if backend not in factory._registry:  # vLLM's registries refuse a second registration
             factory.register_engine(backend, module, cls)
-
-
-@dataclass(kw_only=True)
-class GlooInitInfo(WeightTransferInitInfo):
-    """Worker side: where the trainer's store is, and this worker's place in the group."""
-
-    master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
-    session: str = "rollout"
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    timeout_s: float = 300.0
-
-
-@dataclass
-class GlooUpdateInfo(WeightTransferUpdateInfo):
-    """One round: what the trainer sends, in order (vLLM's NCCL update info, plus the round)."""
-
-    names: list[str]
-    dtype_names: list[str]
-    shapes: list[list[int]]
-    round: int = 0
 
 
 @dataclass
@@ -122,11 +105,15 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     serving, and loads them only at `finish_weight_update` (the engine's pause), inside vLLM's
     layerwise reload (so CPU kernels are repacked there).
 
+    `init_transfer_engine` checks the info and returns: the rendezvous (the trainer's store, this
+    worker's pair group) runs in a `policies.transfer_join.Join` thread, so vLLM's engine core,
+    blocked in the call otherwise, keeps generating while the learner's side is not there.
     `start_weight_update` changes nothing; `update_weights` posts a receive per bucket into a fresh
-    staging buffer and returns at once (gloo's own threads receive: vLLM's engine core, blocked
-    in this call otherwise, keeps stepping); `finish_weight_update` waits for them (a failure
-    names the bucket and leaves the model untouched), then loads. Cost: a staging copy of the
-    weights per worker from `update_weights` to the end of the load."""
+    staging buffer and returns at once (gloo's own threads receive; a rendezvous still running
+    posts them when it completes, from its own thread); `finish_weight_update` waits for them (a
+    failure, a rendezvous that failed included, names the bucket or the address and leaves the
+    model untouched), then loads. Cost: a staging copy of the weights per worker from
+    `update_weights` to the end of the load."""
 
     init_info_cls = GlooInitInfo
     update_info_cls = GlooUpdateInfo
@@ -134,49 +121,87 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.info: GlooInitInfo | None = None
-        self.store: Any = None
-        self.pg: Any = None
+        self.join: Join | None = None  # the rendezvous of the last init: (store, pair group) once joined
         self.rank = 0
         self.staged: list[
             tuple[str, list[tuple[str, torch.dtype, list[int], int]], list[torch.Tensor], list[Any]]
         ] = []  # (what, bucket, its tensors' bytes, works)
+        self.posting: threading.Thread | None = None  # posts the round's receives once the rendezvous completes
+        self.post_error: str | None = None
+
+    @property
+    def store(self) -> Any:
+        return joined[0] if self.join is not None and (joined := self.join.peek()) else None
+
+    @property
+    def pg(self) -> Any:
+        return joined[1] if self.join is not None and (joined := self.join.peek()) else None
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
-        """Joins the trainer's store and this worker's pair group, each wait within `timeout_s`
-        (the engine caps it: `rollout.weights.transfer`). A failure leaves nothing joined."""
+        """Starts the rendezvous (the trainer's store, this worker's pair group) in a thread and
+        returns: each of its waits within `timeout_s` (the engine caps it:
+        `rollout.weights.transfer`), all of it by the init's deadline. A failure leaves nothing
+        joined and is raised, naming the address and `timeout_s`, by the round's first call
+        that needs the group (`update_weights({"settle": true, "joined": true})` asks without
+        waiting). A previous init's rendezvous, pending or joined, is closed first."""
         self.shutdown()
         p, i = self.parallel_config, init_info
         self.rank = p.data_parallel_index * p.world_size + p.rank + i.rank_offset
-        try:
-            reachable(i.master_address, i.master_port, i.timeout_s)
-            self.store = tcp_store(i.master_address, i.master_port, i.timeout_s)
-            self.pg = pair_group(self.store, i.session, self.rank, i.timeout_s, trainer=False)
-        except Exception as e:
-            self.shutdown()
-            raise RuntimeError(
-                f"gloo transfer: worker rank {self.rank} could not join the learner's group at "
-                f"{i.master_address}:{i.master_port} within timeout_s={i.timeout_s:g}: {type(e).__name__}: {e}"
-            ) from e
+        what = (f"gloo transfer: worker rank {self.rank} could not join the learner's group at "
+                f"{i.master_address}:{i.master_port} within timeout_s={i.timeout_s:g}")  # fmt: skip
         self.info = init_info
+        self.join = Join(what, i.timeout_s, lambda join: self._connect(i, join), lambda got: close_groups([got[1]]))
+
+    def _connect(self, i: GlooInitInfo, join: Join) -> tuple[Any, Any]:
+        reachable(i.master_address, i.master_port, i.timeout_s, join.stop)
+        store = tcp_store(i.master_address, i.master_port, i.timeout_s)
+        return store, pair_group(store, i.session, self.rank, i.timeout_s, trainer=False)
 
     def start_weight_update(self) -> None:
-        self.staged = []  # the model is untouched until finish_weight_update
+        self._posted()
+        self.staged, self.post_error = [], None  # the model is untouched until finish_weight_update
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
-        if self.pg is None or self.info is None:
+        if self.join is None or self.info is None:
             raise RuntimeError("gloo weight transfer not initialized: call init_weight_transfer_engine first")
         cut = buckets(update_info.names, update_info.dtype_names, update_info.shapes, self.info.bucket_bytes)
+        if (joined := self.join.peek()) is not None:
+            self._post(joined, cut, update_info.round)
+            return
+        join = self.join  # not joined yet (or failed): its own thread posts them; the engine core goes on
+
+        def post() -> None:
+            try:
+                self._post(join.wait(), cut, update_info.round)
+            except Exception as e:
+                self.post_error = str(e) if isinstance(e, RuntimeError) else f"{type(e).__name__}: {e}"
+
+        self.posting = threading.Thread(target=post, daemon=True, name="gloo-post")
+        self.posting.start()
+
+    def _post(self, joined: tuple[Any, Any], cut: list[Any], round: int) -> None:
+        store, pg = joined
         for k, bucket in enumerate(cut):
             buf = torch.empty(offsets(bucket)[1], dtype=torch.uint8)
             names = bucket[0][0] if len(bucket) == 1 else f"{bucket[0][0]} .. {bucket[-1][0]}"
             parts = slices(buf, bucket)
             self.staged.append(
-                (f"bucket {k + 1}/{len(cut)} ({names})", bucket, parts, [broadcast(self.pg, part) for part in parts])
+                (f"bucket {k + 1}/{len(cut)} ({names})", bucket, parts, [broadcast(pg, part) for part in parts])
             )
-        self.store.set(f"{self.info.session}/ready/{update_info.round}/{self.rank}", b"")
+        store.set(f"{self.info.session}/ready/{round}/{self.rank}", b"")  # type: ignore[union-attr]
+
+    def _posted(self) -> None:
+        """Waits for a round's receives posted by the rendezvous's thread (bounded by its deadline)."""
+        posting, self.posting = self.posting, None
+        if posting is not None:
+            posting.join()
 
     def finish_weight_update(self) -> None:
+        self._posted()
         staged, self.staged = self.staged, []
+        if self.post_error is not None:
+            why, self.post_error = self.post_error, None
+            raise RuntimeError(f"{why}; the model is unchanged")
         pairs: list[tuple[str, torch.Tensor]] = []
         for what, bucket, parts, works in staged:
             try:
@@ -197,16 +222,36 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         finalize_layerwise_reload(self.model, self.model_config)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        if update_info.get(SETTLE):
+        if update_info.get(JOINED):
+            self.joined()
+        elif update_info.get(SETTLE):
             self.settle()
         elif update_info.get(DISCARD):
             self.discard()
         else:
             self.receive_weights(self.parse_update_info(update_info))  # CPU: nothing to synchronize
 
+    def joined(self) -> None:
+        """Raises, without waiting, why the rendezvous failed (the round's staging and the group
+        dropped: the learner inits again); returns while it runs or once it joined."""
+        if self.join is not None and (why := self.join.failure()) is not None:
+            self.shutdown()
+            raise RuntimeError(f"{why}; the model is unchanged")
+
     def settle(self) -> None:
-        """Waits for every staged bucket. One that did not arrive drops the staging and the group
-        (the learner inits again) and raises naming it; the model is untouched either way."""
+        """Waits for every staged bucket. One that did not arrive, or a rendezvous still running
+        (the learner's bytes cannot have come: raised at once, the engine core not held), drops
+        the staging and the group (the learner inits again) and raises naming it; the model is
+        untouched either way."""
+        if self.join is not None and not self.join.done():
+            what = self.join.what
+            self.shutdown()
+            raise RuntimeError(f"{what}: the rendezvous is still running at settle; the model is unchanged")
+        self._posted()
+        if self.post_error is not None:
+            why = self.post_error
+            self.shutdown()
+            raise RuntimeError(f"{why}; the model is unchanged")
         for what, _, _, works in self.staged:
             try:
                 for work in works:
@@ -216,16 +261,20 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                 raise RuntimeError(f"gloo transfer: {what}: {type(e).__name__}: {e}; the model is unchanged") from e
 
     def discard(self) -> None:
-        """Drops the round's staging unloaded. Receives still posted close the group: the learner's
-        next round would meet them out of step, so it inits again."""
-        if any(not work.is_completed() for *_, works in self.staged for work in works):
+        """Drops the round's staging unloaded. Receives still posted (or still to be posted) close
+        the group: the learner's next round would meet them out of step, so it inits again."""
+        if self.posting is not None or any(not work.is_completed() for *_, works in self.staged for work in works):
             self.shutdown()
-        self.staged = []
+        self.staged, self.post_error = [], None
 
     def shutdown(self) -> None:
-        close_groups([self.pg] if self.pg is not None else [])
-        self.pg = self.store = self.info = None
-        self.staged = []
+        """Closes the rendezvous (a running one stops; its thread closes what it joins later)
+        and the group; returns without waiting on the learner."""
+        if self.join is not None:
+            self.join.close()
+        self._posted()  # the join is closed: its wait, and the posting, end at once
+        self.join = self.info = None
+        self.staged, self.post_error = [], None
 
 
 class StateDictSource(WeightSource):
@@ -351,39 +400,6 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             self._sender.shutdown(wait=False)
             close_groups(self.pgs)
             self.pgs, self.store = [], None
-
-
-class GlooCollective:
-    """One rank of a NeMo RL-style trainer on the gloo group: no client; the rollout side drives the
-    engines (`RolloutGeneration.init_collective` / `update_weights_from_collective`) while rank 0
-    `broadcast`s, in the order given to `prepare_refit_info`. Ranks 0..train_world_size-1 are
-    the trainer's, the engines' workers follow; rank 0 hosts the store at (`ip`, `port`)."""
-
-    def __init__(self, ip: str, port: int, world_size: int, *, rank: int, train_world_size: int,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 300.0,
-                 session: str = "rollout"):  # fmt: skip
-        self.rank, self.workers_from, self.world_size, self.session = rank, train_world_size, world_size, session
-        self.bucket_bytes, self.timeout_s, self.round = bucket_bytes, timeout_s, 0
-        self.store = tcp_store(ip, port, timeout_s, master=rank == 0)
-        self.pgs = (
-            [pair_group(self.store, session, r, timeout_s, trainer=True) for r in range(train_world_size, world_size)]
-            if rank == 0
-            else []
-        )
-
-    def broadcast(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """This round's tensors (HF name -> tensor) to every engine; ranks other than 0 return."""
-        self.round += 1
-        if self.rank:
-            return
-        info = GlooUpdateInfo(list(weights), [str(t.dtype).removeprefix("torch.") for t in weights.values()],
-                              [list(t.shape) for t in weights.values()], self.round)  # fmt: skip
-        wait_ready(self.store, self.session, self.round, range(self.workers_from, self.world_size), self.timeout_s)
-        send(self.pgs, iter(weights.items()), info, self.bucket_bytes)
-
-    def shutdown(self) -> None:
-        close_groups(self.pgs)
-        self.pgs, self.store = [], None
 
 
 register()

@@ -1,25 +1,82 @@
-"""The gloo wire of the `gloo` weight-transfer backend (`policies.gloo_transfer`): how a round's
-tensors are cut into buckets (alike on both sides, from the same metadata), the trainer's store and
-the pair groups (trainer + one worker each), and the trainer's broadcast of a round.
+"""The gloo wire of the `gloo` weight-transfer backend (`policies.gloo_transfer`): what a worker is
+told (`GlooInitInfo`, checked on construction; `GlooUpdateInfo`; the control infos `SETTLE`,
+`DISCARD`, `JOINED`), how a round's tensors are cut into buckets (alike on both sides, from the
+same metadata), the trainer's store and the pair groups (trainer + one worker each), and the
+trainer's broadcast of a round.
 
-Owns: `buckets`, `tcp_store`, `reachable` (a bounded connect: TCPStore's own can outlast its
-timeout), `pair_group`, `broadcast`, `send`, `wait_ready`. Every wait is bounded by the timeout it
-is given. Does not own: vLLM's engine classes and the round's calls (`policies.gloo_transfer`).
+Owns: the infos, `buckets`, `tcp_store`, `reachable` (a bounded connect: TCPStore's own can outlast
+its timeout; stoppable), `pair_group`, `broadcast`, `send`, `wait_ready`, and `GlooCollective` (a
+NeMo RL-style trainer rank with no client). Every wait is bounded by the timeout it is given.
+Does not own: vLLM's engine classes and the round's calls (`policies.gloo_transfer`).
 """
 
 from __future__ import annotations
 
 import datetime
 import socket
+import threading
 import time
 from collections import deque
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
-if TYPE_CHECKING:
-    from policies.gloo_transfer import GlooUpdateInfo
+DEFAULT_BUCKET_BYTES = 64 << 20
+# update infos that move no bytes (`rollout.weights.transfer` sends them through vLLM's update_weights,
+# so vLLM ends its update session when they fail): wait for the staged bytes; drop them unloaded
+SETTLE, DISCARD = "settle", "discard"
+# an update info asking, without waiting, whether the worker's rendezvous failed (raises why; sent
+# with SETTLE, so an engine that raises ends vLLM's update as a settle does: `rollout.weights.transfer`)
+JOINED = "joined"
+
+
+@dataclass(kw_only=True)
+class GlooInitInfo(WeightTransferInitInfo):
+    """Worker side: where the trainer's store is, and this worker's place in the group. Checked
+    on construction (ValueError naming the field): the worker's init checks it and returns."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    session: str = "rollout"
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        check_fields(self, "gloo", str=("master_address", "session"), int=("master_port", "rank_offset", "world_size",
+                     "bucket_bytes"), positive=("world_size", "bucket_bytes", "timeout_s"))  # fmt: skip
+        if not 0 <= self.master_port < 65536:
+            raise ValueError(f"gloo init info: master_port {self.master_port} is no TCP port")
+
+
+def check_fields(info: Any, backend: str, *, positive: tuple[str, ...] = (), **kinds: tuple[str, ...]) -> None:
+    """An init info's fields of the right type (`str=`, `int=` names; `timeout_s` a number) and
+    `positive` ones above 0. Raises ValueError naming the field."""
+    want = {"str": (str,), "int": (int,)}
+    for kind, names in kinds.items():
+        for name in names:
+            v = getattr(info, name)
+            if not isinstance(v, want[kind]) or isinstance(v, bool):
+                raise ValueError(f"{backend} init info: {name} must be {kind}, got {type(v).__name__} {v!r}")
+    if not isinstance(info.timeout_s, (int, float)) or isinstance(info.timeout_s, bool):
+        raise ValueError(f"{backend} init info: timeout_s must be a number, got {info.timeout_s!r}")
+    for name in positive:
+        if not getattr(info, name) > 0:
+            raise ValueError(f"{backend} init info: {name} must be > 0, got {getattr(info, name)!r}")
+
+
+@dataclass
+class GlooUpdateInfo(WeightTransferUpdateInfo):
+    """One round: what the trainer sends, in order (vLLM's NCCL update info, plus the round)."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    round: int = 0
 
 
 def buckets(
@@ -64,16 +121,18 @@ def tcp_store(address: str, port: int, timeout_s: float, master: bool = False) -
     )
 
 
-def reachable(address: str, port: int, timeout_s: float) -> None:
+def reachable(address: str, port: int, timeout_s: float, stop: threading.Event | None = None) -> None:
     """Until something accepts a connection at (`address`, `port`), within `timeout_s`: TCPStore's
-    own connect retries with a backoff that can outlast its timeout by minutes. Raises TimeoutError."""
-    deadline = time.monotonic() + timeout_s
+    own connect retries with a backoff that can outlast its timeout by minutes. `stop` set ends
+    the wait at once (ConnectionAbortedError). Raises TimeoutError."""
+    deadline, stop = time.monotonic() + timeout_s, stop or threading.Event()
     while (left := deadline - time.monotonic()) > 0:
         try:
             socket.create_connection((address, port), timeout=left).close()
             return
         except ConnectionRefusedError:  # the learner's store may be just starting
-            time.sleep(min(0.05, max(left, 0)))
+            if stop.wait(min(0.05, max(left, 0))):
+                raise ConnectionAbortedError(f"stopped waiting for {address}:{port}") from None
         except OSError as e:
             raise ConnectionError(f"no connection to {address}:{port}: {type(e).__name__}: {e}") from e
     raise TimeoutError(f"nothing accepted a connection at {address}:{port} within {timeout_s:g} s")
@@ -163,3 +222,36 @@ def send(
         sending.append(works)
     while sending:
         finish(sending.popleft())
+
+
+class GlooCollective:
+    """One rank of a NeMo RL-style trainer on the gloo group: no client; the rollout side drives the
+    engines (`RolloutGeneration.init_collective` / `update_weights_from_collective`) while rank 0
+    `broadcast`s, in the order given to `prepare_refit_info`. Ranks 0..train_world_size-1 are
+    the trainer's, the engines' workers follow; rank 0 hosts the store at (`ip`, `port`)."""
+
+    def __init__(self, ip: str, port: int, world_size: int, *, rank: int, train_world_size: int,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 300.0,
+                 session: str = "rollout"):  # fmt: skip
+        self.rank, self.workers_from, self.world_size, self.session = rank, train_world_size, world_size, session
+        self.bucket_bytes, self.timeout_s, self.round = bucket_bytes, timeout_s, 0
+        self.store = tcp_store(ip, port, timeout_s, master=rank == 0)
+        self.pgs = (
+            [pair_group(self.store, session, r, timeout_s, trainer=True) for r in range(train_world_size, world_size)]
+            if rank == 0
+            else []
+        )
+
+    def broadcast(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """This round's tensors (HF name -> tensor) to every engine; ranks other than 0 return."""
+        self.round += 1
+        if self.rank:
+            return
+        info = GlooUpdateInfo(list(weights), [str(t.dtype).removeprefix("torch.") for t in weights.values()],
+                              [list(t.shape) for t in weights.values()], self.round)  # fmt: skip
+        wait_ready(self.store, self.session, self.round, range(self.workers_from, self.world_size), self.timeout_s)
+        send(self.pgs, iter(weights.items()), info, self.bucket_bytes)
+
+    def shutdown(self) -> None:
+        close_groups(self.pgs)
+        self.pgs, self.store = [], None

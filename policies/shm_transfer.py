@@ -4,10 +4,10 @@ nodes). Engines started with `shm` serve either: a learner joining with gloo's i
 (`GlooTrainerInitInfo`, NeMo RL's `init_collective`, a learner on another node) gets gloo's worker
 engine for its rounds, so the learner, which knows where it runs, picks the transport.
 
-Owns: `ShmWeightTransferEngine` (inside each vLLM worker), `ShmTrainerWeightTransferEngine` (in
-the learner), their init and update infos, the ring's layout (`layout`), and `register`, which
-puts both engines in vLLM's factories under "shm" (the `vllm.general_plugins` entry point in
-pyproject.toml, as `gloo`).
+Owns: `ShmWeightTransferEngine` (inside each vLLM worker) and `register`, which puts it and
+`ShmTrainerWeightTransferEngine` (in the learner: `policies.shm_trainer`) in vLLM's factories under
+"shm" (the `vllm.general_plugins` entry point in pyproject.toml, as `gloo`); the infos and the
+stream's layout live in `policies.shm_wire`; all are importable from here.
 The bytes: the round's tensors, in metadata order, are one byte stream (each tensor at an offset
 aligned to `ALIGN`), cut into chunks of `slot_bytes`. The learner owns a ring of `slots` slots of
 `slot_bytes` in one anonymous shared-memory file (`memfd_create`: no name in /dev/shm, so nothing
@@ -26,44 +26,48 @@ alone): `start_weight_update` changes nothing; `update_weights` (names, dtypes, 
 `finish_weight_update`, inside the engine's pause, waits for it and loads the staging into the
 model inside vLLM's layerwise reload. The staging buffer is kept between rounds (a copy of the
 weights per worker): into touched pages a copy runs several times faster than into fresh ones.
-Does not own: the two-phase guarantee and epochs (`rollout.weights.transfer`, `rollout.weights.updates`).
+A worker's init returns once its info is checked: joining the learner's socket and mapping the
+ring run in a thread of the worker (`policies.transfer_join`), so the engine core generates while
+the learner's side is not there; the round's drain waits for it, and a join that failed is
+raised, naming the address and `timeout_s`, by the round's settle or finish.
+Does not own: the two-phase guarantee and epochs (`rollout.weights.transfer`, `rollout.weights.updates`);
+the learner's engine (`policies.shm_trainer`); the infos, layout and messages (`policies.shm_wire`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import socket
-import struct
 import threading
-import uuid
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
-from vllm.distributed.weight_transfer.base import (
-    TrainerInitInfo,
-    TrainerWeightTransferEngine,
-    WeightSource,
-    WeightTransferEngine,
-    WeightTransferInitInfo,
-)
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from policies.gloo_transfer import (
     DISCARD,
+    JOINED,
     SETTLE,
     GlooInitInfo,
-    GlooUpdateInfo,
     GlooWeightTransferEngine,
     register_engines,
 )
-
-BACKEND = "shm"
-ALIGN = 64  # each tensor's offset in the stream: any dtype's view, on a cache line
-MSG = struct.Struct("<qq")  # (round, chunk): learner -> worker "chunk in its slot", worker -> learner "drained"
-ABORT = -1  # chunk of a round the learner gave up (its source disagreed with its metadata)
+from policies.shm_trainer import ShmTrainerWeightTransferEngine  # noqa: F401 -- registered from here
+from policies.shm_wire import (  # noqa: F401 -- re-exported: the backend's callers name them here
+    ABORT,
+    ALIGN,
+    BACKEND,
+    MSG,
+    ShmInitInfo,
+    ShmTrainerInitInfo,
+    ShmUpdateInfo,
+    layout,
+    recv_msg,
+    ring,
+    spanning,
+)
+from policies.transfer_join import Join
 
 
 def register() -> None:
@@ -71,78 +75,12 @@ def register() -> None:
     register_engines(BACKEND, __name__, "ShmWeightTransferEngine", "ShmTrainerWeightTransferEngine")
 
 
-@dataclass(kw_only=True)
-class ShmInitInfo(WeightTransferInitInfo):
-    """Worker side: the learner's socket (an abstract Unix address), this worker's place, the ring."""
-
-    address: str
-    rank_offset: int
-    world_size: int
-    slots: int
-    slot_bytes: int
-    timeout_s: float = 300.0
-
-
-ShmUpdateInfo = GlooUpdateInfo  # one round: what the trainer sends, in order (the same metadata as gloo's)
-
-
-@dataclass
-class ShmTrainerInitInfo(TrainerInitInfo):
-    """Trainer side. `world_size`: 1 + every model worker of every engine (`client.world_size()`
-    of rollout's client). The ring holds `slots` x `slot_bytes` of shared memory."""
-
-    backend: ClassVar[str] = BACKEND
-
-    world_size: int
-    slots: int = 4
-    slot_bytes: int = 32 << 20
-    timeout_s: float = 300.0
-
-    def __post_init__(self) -> None:
-        if self.slots < 2 or self.slot_bytes < ALIGN:
-            raise ValueError(
-                f"shm transfer: slots {self.slots} (at least 2, to fill one while another drains), "
-                f"slot_bytes {self.slot_bytes} (at least {ALIGN})"
-            )
-
-
-def layout(info: ShmUpdateInfo) -> tuple[list[tuple[str, torch.dtype, list[int], int, int]], int]:
-    """The round's tensors in the stream: (name, dtype, shape, offset, bytes) each, and its length.
-    Both sides compute it alike from the same metadata."""
-    out, at = [], 0
-    for name, dtype_name, shape in zip(info.names, info.dtype_names, info.shapes):
-        dtype = getattr(torch, dtype_name)
-        nbytes = dtype.itemsize * int(torch.Size(shape).numel())
-        at = -(-at // ALIGN) * ALIGN
-        out.append((name, dtype, list(shape), at, nbytes))
-        at += nbytes
-    return out, at
-
-
-def _spanning(tensors: list[tuple[str, Any, Any, int, int]], lo: int, hi: int) -> str:
-    names = [t[0] for t in tensors if t[3] < hi and t[3] + t[4] > lo]
-    return ", ".join(names) if len(names) <= 2 else f"{names[0]} .. {names[-1]}"
-
-
-def _recv(sock: socket.socket) -> tuple[int, int]:
-    data = b""
-    while len(data) < MSG.size:
-        got = sock.recv(MSG.size - len(data))
-        if not got:
-            raise ConnectionError("connection closed by the peer")
-        data += got
-    return MSG.unpack(data)
-
-
-def _ring(fd: int, nbytes: int) -> torch.Tensor:
-    """The shared file mapped here, as bytes (the mapping outlives the fd, closed by the caller)."""
-    return torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)
-
-
 class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
     """Worker side: maps the learner's ring; each round a thread copies every chunk out of it into
     the staging buffer while the engine keeps serving; `finish_weight_update` (the engine's pause)
     waits for it and loads, inside vLLM's layerwise reload (so CPU kernels are repacked there).
+    `init_transfer_engine` checks the info and returns; the join (socket, ring) runs in a
+    `policies.transfer_join.Join` thread, and the round's drain waits for it.
     A learner that joins with gloo's init info is served by gloo's worker engine (`self.gloo`)."""
 
     init_info_cls = ShmInitInfo
@@ -152,14 +90,21 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.info: ShmInitInfo | None = None
-        self.sock: socket.socket | None = None
-        self.ring: torch.Tensor | None = None
+        self.join: Join | None = None  # the join of the last init: (socket, ring) once joined
         self.staging = torch.empty(0, dtype=torch.uint8)
         self.pending: tuple[threading.Thread, list[Any], ShmUpdateInfo] | None = None  # the drain, its error, its round
         self.gloo: GlooWeightTransferEngine | None = None  # the learner joined with gloo's init info
 
+    @property
+    def sock(self) -> socket.socket | None:
+        return joined[0] if self.join is not None and (joined := self.join.peek()) else None
+
+    @property
+    def ring(self) -> torch.Tensor | None:
+        return joined[1] if self.join is not None and (joined := self.join.peek()) else None
+
     def _via_gloo(self) -> GlooWeightTransferEngine | None:
-        if self.gloo is not None and self.gloo.pg is not None:
+        if self.gloo is not None and self.gloo.join is not None:
             self.gloo.model, self.gloo.model_config = self.model, self.model_config  # vLLM's current target
             return self.gloo
         return None
@@ -172,32 +117,22 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         return self.gloo.parse_init_info(init_dict)
 
     def init_transfer_engine(self, init_info: ShmInitInfo | GlooInitInfo) -> None:
+        """Starts the join (the learner's socket, the ring) in a thread and returns: its waits are
+        bounded by `timeout_s` (the engine caps it: `rollout.weights.transfer`). A failure leaves
+        nothing joined and is raised, naming the address and `timeout_s`, by the round's settle or
+        finish (`update_weights({"settle": true, "joined": true})` asks without waiting). A
+        previous init's join, pending or joined, is closed first."""
         self.shutdown()
         if isinstance(init_info, GlooInitInfo):
             assert self.gloo is not None  # made by parse_init_info
             self.gloo.init_transfer_engine(init_info)
             return
-        p = self.parallel_config
-        rank = p.data_parallel_index * p.world_size + p.rank + init_info.rank_offset
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(init_info.timeout_s)
-        try:
-            sock.connect("\0" + init_info.address)
-            sock.sendall(MSG.pack(rank, 0))
-            _, fds, _, _ = socket.recv_fds(sock, 1, 1)
-            if not fds:
-                raise ConnectionError("the learner closed the socket before handing over the ring")
-            try:
-                self.ring = _ring(fds[0], init_info.slots * init_info.slot_bytes)
-            finally:
-                os.close(fds[0])
-        except Exception as e:
-            sock.close()
-            raise RuntimeError(
-                f"shm transfer: worker rank {rank} could not join the learner at {init_info.address} "
-                f"within timeout_s={init_info.timeout_s:g}: {type(e).__name__}: {e}"
-            ) from e
-        self.sock, self.info = sock, init_info
+        p, i = self.parallel_config, init_info
+        rank = p.data_parallel_index * p.world_size + p.rank + i.rank_offset
+        what = (f"shm transfer: worker rank {rank} could not join the learner at {i.address} "
+                f"within timeout_s={i.timeout_s:g}")  # fmt: skip
+        self.info = i
+        self.join = Join(what, i.timeout_s, lambda join: _connect(i, rank, join), lambda got: got[0].close())
 
     def start_weight_update(self) -> None:
         if gloo := self._via_gloo():
@@ -211,7 +146,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
             self.pending = None
 
     def receive_weights(self, update_info: ShmUpdateInfo) -> None:
-        if self.sock is None or self.info is None:
+        if self.join is None or self.info is None:
             raise RuntimeError("shm weight transfer not initialized: call init_weight_transfer_engine first")
         if self.pending is not None:
             raise RuntimeError(
@@ -222,28 +157,40 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
             self.staging = torch.empty(total, dtype=torch.uint8)
         errors: list[Any] = []
         thread = threading.Thread(
-            target=self._drain, args=(update_info.round, tensors, total, errors), daemon=True, name="shm-drain"
+            target=self._drain,
+            args=(self.join, update_info.round, tensors, total, errors),
+            daemon=True,
+            name="shm-drain",
         )
         thread.start()
         self.pending = (thread, errors, update_info)
 
-    def _drain(self, round: int, tensors: list[Any], total: int, errors: list[Any]) -> None:
-        assert self.sock is not None and self.ring is not None and self.info is not None
+    def _drain(self, join: Join, round: int, tensors: list[Any], total: int, errors: list[Any]) -> None:
+        """The round's chunks into the staging, once joined (the wait is this thread's, not the
+        engine core's); errors, each a full message, go to `errors`."""
+        assert self.info is not None
+        try:
+            sock, ring = join.wait()
+        except RuntimeError as e:
+            errors.append(str(e))
+            return
         size, chunks = self.info.slot_bytes, -(-total // self.info.slot_bytes)
         chunk = 0
         try:
             for chunk in range(chunks):
-                got_round, got = _recv(self.sock)
+                got_round, got = recv_msg(sock)
                 if got == ABORT:
-                    errors.append(f"chunk {chunk + 1}/{chunks}: the learner ended the round (an error of its own)")
+                    errors.append(
+                        f"shm transfer: chunk {chunk + 1}/{chunks}: the learner ended the round (an error of its own)"
+                    )
                     return
                 if (got_round, got) != (round, chunk):
                     raise RuntimeError(
                         f"expected round {round} chunk {chunk}, the learner sent round {got_round} chunk {got}"
                     )
                 lo, n, slot = chunk * size, min(size, total - chunk * size), (chunk % self.info.slots) * size
-                self.staging[lo : lo + n].copy_(self.ring[slot : slot + n])
-                self.sock.sendall(MSG.pack(round, chunk))
+                self.staging[lo : lo + n].copy_(ring[slot : slot + n])
+                sock.sendall(MSG.pack(round, chunk))
         except Exception as e:
             lo = chunk * size
             why = (
@@ -251,8 +198,8 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
                 if isinstance(e, ConnectionError)
                 else f"{type(e).__name__}: {e}"
             )
-            errors.append(f"chunk {chunk + 1}/{chunks} ({_spanning(tensors, lo, lo + size)}): {why}")
-            self._close()  # the stream is out of step: this worker needs init_weight_transfer_engine again
+            errors.append(f"shm transfer: chunk {chunk + 1}/{chunks} ({spanning(tensors, lo, lo + size)}): {why}")
+            join.close()  # the stream is out of step: this worker needs init_weight_transfer_engine again
 
     def finish_weight_update(self) -> None:
         if gloo := self._via_gloo():
@@ -264,7 +211,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         thread, errors, info = pending
         thread.join()
         if errors:
-            raise RuntimeError(f"shm transfer: {errors[0]}; the model is unchanged")
+            raise RuntimeError(f"{errors[0]}; the model is unchanged")
         tensors, _ = layout(info)
         self._reload(
             [(name, self.staging[at : at + n].view(dtype).view(shape)) for name, dtype, shape, at, n in tensors]
@@ -281,6 +228,8 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
     def update_weights(self, update_info: dict[str, Any]) -> None:
         if gloo := self._via_gloo():
             gloo.update_weights(update_info)
+        elif update_info.get(JOINED):
+            self.joined()
         elif update_info.get(SETTLE):
             self.settle()
         elif update_info.get(DISCARD):
@@ -288,14 +237,27 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         else:
             self.receive_weights(self.parse_update_info(update_info))  # CPU: nothing to synchronize
 
+    def joined(self) -> None:
+        """Raises, without waiting, why the join failed (the round dropped: the learner inits
+        again); returns while it runs or once it joined."""
+        if self.join is not None and (why := self.join.failure()) is not None:
+            self.shutdown()
+            raise RuntimeError(f"{why}; the model is unchanged")
+
     def settle(self) -> None:
-        """Waits for the drain. A round whose bytes did not all arrive is dropped (its socket already
-        closed: the learner inits again) and raises naming the chunk; the model is untouched."""
+        """Waits for the drain. A round whose bytes did not all arrive, or whose join is still
+        running (its bytes cannot have come: raised at once, the engine core not held), is dropped
+        (the socket closed: the learner inits again) and raises naming the chunk or the address;
+        the model is untouched."""
+        if self.join is not None and not self.join.done():
+            what = self.join.what
+            self.shutdown()
+            raise RuntimeError(f"{what}: the join is still running at settle; the model is unchanged")
         if self.pending is not None:
             self.pending[0].join()
             if errors := self.pending[1]:
                 self.pending = None
-                raise RuntimeError(f"shm transfer: {errors[0]}; the model is unchanged")
+                raise RuntimeError(f"{errors[0]}; the model is unchanged")
 
     def discard(self) -> None:
         """Drops the round's staging unloaded; a drain still running closes the socket (the
@@ -304,172 +266,39 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
             self.shutdown()
         self.pending = None
 
-    def _close(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-        self.sock = self.ring = None
-
     def shutdown(self) -> None:
+        """Closes the join (a pending one stops; its thread closes what it joins later) and the
+        socket, which wakes a drain waiting on it; returns once the drain ended."""
         if self.gloo is not None:
             self.gloo.shutdown()
-        if self.sock is not None:
+        if (sock := self.sock) is not None:
             with contextlib.suppress(OSError):
-                self.sock.shutdown(socket.SHUT_RDWR)  # wakes a drain waiting on it
+                sock.shutdown(socket.SHUT_RDWR)  # wakes a drain waiting on it
+        if self.join is not None:
+            self.join.close()  # a drain waiting for the join wakes too
         if self.pending is not None:
             self.pending[0].join()
-        self._close()
-        self.pending, self.info = None, None
+        self.join = self.pending = self.info = None
 
 
-class ShmTrainerWeightTransferEngine(TrainerWeightTransferEngine[ShmTrainerInitInfo]):
-    """Trainer side: owns the ring and the socket every worker joins, drives the round through any
-    `VLLMWeightSyncClient` (rollout's, vLLM's Ray or HTTP one). Non-sender ranks of a sharded
-    learner only iterate the source (its gathers are collectives), as with vLLM's NCCL backend."""
-
-    init_info_cls = ShmTrainerInitInfo
-
-    def __init__(
-        self,
-        *,
-        client: Any,
-        source: WeightSource | None = None,
-        is_sender: bool = True,
-        info: ShmTrainerInitInfo | None = None,
-    ):
-        super().__init__(client=client, source=source, is_sender=is_sender)
-        self.info = info
-        self.ring: torch.Tensor | None = None
-        self.workers: dict[int, socket.socket] = {}  # worker rank -> its socket
-        self.round = 0
-
-    @classmethod
-    def trainer_init(
-        cls, init_info: ShmTrainerInitInfo, *, client: Any, source: WeightSource | None = None
-    ) -> ShmTrainerWeightTransferEngine:
-        if source is None:
-            raise ValueError("shm trainer weight transfer requires a WeightSource")
-        engine = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info)
-        if not engine.is_sender:
-            return engine
-        i, address = init_info, f"rollout-shm-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        fd = os.memfd_create(address, os.MFD_CLOEXEC)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        exe = ThreadPoolExecutor(max_workers=1)
+def _connect(i: ShmInitInfo, rank: int, join: Join) -> tuple[socket.socket, torch.Tensor]:
+    """Joins the learner's socket as worker `rank` and maps the ring it hands over."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    join.hold(sock)  # closed by a close of the join: a wait on it below wakes at once
+    sock.settimeout(i.timeout_s)
+    try:
+        sock.connect("\0" + i.address)
+        sock.sendall(MSG.pack(rank, 0))
+        _, fds, _, _ = socket.recv_fds(sock, 1, 1)
+        if not fds:
+            raise ConnectionError("the learner closed the socket before handing over the ring")
         try:
-            os.ftruncate(fd, i.slots * i.slot_bytes)
-            engine.ring = _ring(fd, i.slots * i.slot_bytes)
-            listener.bind("\0" + address)
-            listener.listen(i.world_size)
-            listener.settimeout(i.timeout_s)
-            joined = exe.submit(engine._accept, listener, fd, i.world_size - 1)
-            client.init_weight_transfer_engine(asdict(ShmInitInfo(
-                address=address, rank_offset=1, world_size=i.world_size, slots=i.slots, slot_bytes=i.slot_bytes,
-                timeout_s=i.timeout_s,
-            )))  # fmt: skip
-            joined.result()
-        except BaseException:
-            engine.shutdown()
-            raise
+            return sock, ring(fds[0], i.slots * i.slot_bytes)
         finally:
-            exe.shutdown(wait=False)
-            listener.close()  # a worker joins only at init: the listener, and its name, go now
-            os.close(fd)
-        return engine
-
-    def _accept(self, listener: socket.socket, fd: int, count: int) -> None:
-        while len(self.workers) < count:
-            conn, _ = listener.accept()
-            conn.settimeout(self.info.timeout_s if self.info else None)
-            rank, _ = _recv(conn)
-            socket.send_fds(conn, [b"r"], [fd])
-            self.workers[rank] = conn
-
-    def send_weights(self) -> None:
-        assert self.source is not None and self.info is not None
-        meta = self.source.metadata()
-        if not self.is_sender:
-            for _ in self.source:  # stay in the learner's own collectives (FSDP gathers)
-                pass
-            return
-        self.round += 1
-        info = ShmUpdateInfo(
-            [m.name for m in meta],
-            [str(m.dtype).removeprefix("torch.") for m in meta],
-            [list(m.shape) for m in meta],
-            self.round,
-        )
-        self.client.start_weight_update()
-        self.client.update_weights(asdict(info))  # checked, and every worker draining (the engines keep serving)
-        self._send(info)
-        self.client.finish_weight_update()  # the engines pause for the load alone
-
-    def _send(self, info: ShmUpdateInfo) -> None:
-        """The round's bytes through the ring (module docstring). A worker whose socket fails is
-        dropped (its engine's own call fails and leaves rotation); raises when none is left."""
-        assert self.source is not None and self.info is not None and self.ring is not None
-        tensors, total = layout(info)
-        size, slots, ring, errors = self.info.slot_bytes, self.info.slots, self.ring, []
-        chunks = -(-total // size)
-
-        def each(fn: Any) -> None:
-            for rank, sock in list(self.workers.items()):
-                try:
-                    fn(sock)
-                except Exception as e:
-                    sock.close()
-                    del self.workers[rank]
-                    errors.append(f"worker rank {rank}: {type(e).__name__}: {e}")
-            if not self.workers:
-                raise RuntimeError(f"shm transfer: no worker left: {errors[0] if errors else 'none joined'}")
-
-        def drained(sock: socket.socket, chunk: int) -> None:
-            if (got := _recv(sock)) != (self.round, chunk):
-                raise RuntimeError(f"acked {got}, expected {(self.round, chunk)}")
-
-        acked = 0  # chunks every worker acked (a slot is free once its last chunk is acked)
-
-        def ack_until(end: int) -> None:
-            nonlocal acked
-            for c in range(acked, end):
-                each(lambda sock, c=c: drained(sock, c))
-            acked = max(acked, end)
-
-        pairs = iter(self.source)
-        chunk = 0  # the chunk being filled
-        try:
-            for name, dtype, shape, at, nbytes in tensors:
-                got, t = next(pairs)
-                if got != name or t.dtype != dtype or list(t.shape) != shape:
-                    raise ValueError(
-                        f"WeightSource yielded {got!r} {t.dtype} {list(t.shape)}, "
-                        f"metadata() declared {name!r} {dtype} {shape}"
-                    )
-                flat = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-                done = 0
-                while done < nbytes:
-                    pos = at + done
-                    if pos >= (chunk + 1) * size:  # this chunk is full: out to the workers, on to the next slot
-                        each(lambda sock: sock.sendall(MSG.pack(self.round, chunk)))
-                        chunk += 1
-                        ack_until(chunk + 1 - slots)
-                        continue
-                    n = min(nbytes - done, (chunk + 1) * size - pos)
-                    slot = (chunk % slots) * size + pos - chunk * size
-                    ring[slot : slot + n].copy_(flat[done : done + n])
-                    done += n
-        except Exception:
-            if self.workers:  # end the workers' rounds now (not at their timeout), their sockets in step
-                ack_until(chunk)
-                each(lambda sock: sock.sendall(MSG.pack(self.round, ABORT)))
-            raise
-        for c in range(chunk, chunks):
-            each(lambda sock, c=c: sock.sendall(MSG.pack(self.round, c)))
-        ack_until(chunks)  # every worker has every chunk
-
-    def shutdown(self) -> None:
-        for sock in self.workers.values():
-            sock.close()
-        self.workers, self.ring = {}, None
+            os.close(fds[0])
+    except BaseException:
+        sock.close()
+        raise
 
 
 register()

@@ -260,11 +260,15 @@ def test_a_transfer_that_hangs_fails_the_worker_at_its_timeout():
     wk.shutdown()
 
 
-def test_an_init_naming_nothing_fails_within_its_timeout_and_the_next_init_joins():
-    """Nobody serves the learner's store: the worker's init gives up at its timeout_s (which the
-    engine caps at weight_sync.timeout_s), naming where it looked, with nothing joined; a correct
-    learner's init on the same worker then joins and its round loads."""
+def test_an_init_naming_nothing_returns_at_once_and_the_rounds_first_call_names_the_address():
+    """Nobody serves the learner's store. The worker's init, run on a thread standing for vLLM's
+    engine core, returns while the rendezvous still runs, and the core runs its next call (a
+    generation step) meanwhile. The round's calls return without waiting; once the rendezvous
+    gave up at its timeout_s, the round's first check (`{"settle": true, "joined": true}`)
+    raises naming where it looked, nothing joined; a correct learner's init then joins and its
+    round loads."""
     import socket
+    from concurrent.futures import ThreadPoolExecutor
 
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
@@ -275,17 +279,51 @@ def test_an_init_naming_nothing_fails_within_its_timeout_and_the_next_init_joins
         port = sock.getsockname()[1]  # nothing listens here once closed
     w0 = weights(0)
     workers = [worker(r, w0) for r in range(2)]
-    nowhere = GlooInitInfo(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=3, timeout_s=1.0)
+    wk, core = workers[0], ThreadPoolExecutor(1)  # the engine core runs one call at a time
+    nowhere = GlooInitInfo(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=3, timeout_s=3.0)
+    core.submit(wk.init_transfer_engine, nowhere).result(timeout=60)
+    assert core.submit(lambda: "a step").result(timeout=60) == "a step"
+    assert not wk.join.done(), "the step ran while the rendezvous was still running"
+    info = {"names": list(w0), "dtype_names": [str(v.dtype).removeprefix("torch.") for v in w0.values()],
+            "shapes": [list(v.shape) for v in w0.values()]}  # fmt: skip
+    wk.start_weight_update()
+    wk.update_weights(info)  # returns at once: the rendezvous's own thread would post the receives
+    wk.join.thread.join(60)  # the rendezvous gives up at its timeout_s
     with pytest.raises(
-        RuntimeError, match=f"could not join the learner's group at 127.0.0.1:{port} within timeout_s=1"
+        RuntimeError, match=rf"could not join the learner's group at 127.0.0.1:{port} within timeout_s=3: .*unchanged"
     ):
-        workers[0].init_transfer_engine(nowhere)
-    assert workers[0].pg is None and workers[0].store is None and workers[0].info is None
+        wk.update_weights({"settle": True, "joined": True})
+    assert wk.pg is None and wk.store is None and wk.info is None and wk.staged == []
     source = StateDictSource(weights(1))
     init = GlooTrainerInitInfo(world_size=3, rank=0, bucket_bytes=3000, timeout_s=30)
     trainer = WeightTransferTrainerFactory.trainer_init(init, client=Client(workers), source=source)
     trainer.send_weights()
     assert all(torch.equal(wk.model.w[n], v) for wk in workers for n, v in weights(1).items())
+    trainer.shutdown()
+    core.shutdown()
+
+
+def test_an_init_replaces_a_rendezvous_still_running():
+    """The learner's next init comes while the last one's rendezvous (nobody serves it) still runs:
+    it closes it, without waiting for its timeout, and joins; the round loads."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from policies.gloo_transfer import GlooInitInfo
+
+    w0 = weights(0)
+    workers = [worker(r, w0) for r in range(2)]
+    for k, wk in enumerate(workers):
+        wk.init_transfer_engine(GlooInitInfo(master_address="127.0.0.1", master_port=9, rank_offset=1 + k,
+                                             world_size=3, timeout_s=600.0))  # fmt: skip
+    stale = [wk.join for wk in workers]
+    source = StateDictSource(weights(1))
+    init = GlooTrainerInitInfo(world_size=3, rank=0, bucket_bytes=3000, timeout_s=30)
+    trainer = WeightTransferTrainerFactory.trainer_init(init, client=Client(workers), source=source)
+    trainer.send_weights()
+    assert all(torch.equal(wk.model.w[n], v) for wk in workers for n, v in weights(1).items())
+    for join in stale:
+        join.thread.join(60)  # stopped by the new init, far before its 600 s
+        assert not join.thread.is_alive() and join.peek() is None
     trainer.shutdown()
 
 

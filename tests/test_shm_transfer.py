@@ -310,6 +310,46 @@ def test_a_learner_that_never_sends_fails_the_worker_at_its_timeout():
     trainer.shutdown()
 
 
+def test_an_init_whose_learner_never_answers_returns_at_once_and_the_round_names_the_address():
+    """The learner's socket takes the connection but never hands over the ring (a learner stuck,
+    or gone with its socket left). The worker's init, run on a thread standing for vLLM's engine
+    core, returns while the join still runs, and the core runs its next call (a generation
+    step) meanwhile; the round's calls return without waiting, and once the join gave up at its
+    timeout_s the round's first check raises naming the address; a correct learner's init then
+    joins and its round loads."""
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind("\0rollout-shm-test-silent")
+    listener.listen(4)  # never accepts: a connect lands in its backlog and waits
+    w0 = weights(0)
+    client = Client([worker(w0) for _ in range(2)])
+    wk, core = client.workers[0], ThreadPoolExecutor(1)  # the engine core runs one call at a time
+    silent = ShmInitInfo(address="rollout-shm-test-silent", rank_offset=1, world_size=3, slots=2, slot_bytes=1000,
+                         timeout_s=3.0)  # fmt: skip
+    core.submit(wk.init_transfer_engine, silent).result(timeout=60)
+    assert core.submit(lambda: "a step").result(timeout=60) == "a step"
+    assert not wk.join.done(), "the step ran while the join was still running"
+    wk.start_weight_update()
+    wk.update_weights(vars(info_of(w0)))  # returns at once: the drain waits for the join in its own thread
+    wk.join.thread.join(60)  # the join gives up at its timeout_s
+    with pytest.raises(
+        RuntimeError, match=r"could not join the learner at rollout-shm-test-silent within timeout_s=3: .*unchanged"
+    ):
+        wk.update_weights({"settle": True, "joined": True})
+    assert wk.sock is None and wk.pending is None and wk.model.loaded == []
+    listener.close()
+    trainer, _, source = setup(client=client)
+    w = weights(1)
+    source.update(w)
+    trainer.send_weights()
+    for wk in client.workers:
+        assert wk.model.loaded == list(w) and all(torch.equal(wk.model.w[k], v) for k, v in w.items())
+    trainer.shutdown()
+    core.shutdown()
+
+
 # -- through rollout's client (`RolloutEngine.weight_sync_client()`) over fake engines whose model
 # workers run the real shm worker engine -------------------------------------------------------
 

@@ -2,8 +2,9 @@
 model workers run the real gloo worker engine (real process groups over a real TCPStore, in this
 process). Each mistake costs the learner its round, never the engines: a round that leaves a
 tensor out or names one twice is refused before any engine changes; an init naming a rendezvous
-nobody serves ends within `weight_sync.timeout_s` on the engines' own bound, whatever the learner
-asked for; bytes that never all arrive leave every engine on the previous epoch, in rotation."""
+nobody serves is answered at once and costs the learner its next round, named at its first
+update_weights, its wait ending at `weight_sync.timeout_s` whatever the learner asked for;
+bytes that never all arrive leave every engine on the previous epoch, in rotation."""
 
 from __future__ import annotations
 
@@ -90,21 +91,34 @@ async def test_a_round_that_leaves_a_tensor_out_or_sends_one_twice_is_refused_be
             t.shutdown()
 
 
-async def test_an_init_naming_a_rendezvous_nobody_serves_ends_on_the_engines_bound_and_the_next_init_works(cfg):
-    """The learner asks its workers to wait 300 s for a store nobody serves: each engine's own wait
-    ends at weight_sync.timeout_s (its error says so, and is the engine's, not the driver's give-up),
-    no engine leaves rotation, and a correct learner's round goes on."""
-    pool = FakePool(2)
+async def test_an_init_naming_a_rendezvous_nobody_serves_costs_the_learner_its_round_not_the_engines(cfg):
+    """The learner asks its workers to wait 300 s for a store nobody serves: init answers at once
+    (each worker's rendezvous runs in a thread of its own, ending at weight_sync.timeout_s, not
+    the learner's 300 s); the learner's round then fails at its first update_weights, naming the
+    address and the cap, before any engine loads; no engine leaves rotation, and a correct
+    learner's init and round go on."""
+    pool = FakePool([StagingEngine(0), StagingEngine(1)])
+    run = anyio.to_thread.run_sync
     with anyio.fail_after(TIMEOUT):
         async with RolloutEngine(cfg, pool=pool) as engine:
             client = engine.weight_sync_client()
-            with pytest.raises(WeightSyncError, match=f"capped at weight_sync.timeout_s={BOUND}") as e:
-                await anyio.to_thread.run_sync(client.init_weight_transfer_engine, {**NOWHERE, "timeout_s": 300})
-            assert "127.0.0.1:9" in str(e.value) and not pool.restarts
+            await run(client.init_weight_transfer_engine, {**NOWHERE, "timeout_s": 300})
+            for e in pool.engines:  # each rendezvous gives up at weight_sync.timeout_s
+                await run(e.worker.join.thread.join)
+            info = {"names": list(STATE), "dtype_names": [str(v.dtype).removeprefix("torch.") for v in STATE.values()],
+                    "shapes": [list(v.shape) for v in STATE.values()], "round": 1}  # fmt: skip
+            await run(client.start_weight_update)
+            with pytest.raises(WeightSyncError) as e:
+                await run(client.update_weights, info)
+            said = str(e.value)
+            assert f"could not join the learner's group at 127.0.0.1:9 within timeout_s={BOUND}" in said, said
+            assert f"capped at weight_sync.timeout_s={BOUND}" in said and "no engine loaded epoch 1" in said, said
+            assert engine.epoch == 0 and untouched(pool) and all(e.worker.join is None for e in pool.engines)
+            assert all(load.healthy for load in engine._scheduler.runner.loads)
             t, client, source = await trainer(engine, STATE)
-            source.update(changed(1))
-            await anyio.to_thread.run_sync(t.send_weights)
-            assert engine.epoch == 1 and not pool.restarts
+            source.update(changed(2))
+            await run(t.send_weights)
+            assert engine.epoch == 2 and not pool.restarts  # epoch 1 was allocated: never used again
             t.shutdown()
 
 

@@ -13,10 +13,17 @@ CPU; vLLM's `nccl` / `ipc` on GPUs). What we add to vLLM's calls:
 1) `init_weight_transfer_engine`: every healthy engine joins, each at its own rank (`rank_offset`
    + k x its model workers); `world_size` is checked against them. Our backends' `timeout_s`
    (each of a worker's waits: connect, rendezvous, receive) is capped at `weight_sync.timeout_s`,
-   whatever the learner asked (the error says so), so an init naming a rendezvous nobody serves
-   frees each engine core within it; an engine that does not answer within twice that (plus a
-   margin) is stuck inside the call: it leaves rotation and restarts. A failed init leaves no
-   engine joined; the next init starts afresh.
+   whatever the learner asked (the errors say so). Their workers check the info and answer at
+   once: the rendezvous with the learner runs in a thread of each worker, so an engine core
+   never waits inside the call for a learner that is not there, and init's answer means "every
+   engine took the info", not "every engine joined" (vLLM's `nccl` / `ipc` join inside the call).
+   The first round after it asks each engine whether its rendezvous failed, right after its
+   first `update_weights` reached the engines (`_joined`): one that failed calls the round off
+   (nothing loaded, every engine in rotation on the epoch before; the error names the address
+   and the cap); one still running by the learner's finish fails that round the same way. An
+   engine that does not answer the init within twice `weight_sync.timeout_s` (plus a margin) is
+   stuck inside the call: it leaves rotation and restarts. A failed init leaves no engine
+   joined; the next init starts afresh, closing whatever rendezvous the last one left running.
 2) `start_weight_update`: takes the update lock (no other update runs until the round ends) and
    fixes the engines and the epoch the round would load (`max(epoch, allocated) + 1`). No engine
    changes yet.
@@ -45,7 +52,8 @@ restarts, and the error names which. Restarts: the epoch's bytes
 live only in the learner, so a restarted engine waits out of rotation for the next update
 (`rollout.weights.updates`); it joins the learner's group at the next
 `init_weight_transfer_engine`.
-`WeightSyncClient` and `loop_caller` live in `rollout.weights.sync_client`.
+`WeightSyncClient` and `loop_caller` live in `rollout.weights.sync_client`; the update's checks and
+the init's cap in `rollout.weights.update_checks`; the round's state in `rollout.weights.round`.
 Does not own: moving bytes (vLLM's engines, `policies.gloo_transfer`), epochs and restarts
 (`rollout.weights.updates`).
 """
@@ -53,7 +61,6 @@ Does not own: moving bytes (vLLM's engines, `policies.gloo_transfer`), epochs an
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from typing import Any
 
@@ -63,33 +70,15 @@ from rollout.aio import fan_out
 from rollout.errors import EngineDeadError, InvalidWeightsError, WeightSyncError
 from rollout.log import get_logger
 from rollout.types import UpdateStats
+from rollout.weights.round import MAX_LABELS, Round, add_label  # noqa: F401 -- MAX_LABELS: named here
 from rollout.weights.sync_client import WeightSyncClient, loop_caller  # the learner's side
+from rollout.weights.update_checks import ONE_CALL_ROUND, capped_infos, check_update  # noqa: F401
 from rollout.weights.updates import LEARNER, WeightUpdates, describe, failures, model_workers
 
 SETTLE = "settle"  # the update info asking a staging backend's engine to wait for its bytes (`policies.weight_loading`)
+JOINED = "joined"  # with SETTLE: asks, without waiting, whether the engine's rendezvous failed (`policies.gloo_wire`)
 
 log = get_logger(__name__)
-LEARNER_TIMEOUT_S = 300.0  # the timeout_s of our backends' init infos when the learner gives none
-# backends whose trainer sends a round's names, dtypes and shapes in one update_weights call (vLLM's
-# `nccl` trainer; ours, `gloo` and `shm`): a round that leaves a parameter out is refused there.
-# vLLM's `ipc` trainer sends one call per packed chunk: its completeness is known only at finish.
-ONE_CALL_ROUND = ("nccl", "gloo", "shm")
-MAX_LABELS = 256  # weight_version labels kept (`WeightTransfer.versions`), the newest
-
-
-class _Round:
-    def __init__(self, epoch: int, live: list[int], engines: list[Any]):
-        self.epoch, self.live, self.engines = epoch, live, engines
-        self.started = False  # engines paused and in vLLM's start_weight_update
-        self.finishing = False  # finish_weight_update(wait=False) returned: the engines finish in the background
-        self.names: set[str] = set()
-        self.nbytes = 0
-        self.bad: dict[int, str] = {}
-        self.t0 = time.perf_counter()
-        self.locked = asyncio.Event()
-        self.closed = asyncio.Event()
-        self.poke = asyncio.Event()
-        self.busy = 0
 
 
 class WeightTransfer:
@@ -99,8 +88,10 @@ class WeightTransfer:
         self.u = updates
         self.members: list[int] | None = None  # engines that joined the learner's group
         self.incarnations: dict[int, int] = {}
-        self.round: _Round | None = None
+        self.round: Round | None = None
         self.versions: dict[str, int] = {}  # weight_version label -> epoch, the newest last (`_label`)
+        self.capped = ""  # the last init's cap of the learner's timeout_s, said in the errors of its rendezvous
+        self.confirmed = False  # the engines' rendezvous with the learner is known to hold (`_joined`)
 
     def world_size(self) -> int:
         """Model workers over every engine an update goes to (the learner's group adds itself)."""
@@ -124,7 +115,7 @@ class WeightTransfer:
                 {**init_info, "rank_offset": offset + k * workers} if "rank_offset" in init_info else init_info
                 for k in range(len(live))
             ]
-            infos, capped = self._capped(infos)
+            infos, capped = capped_infos(self.u.cfg, infos)
             engines, bound = [self.u.pool.engines[i] for i in live], 2 * self.u.cfg.weight_sync.timeout_s + 5
             got = await fan_out(asyncio.wait_for(e.call("init_transfer", info), bound)
                                 for e, info in zip(engines, infos))  # fmt: skip
@@ -138,17 +129,7 @@ class WeightTransfer:
                                       f"{f'; engines {hung} out of rotation, restarting' if hung else ''}{capped}",
                                       sorted(bad))  # fmt: skip
             self.members, self.incarnations = live, {i: self.u.incarnations.get(i, 0) for i in live}
-
-    def _capped(self, infos: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
-        """Our backends' init infos with `timeout_s` (each of the worker's waits: connect,
-        rendezvous, receive) at most `weight_sync.timeout_s`, so a learner's init naming a
-        rendezvous nobody serves frees each engine core within it; and what was capped, said."""
-        if not _stages(self.u.cfg):
-            return infos, ""  # vLLM's nccl / ipc take no timeout of ours
-        bound = self.u.cfg.weight_sync.timeout_s
-        asked = float(infos[0].get("timeout_s", LEARNER_TIMEOUT_S)) if infos else bound
-        said = f"; the learner's timeout_s {asked:g} is capped at weight_sync.timeout_s={bound:g}"
-        return [{**info, "timeout_s": min(asked, bound)} for info in infos], said if asked > bound else ""
+            self.capped, self.confirmed = capped, not _stages(self.u.cfg)
 
     async def start(self) -> None:
         """vLLM's `start_weight_update`: the round's lock, engines and epoch; no engine changes.
@@ -160,7 +141,7 @@ class WeightTransfer:
             )
         if self.members is None:
             raise WeightSyncError("start_weight_update called before init_weight_transfer_engine", [])
-        rnd = self.round = _Round(0, [], [])
+        rnd = self.round = Round(0, [], [])
         self.u.tg.start_soon(self._hold, rnd)
         await rnd.locked.wait()
         try:
@@ -191,8 +172,9 @@ class WeightTransfer:
             rnd.busy -= 1
             rnd.poke.set()
 
-    async def _update(self, rnd: _Round, update_info: Any) -> None:
-        names, problems = self._check(rnd, update_info)
+    async def _update(self, rnd: Round, update_info: Any) -> None:
+        names, problems, nbytes = check_update(self.u, rnd.names, update_info)
+        rnd.nbytes += nbytes
         if problems:
             shown = "; ".join(problems[:8]) + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else "")
             if not rnd.started:
@@ -205,8 +187,26 @@ class WeightTransfer:
         rnd.names |= set(names)
         with anyio.CancelScope(shield=True):  # engines load from here on: they end loaded or out of rotation
             await self._transfer(rnd, update_info)
+            if not self.confirmed:
+                await self._joined(rnd)
 
-    async def _start_engines(self, rnd: _Round) -> None:
+    async def _joined(self, rnd: Round) -> None:
+        """A staging backend's first round after an init (its rendezvous ran in the background): each
+        engine is asked, without waiting, whether its rendezvous failed (ending vLLM's update
+        there, as a settle finding bytes missing does). One that failed calls the round off,
+        every engine in rotation on the epoch before (WeightSyncError naming the address and cap)."""
+        live = [i for i in rnd.live if i not in rnd.bad]
+        engines = [e for i, e in zip(rnd.live, rnd.engines) if i in live]
+        got = await fan_out(e.call("transfer", {SETTLE: True, JOINED: True}) for e in engines)
+        for i, reason in failures(live, got).items():
+            rnd.bad[i] = reason
+            self.u.lost(i, reason)
+        if short := {i: r for i, r in zip(live, got) if isinstance(r, str)}:
+            said = await self._call_off(rnd, "the learner's rendezvous failed", skip=short)
+            raise WeightSyncError(f"epoch {rnd.epoch}: the rendezvous of init_weight_transfer_engine failed on "
+                                  f"{describe(short)}{self.capped}; {said}", sorted(short))  # fmt: skip
+
+    async def _start_engines(self, rnd: Round) -> None:
         """Every engine starts vLLM's update (pausing first unless its backend stages the bytes:
         `policies.weight_loading`), or none stays changed."""
         got = await fan_out(e.call("start_transfer", rnd.epoch) for e in rnd.engines)
@@ -224,7 +224,7 @@ class WeightTransfer:
         self.u.allocated = rnd.epoch  # an engine may hold it from here on: never allocated again
         await self.u.record(rnd.epoch)
 
-    async def _transfer(self, rnd: _Round, update_info: Any) -> None:
+    async def _transfer(self, rnd: Round, update_info: Any) -> None:
         live = [i for i in rnd.live if i not in rnd.bad]
         engines = [e for i, e in zip(rnd.live, rnd.engines) if i not in rnd.bad]
         got = await fan_out(e.call("transfer", update_info) for e in engines)
@@ -238,41 +238,6 @@ class WeightTransfer:
                 f"epoch {rnd.epoch}: every engine failed to receive it: {describe(rnd.bad)}; out of rotation, "
                 f"the epoch stays {self.u.epoch}", sorted(rnd.bad),
             )  # fmt: skip
-
-    def _check(self, rnd: _Round, update_info: Any) -> tuple[list[str], list[str]]:
-        """The update's names, dtypes and shapes against the model, each name once in the round;
-        the round's first call of a backend that sends it in one (`ONE_CALL_ROUND`) lists every
-        parameter. Returns the names, and what does not fit."""
-        from policies.weight_loading import transfer_backend
-        from policies.weights import TensorSpec, read_manifest
-
-        if self.u.manifest is None:
-            self.u.manifest = read_manifest(self.u.model_path)
-        info = update_info[0] if isinstance(update_info, list) and update_info else update_info
-        problems: list[str] = []
-        try:
-            names, dtypes, shapes = list(info["names"]), list(info["dtype_names"]), [tuple(s) for s in info["shapes"]]
-        except (KeyError, TypeError) as e:
-            problems.append(f"update_info: expected names, dtype_names and shapes, got {type(e).__name__}: {e}")
-            names, dtypes, shapes = [], [], []
-        if not problems and not (len(names) == len(dtypes) == len(shapes)):
-            problems.append(f"update_info: {len(names)} names, {len(dtypes)} dtype_names, {len(shapes)} shapes")
-        seen = set(rnd.names)
-        for name, dtype, shape in zip(names, dtypes, shapes):
-            want = self.u.manifest.get(name)
-            if want is None:
-                problems.append(f"unknown {name}")
-            elif want != TensorSpec(dtype, shape):
-                problems.append(f"{name}: {dtype} {list(shape)}, model has {want.dtype} {list(want.shape)}")
-            if name in seen:
-                problems.append(f"{name} twice in the round")
-            seen.add(name)
-        if not problems and not rnd.names and transfer_backend(self.u.cfg) in ONE_CALL_ROUND:
-            if missing := sorted(set(self.u.manifest) - seen):
-                problems.append(f"the round left out {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
-        if not problems:
-            rnd.nbytes += sum(math.prod(s) * _itemsize(d) for d, s in zip(dtypes, shapes))
-        return names, problems
 
     async def finish(self, weight_version: str | None = None, wait: bool = True) -> int:
         """vLLM's `finish_weight_update`: the new epoch starts on every engine that loaded it; returns it.
@@ -292,7 +257,7 @@ class WeightTransfer:
             return rnd.epoch
         return await self._finish_closing(rnd, weight_version)
 
-    async def _finish_closing(self, rnd: _Round, weight_version: str | None) -> int:
+    async def _finish_closing(self, rnd: Round, weight_version: str | None) -> int:
         try:
             with anyio.CancelScope(shield=True):
                 return await self._finish(rnd, weight_version)
@@ -300,14 +265,14 @@ class WeightTransfer:
             rnd.busy -= 1
             self._close(rnd)
 
-    async def _complete(self, rnd: _Round) -> None:
+    async def _complete(self, rnd: Round) -> None:
         """Every checkpoint tensor was sent, or no engine serves the round: InvalidWeightsError.
         (A round sent in one call was checked whole there: this catches rounds of several calls.)"""
         if missing := sorted(set(self.u.manifest) - rnd.names):
             sent = f"the learner sent no {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
             raise InvalidWeightsError(f"epoch {rnd.epoch}: {sent}; {await self._call_off(rnd, sent)}")
 
-    async def _settle(self, rnd: _Round) -> None:
+    async def _settle(self, rnd: Round) -> None:
         """A staging backend's round: every engine has every byte staged, or none loads it and
         each goes on serving its weights (WeightSyncError); an engine that does not answer leaves rotation."""
         live = [i for i in rnd.live if i not in rnd.bad]
@@ -319,7 +284,7 @@ class WeightTransfer:
             said = await self._call_off(rnd, "bytes missing", skip=short)
             raise WeightSyncError(f"epoch {rnd.epoch}: bytes missing on {describe(short)}; {said}", sorted(short))
 
-    async def _finish(self, rnd: _Round, weight_version: str | None) -> int:
+    async def _finish(self, rnd: Round, weight_version: str | None) -> int:
         if not rnd.started:  # nothing was sent: no engine changed
             return self.u.epoch
         await self._complete(rnd)
@@ -351,8 +316,9 @@ class WeightTransfer:
             None,
         )  # its bytes live only in the learner: restarts wait for the next
         self.u.serve(rnd.epoch, rnd.live, rnd.bad)
+        self.confirmed = True  # the engines received every byte: their rendezvous holds
         if weight_version is not None:
-            self._label(weight_version, rnd.epoch)
+            add_label(self.versions, weight_version, rnd.epoch)
         log.info("weights updated", epoch=rnd.epoch, failed=sorted(rnd.bad), source="weight transfer")
         if rnd.bad:
             raise WeightSyncError(
@@ -363,23 +329,15 @@ class WeightTransfer:
 
     def label(self, version: str) -> int:
         """vLLM's `update_weight_version`: `version` names the current epoch (weights do not change)."""
-        self._label(version, self.u.epoch)
+        add_label(self.versions, version, self.u.epoch)
         return self.u.epoch
 
-    def _label(self, version: str, epoch: int) -> None:
-        """`version` names `epoch`, as the newest label; past MAX_LABELS the oldest is forgotten
-        (a learner labelling every step would otherwise grow this without end)."""
-        self.versions.pop(version, None)
-        self.versions[version] = epoch
-        while len(self.versions) > MAX_LABELS:
-            del self.versions[next(iter(self.versions))]
-
-    def _active(self, call: str) -> _Round:
+    def _active(self, call: str) -> Round:
         if self.round is None or not self.round.locked.is_set() or self.round.finishing:
             raise WeightSyncError(f"{call} called without start_weight_update; the epoch stays {self.u.epoch}", [])
         return self.round
 
-    async def _call_off(self, rnd: _Round, reason: str, skip: Any = ()) -> str:
+    async def _call_off(self, rnd: Round, reason: str, skip: Any = ()) -> str:
         """Ends a started round no engine may serve; says where each engine stands. A staging
         backend's engines (all but `skip`, whose vLLM update already ended) drop the bytes and go
         on with their weights; the learner inits again. Otherwise the engines hold part of the
@@ -399,7 +357,7 @@ class WeightTransfer:
         out = f"; {describe(rnd.bad)}: out of rotation, restarting" if rnd.bad else ""
         return f"no engine loaded epoch {rnd.epoch}; every engine serves epoch {self.u.epoch}{out}"
 
-    def _fail_all(self, rnd: _Round, reason: str) -> None:
+    def _fail_all(self, rnd: Round, reason: str) -> None:
         for i in rnd.live:
             if i not in rnd.bad:
                 rnd.bad[i] = reason
@@ -407,13 +365,13 @@ class WeightTransfer:
                 self.u.lost(i, f"epoch {rnd.epoch}: {reason}")
         self._close(rnd)
 
-    def _close(self, rnd: _Round) -> None:
+    def _close(self, rnd: Round) -> None:
         if self.round is rnd:
             self.round = None
         rnd.closed.set()
         rnd.poke.set()
 
-    async def _hold(self, rnd: _Round) -> None:
+    async def _hold(self, rnd: Round) -> None:
         """The update lock for the round's lifetime; ends a round idle for `weight_sync.timeout_s`."""
         async with self.u.lock:
             rnd.locked.set()
@@ -440,12 +398,6 @@ def _stages(cfg: Any) -> bool:
     from policies.weight_loading import stages
 
     return stages(cfg)
-
-
-def _itemsize(dtype: str) -> int:
-    import torch
-
-    return getattr(torch, dtype).itemsize
 
 
 __all__ = ["WeightSyncClient", "WeightTransfer", "loop_caller"]
