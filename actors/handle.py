@@ -21,12 +21,12 @@ import zmq
 from ray.exceptions import RayActorError, RayTaskError
 
 from actors.channel import Channel
-from policies.group_calls import ANSWER, CALL, CALLS, CANCEL, FAILED, HELLO, PROGRESS, RESULTS, SUBMIT
+from policies.group_calls import ANSWER, CALL, CALLS, CANCEL, DELTAS, FAILED, HELLO, PROGRESS, RESULTS, SUBMIT
 from rollout import errors
 from rollout.errors import EngineDeadError, InvalidPromptError, RetryableError, RolloutError
 from rollout.log import get_logger
 from rollout.packed import encode
-from rollout.types import EngineStats, GroupResult, ProgressReport, Request, SpecCounters, Trajectory
+from rollout.types import Delta, EngineStats, GroupResult, ProgressReport, Request, SpecCounters, Trajectory
 
 log = get_logger(__name__)
 
@@ -55,12 +55,15 @@ class RayEngine:
         self._calls: dict[int, asyncio.Future] = {}  # id -> a call of `CALLS` asked for on the data path
         self._call_ids = itertools.count()
 
-    async def generate_group(self, requests: list[Request]) -> AsyncIterator[Trajectory]:
+    async def generate_group(
+        self, requests: list[Request], on_delta: Callable[[Delta], None] | None = None
+    ) -> AsyncIterator[Trajectory]:
         # Each sample comes back as it finishes, so the scheduler gives its slot on this engine to
         # the next request at once (a group's slots held until its last sample ended let the
         # engine's batch drain in waves). Leaving early (cancelled, closed) aborts the rest.
+        # `on_delta`: a streamed sample's new tokens (`Request.stream`), after every engine step.
         inbox: asyncio.Queue[list[Trajectory] | BaseException] = asyncio.Queue()
-        key = self._start(requests, inbox.put_nowait)
+        key = self._start(requests, inbox.put_nowait, on_delta)
         left = len(requests)
         try:
             while left:
@@ -82,9 +85,11 @@ class RayEngine:
         Returns the call that aborts what has not finished."""
         return functools.partial(self._cancel, self._start(requests, deliver))
 
-    def _start(self, requests: list[Request], deliver: Callable[[Any], None]) -> str:
+    def _start(
+        self, requests: list[Request], deliver: Callable[[Any], None], on_delta: Callable[[Delta], None] | None = None
+    ) -> str:
         key = str(next(self._keys))
-        self._waiting[key] = _Group(len(requests), deliver)
+        self._waiting[key] = _Group(len(requests), deliver, on_delta)
         if not self._outbox:
             asyncio.get_running_loop().call_soon(self._submit)
         self._outbox.append((key, requests))
@@ -150,6 +155,15 @@ class RayEngine:
                 else:
                     del self._waiting[r.key]
                     group.deliver(EngineDeadError(r.error) if r.dead else RetryableError(r.error))
+        elif kind == DELTAS:
+            try:
+                deltas = msgspec.msgpack.decode(payload, type=list[Delta])
+            except Exception as e:  # a stream loses its early tokens, not its samples: they come whole at the end
+                log.error("engine deltas lost", engine=self.engine_id, error=f"{type(e).__name__}: {e}")
+                return
+            for d in deltas:
+                if (group := self._waiting.get(d.key)) is not None and group.on_delta is not None:
+                    group.on_delta(d)
         elif kind in (PROGRESS, FAILED):
             if self._reports and not (report := self._reports.popleft()).done():  # answers come in the order asked
                 if kind == PROGRESS:
@@ -335,13 +349,14 @@ class RayEngine:
 
 class _Group:
     """A group out on an engine: how many samples are still to come, and where what comes back
-    goes (lists of trajectories, or the error that ends the group)."""
+    goes (lists of trajectories, or the error that ends the group; a streamed sample's deltas)."""
 
-    __slots__ = ("left", "deliver")
+    __slots__ = ("left", "deliver", "on_delta")
 
-    def __init__(self, samples: int, deliver: Callable[[Any], None]):
+    def __init__(self, samples: int, deliver: Callable[[Any], None], on_delta: Callable[[Delta], None] | None):
         self.left = samples
         self.deliver = deliver
+        self.on_delta = on_delta
 
 
 def _copy(error: RolloutError) -> RolloutError:

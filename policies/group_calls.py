@@ -2,7 +2,8 @@
 this engine to the driver's zmq socket for as long as the engine lives; groups arrive there in
 bulk (a submit frame), each runs in a task of its own, and their samples leave in bulk (a results
 frame per turn of this engine's event loop), each as soon as it finishes (not when its group
-does: the driver gives the sample's slot on this engine to the next request at once).
+does: the driver gives the sample's slot on this engine to the next request at once). A streamed
+sample's new tokens leave after every engine step, every streamed sample's in one deltas frame.
 
 Owns: the submitted groups' tasks (a cancel frame stops them) and their results until sent. Every
 task, unless the driver cancelled it, ends in one `GroupResult` per sample or in one with the
@@ -24,10 +25,11 @@ import zmq
 
 from rollout.errors import EngineDeadError
 from rollout.packed import encode
-from rollout.types import GroupResult, Request, Trajectory
+from rollout.types import Delta, GroupResult, Request, Trajectory
 
 HELLO, SUBMIT, CANCEL, RESULTS = b"h", b"s", b"c", b"r"  # a frame's kind, its first part
 PROGRESS, FAILED = b"p", b"f"  # a progress report asked for and answered; or why it cannot be
+DELTAS = b"d"  # streamed samples' new tokens, one frame per engine step (`rollout.types.Delta`)
 CALL, ANSWER = b"k", b"a"  # one of `CALLS` asked for (msgpack `[id, name, args]`; name None: cancel it) and answered
 # The engine's per-update calls that travel the data path once it is connected (a Ray call costs
 # each end ~0.3 ms of CPU, 2 x 256 per weight update at 256 engines); Ray carries them before, and
@@ -110,6 +112,7 @@ class GroupCalls:
         self._results: list[GroupResult] = []  # finished samples not sent yet
         self._sock: FrameSocket | None = None  # the driver's data path, while `serve` runs
         self._calls: dict[int, asyncio.Task] = {}  # id -> the task answering that call of the driver's
+        self._stream_keys: dict[str, str] = {}  # a streamed sample's request id -> its group's key
 
     async def finish_group(self, requests: list[Request]) -> list[Trajectory]:
         raise NotImplementedError
@@ -217,6 +220,9 @@ class GroupCalls:
         every way out but `cancel` (the driver gave it up) ends the group's results, or the driver
         would wait for it forever."""
         sent = 0
+        for req in requests:
+            if req.stream:
+                self._stream_keys[req.request_id] = key
         try:
             async for traj in self.stream_group(requests):
                 self._post(GroupResult(key=key, trajectories=[traj]))
@@ -234,6 +240,8 @@ class GroupCalls:
             result = GroupResult(key=key, error=f"engine {self.engine_id}: the group was cancelled inside the engine")
         finally:
             self._groups.pop(key, None)
+            for req in requests:
+                self._stream_keys.pop(req.request_id, None)
         self._post(result)
 
     def _post(self, result: GroupResult) -> None:
@@ -246,6 +254,15 @@ class GroupCalls:
             return
         results, self._results = self._results, []
         self._sock.send_multipart([RESULTS, encode(results)])  # per-token data packed: one bin each
+
+    def send_deltas(self, deltas: list[tuple[str, int, Trajectory]]) -> None:
+        """One engine step's streamed tokens, (request id, position, new tokens) per sample, in one
+        frame. With no driver connected they are not sent: each sample's trajectory carries them."""
+        if not deltas or self._sock is None:
+            return
+        frame = [Delta(self._stream_keys[rid], start, t) for rid, start, t in deltas if rid in self._stream_keys]
+        if frame:
+            self._sock.send_multipart([DELTAS, encode(frame)])
 
     def cancel(self, keys: list[str]) -> None:
         """Stop these groups (their requests are aborted); they never come back as results."""

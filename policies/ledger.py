@@ -68,9 +68,16 @@ def reused(piece: Piece, spans: Spans, cached: int) -> int:
 
 def merge_piece(traj: Trajectory, spans: Spans, ids: list[int], lps: list[float], mode: str) -> None:
     """Append a piece's tokens to `traj`; `spans` are its (first token within the piece, epoch)."""
-    done = len(traj.token_ids)
+    fold_spans(traj, len(traj.token_ids), spans, len(ids), mode)
+    traj.token_ids.extend(ids)
+    traj.logprobs.extend(lps)
+
+
+def fold_spans(traj: Trajectory, done: int, spans: Spans, n: int, mode: str) -> None:
+    """Fold the epoch spans of a piece's first `n` tokens, which follow the `done` tokens before
+    it, into `traj`'s `policy_epochs` and `kv_recomputes`."""
     for start, epoch in spans:
-        if start >= len(ids):  # labels a step whose token never reached us: no run over no token
+        if start >= n:  # labels a step whose token never reached us: no run over no token
             break
         start += done
         # A piece after tokens prefills them anew; in recompute mode every update inside a piece
@@ -78,8 +85,6 @@ def merge_piece(traj: Trajectory, spans: Spans, ids: list[int], lps: list[float]
         if start > 0 and (mode == "recompute" or start == done):
             traj.kv_recomputes.append((start, epoch))  # every KV entry before `start` recomputed
         append_run(traj.policy_epochs, start, epoch)
-    traj.token_ids.extend(ids)
-    traj.logprobs.extend(lps)
 
 
 def settle(
@@ -102,8 +107,8 @@ def settle(
     """
     if ids and not spans:
         raise ValueError(f"vLLM returned {len(ids)} tokens of {piece.id} without weight versions")
-    if piece.resubmit and mode != "abort_resume":
-        return Verdict.RERUN  # keep: aborted before its first token reached us; run it whole again
+    if piece.resubmit and mode != "abort_resume" and not ids:
+        return Verdict.RERUN  # aborted before its first token: run it whole again
     if not mergeable(spans, piece, mode):
         return Verdict.RERUN
     if ids and not traj.token_ids:
@@ -133,4 +138,43 @@ def snapshot(
                 t.kv_reused = reused(piece, spans, cached)
             t.cache_salt = piece.carry
             merge_piece(t, [s for s in spans if s[0] < n], ids[:n], lps[:n], mode)
+    return t
+
+
+def streamed(
+    traj: Trajectory,
+    piece: Piece | None,
+    part: tuple[list[int], list[float], Spans, int, int] | None,
+    mode: str,
+    sent: int,
+) -> Trajectory | None:
+    """A streamed sample's tokens past its first `sent` (`rollout.types.Delta.sample`), as far as
+    its epochs are exact: those of its finished pieces not sent yet, then what vLLM has produced
+    of its running `piece` past them (`part`: ids and logprobs from the piece's `skip`-th token
+    on, the piece's spans, prompt positions cached, `skip`). A piece that will be rerun adds
+    nothing: its tokens never reach the trajectory, so they are never sent. None: nothing new."""
+    done = len(traj.token_ids)
+    head_ids, head_lps = traj.token_ids[sent:done], traj.logprobs[sent:done]
+    ids: list[int] = []
+    lps: list[float] = []
+    spans: Spans = []
+    if piece is not None and part is not None:
+        ids, lps, spans, cached, skip = part
+        n = min(len(ids), len(lps))
+        if n and spans and mergeable(spans, piece, mode):
+            ids, lps = ids[:n], lps[:n]
+        else:
+            ids, lps = [], []
+    if not ids and not head_ids:
+        return None
+    t = msgspec.structs.replace(
+        traj, prompt_token_ids=[], token_ids=head_ids + ids, logprobs=head_lps + lps,
+        policy_epochs=list(traj.policy_epochs), kv_recomputes=list(traj.kv_recomputes),
+    )  # fmt: skip
+    if ids:
+        assert piece is not None
+        if not done:
+            t.kv_reused = reused(piece, spans, cached)
+        t.cache_salt = piece.carry
+        fold_spans(t, done, spans, skip + len(ids), mode)
     return t

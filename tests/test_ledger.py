@@ -128,6 +128,54 @@ async def test_progress_reports_taken_mid_run_replay_exactly() -> None:
     assert seen > 500
 
 
+@pytest.mark.parametrize("mode", MODES)
+async def test_streamed_tokens_are_the_finished_trajectorys_with_the_same_epochs(mode: str) -> None:
+    """What a streamed sample sends after each step (`VLLMPolicy.deltas`) under random updates,
+    aborts, reruns and evictions: every token once, in order, each delta a prefix of the finished
+    trajectory, whose epoch records, so far, replay exactly (a token its trajectory later drops,
+    a rerun piece's, is never sent)."""
+    sent_tokens = 0
+    for seed in range(30):
+        rng = random.Random(seed * 31 + len(mode))
+        fake = FakeVllm(rng, evict_p=rng.choice([0.0, 0.03]), chunk=rng.randrange(2, 8), capacity=rng.randrange(2, 6))
+        policy = VLLMPolicy(load_config(None, [f"weight_sync.mode={mode}"]), "", 0, frontend=fake)
+        await policy.ready()
+        sampling = Sampling(n=3, max_tokens=rng.randrange(5, 30), stop_token_ids=[])
+        reqs = [Request(f"r{k}", "p", k, sampling, token_ids=[5, 6, 7, 8, 9], stream=True) for k in range(3)]
+        task = asyncio.ensure_future(policy.finish_group(reqs))
+        streamed: dict[str, Trajectory] = {}
+        epoch = 0
+
+        def take() -> None:
+            for rid, start, part in policy.deltas():
+                so_far = streamed.setdefault(rid, Trajectory(request_id=rid, prompt_token_ids=[5, 6, 7, 8, 9]))
+                assert start == len(so_far.token_ids), (seed, rid, start, len(so_far.token_ids))
+                so_far.token_ids = list(so_far.token_ids) + list(part.token_ids)
+                so_far.logprobs = list(so_far.logprobs) + list(part.logprobs)
+                so_far.policy_epochs, so_far.kv_recomputes = part.policy_epochs, part.kv_recomputes
+                check(so_far, f"stream, seed {seed}")
+
+        while not task.done():
+            for _ in range(rng.randrange(1, 10)):
+                await asyncio.sleep(0)
+            take()
+            if rng.random() < 0.3:
+                epoch += 1
+                await policy.stage_weights(epoch, "d")
+                await policy.commit_weights(epoch)
+        for t in task.result():
+            so_far = streamed.get(t.request_id)
+            n = len(so_far.token_ids) if so_far else 0
+            sent_tokens += n
+            assert list(t.token_ids[:n]) == (so_far.token_ids if so_far else []), (seed, t.request_id)
+            assert list(t.logprobs[:n]) == (so_far.logprobs if so_far else [])
+            if so_far:
+                assert [(s, e) for s, e in t.policy_epochs if s < n] == [tuple(r) for r in so_far.policy_epochs]
+        assert not policy._sent  # nothing kept for a finished sample
+        fake.shutdown()
+    assert sent_tokens > 300, sent_tokens
+
+
 async def test_a_progress_report_leaves_out_samples_that_produced_nothing_yet() -> None:
     """A crash keeps what a report has; of a sample still waiting in vLLM's queue there is nothing
     to keep (the driver runs it again from its prompt), so a report does not carry it: at a full

@@ -20,6 +20,7 @@ from rollout.config import load_config
 from rollout.episodes.chat import ChatRenderer
 from rollout.errors import InvalidConfigError
 from rollout.serve import openai_api as api
+from rollout.serve import sse
 from rollout.types import Trajectory
 from tests.support.parser_cases import ARGS, CASES, TOOLS
 
@@ -137,22 +138,18 @@ def test_a_chat_reply_carries_tool_calls_and_reasoning_as_vllms_server_does_stre
         )
         assert m["tool_calls"][0]["function"] == {"name": "add", "arguments": json.dumps(ARGS)}
         if stream:
-            chunks = [
-                json.loads(line[6:])
-                for line in api.events(body, False).decode().split("\n\n")
-                if line.startswith("data: {")
-            ]
-            delta = chunks[0]["choices"][0]["delta"]
-            assert (
-                delta["role"] == "assistant"
-                and delta["reasoning"] == delta["reasoning_content"] == "call add"
-                and "content" not in delta
-            )
-            assert [tc["function"].get("name") for tc in delta["tool_calls"]][0] == "add" and delta[
-                "generation_token_ids"
-            ] == ids
-            assert json.loads("".join(tc["function"].get("arguments") or "" for tc in delta["tool_calls"])) == ARGS
-            assert chunks[1]["choices"][0]["finish_reason"] == "tool_calls" and "stream" not in chunks[0]["choices"][0]
+            for step in (1, 3):  # a token per engine step, or three (a speculating engine)
+                chunks = streamed_chunks(call, traj, chat, parsers, step)
+                deltas = [c["choices"][0]["delta"] for c in chunks]
+                assert deltas[0] == {"role": "assistant", "content": ""}
+                assert "".join(d.get("reasoning", "") for d in deltas) == "call add"
+                assert "".join(d.get("reasoning_content", "") for d in deltas) == "call add"
+                assert not "".join(d.get("content") or "" for d in deltas[1:])
+                calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+                assert [tc["function"]["name"] for tc in calls if tc["function"].get("name")] == ["add"]
+                assert json.loads("".join(tc["function"].get("arguments") or "" for tc in calls)) == ARGS
+                assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "tool_calls"
+                assert deltas[-1]["generation_token_ids"] == ids and "stream" not in chunks[-1]["choices"][0]
         else:
             assert "stream" not in choice
     no_tools = api.chat_response(
@@ -167,6 +164,42 @@ def test_a_chat_reply_carries_tool_calls_and_reasoning_as_vllms_server_does_stre
     assert "tool_calls" not in no_tools["choices"][0]["message"] and no_tools["choices"][0]["finish_reason"] == "stop"
     with pytest.raises(api.ApiError, match="tool_choice"):
         api.chat({"messages": [{"role": "user", "content": "x"}], "tool_choice": 7}, chat, None, parsers)
+
+
+def streamed_chunks(call, traj, chat, parsers, step: int) -> list[dict]:
+    """The chunks `rollout.serve.sse` sends for `traj`, its tokens arriving `step` at a time."""
+    chunks = sse.Chunks(call, "tiny", chat, parsers, True, 1, False)
+    ids, out = list(traj.token_ids), [chunks.start()]
+    for k in range(0, len(ids) - 1, step):  # the last token arrives with the finished trajectory
+        part = ids[k : min(k + step, len(ids) - 1)]
+        out.append(chunks.step({0: (part, [0.0] * len(part))}))
+        chunks.seen[0] = k + len(part)
+    out.append(chunks.end([traj]))
+    lines = b"".join(out).decode().split("\n\n")
+    assert lines[-2:] == ["data: [DONE]", ""]
+    return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+
+
+def test_a_half_written_tool_call_finishes_as_vllms_server_says_stop_whole_and_tool_calls_streamed():
+    """vLLM's server answers a turn whose tool call is cut off (or whose second call is broken) with
+    finish reason "stop" and the raw text as content when not streamed, and with "tool_calls" once
+    its streaming parser sent a tool-call delta (`vllm/entrypoints/openai/chat_completion/serving.py`,
+    `tools_streamed`): this server answers both ways as vLLM's does, from vLLM's own parser."""
+    chat = ChatRenderer(build_tiny())
+    parsers = ChatParsers(chat.tokenizer, "hermes", None)
+    second_broken = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call><tool_call>{"name": }'
+    for text in ('<tool_call>{"name": "add", "arguments": {"a": 1', second_broken):
+        ids = [*chat.encode(text), EOS_ID]
+        traj = Trajectory(request_id="r", prompt_id="p", prompt_token_ids=[5, 6], token_ids=ids,
+                          logprobs=[0.0] * len(ids), finish_reason="stop", policy_epochs=[(0, 0)])  # fmt: skip
+        data = {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS}
+        whole = api.chat_response(api.chat(data, chat, None, parsers), [traj], "tiny", chat, parsers)["choices"][0]
+        chunks = streamed_chunks(api.chat({**data, "stream": True}, chat, None, parsers), traj, chat, parsers, 1)
+        tools_streamed = any(c["choices"][0]["delta"].get("tool_calls") for c in chunks)
+        assert chunks[-1]["choices"][0]["finish_reason"] == ("tool_calls" if tools_streamed else "stop")
+        assert tools_streamed  # hermes streams the call's name before its arguments are whole
+        if text.endswith("1"):  # the cut-off call: vLLM's non-streaming parse gives up, the text stays content
+            assert whole["finish_reason"] == "stop" and whole["message"]["content"] == text
 
 
 async def test_an_episodes_action_carries_the_tool_calls_vllms_parser_reads_and_the_calculator_answers_them():

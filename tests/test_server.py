@@ -81,32 +81,44 @@ async def test_vllm_conventions_token_ids_as_tokens_and_return_token_ids():
         assert "rollout_http_generated_tokens_total" in metrics and "rollout_epoch" in metrics
 
 
-async def test_stream_true_is_answered_as_server_sent_events_the_sdk_reads():
-    """Agent code that always streams works unchanged: the same answer, its token fields on the
-    delta, the finish reason and usage as OpenAI sends them, then [DONE]."""
+async def test_stream_true_sends_tokens_as_the_engine_generates_them_then_the_learner_fields_whole():
+    """Agent code that always streams gets vLLM's chunks: the role, content as the engine generates
+    it (the first token before the engine has finished: the fake holds the request after it),
+    each chunk's logprobs and token ids, then the finish reason with the learner's fields
+    whole, the usage, [DONE]; the same answer as the request not streamed."""
     async with served() as s:
         messages = [{"role": "user", "content": "hi"}]
-        stream = await s.client.chat.completions.create(
-            model="tiny",
-            messages=messages,
-            max_tokens=4,
-            logprobs=True,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"return_token_ids": True},
-        )
-        chunks = [c async for c in stream]
+        kwargs = {"model": "tiny", "messages": messages, "max_tokens": 4, "logprobs": True,
+                  "extra_body": {"return_token_ids": True}}  # fmt: skip
+        whole = (await s.client.chat.completions.create(**kwargs)).choices[0]
+        gates = [e.block() for e in s.pool.engines]
+        stream = await s.client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+        chunks = []
+        async for c in stream:
+            chunks.append(c)
+            if c.choices and c.choices[0].model_extra.get("token_ids"):
+                break  # the first token, while the engine holds the rest
+        assert sum(e.finished for e in s.pool.engines) == 1  # the non-streamed one only
+        for gate in gates:
+            gate.set()
+        chunks += [c async for c in stream]
         assert {c.object for c in chunks} == {"chat.completion.chunk"} and len({c.id for c in chunks}) == 1
         deltas = [c.choices[0] for c in chunks if c.choices]
-        assert deltas[0].delta.role == "assistant" and [d.finish_reason for d in deltas][-1] in ("stop", "length")
-        extra = deltas[0].delta.model_extra
-        assert len(extra["generation_token_ids"]) == len(extra["generation_log_probs"]) == 4 and extra[
-            "policy_epoch"
-        ] == [[[0, 0]]]
-        assert extra["prompt_token_ids"] == s.server.chat.render(messages) == chunks[0].model_extra["prompt_token_ids"]
-        assert deltas[0].model_extra["token_ids"] == extra["generation_token_ids"]
-        assert [c.logprob for c in deltas[0].logprobs.content] == extra["generation_log_probs"]
-        assert "".join(d.delta.content or "" for d in deltas) == s.server.chat.decode(extra["generation_token_ids"])
+        assert deltas[0].delta.role == "assistant" and deltas[0].delta.content == ""
+        assert chunks[0].model_extra["prompt_token_ids"] == s.server.chat.render(messages)
+        assert [d.finish_reason for d in deltas] == [None] * (len(deltas) - 1) + [whole.finish_reason]
+        assert len(deltas) >= 4  # the role, the first token, then the rest: more than one chunk of text
+        extra = deltas[-1].delta.model_extra
+        for key in ("generation_token_ids", "generation_log_probs", "policy_epoch", "kv_cache_epoch", "rollout"):
+            assert extra[key] == whole.message.model_extra[key], key
+        ids = extra["generation_token_ids"]
+        assert (
+            [t for d in deltas for t in d.model_extra.get("token_ids") or []] == ids == whole.model_extra["token_ids"]
+        )
+        assert [lp.logprob for d in deltas for lp in (d.logprobs.content if d.logprobs else [])] == extra[
+            "generation_log_probs"
+        ]
+        assert "".join(d.delta.content or "" for d in deltas) == whole.message.content == s.server.chat.decode(ids)
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
         raw = await s.http.post(
             "/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 2, "stream": True}
@@ -120,9 +132,18 @@ async def test_stream_true_is_answered_as_server_sent_events_the_sdk_reads():
             "stop",
             "length",
         )
-        assert len(texts[0].choices[0].model_extra["generation_token_ids"]) == 3
-        bad = await s.http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "stream": "yes"})
-        assert bad.status_code == 400 and "stream: expected true or false" in bad.json()["error"]["message"]
+        assert len(texts[-1].choices[0].model_extra["generation_token_ids"]) == 3
+        assert "".join(c.choices[0].text for c in texts if c.choices) == s.server.chat.decode(
+            texts[-1].choices[0].model_extra["generation_token_ids"]
+        )
+        for body, says in (
+            ({"stream": "yes"}, "stream: expected true or false"),
+            ({"stream": True, "stream_options": []}, "stream_options: expected an object"),
+            ({"stream_options": {"include_usage": True}}, "stream_options: only with stream: true"),
+            ({"stream": True, "stream_options": {"include_usage": 1}}, "include_usage: expected true or false"),
+        ):
+            bad = await s.http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, **body})
+            assert bad.status_code == 400 and says in bad.json()["error"]["message"], bad.text
 
 
 @pytest.mark.parametrize(

@@ -237,6 +237,24 @@ class VllmFrontend:
             state.num_cached_tokens or 0,
         )
 
+    @staticmethod
+    def tail(state: Any, k: int) -> tuple[list[int], list[float], Spans, int, int]:
+        """`so_far` from the request's `k`-th token on: token ids and logprobs past the first `k`,
+        every span, prompt positions cached, and `k` (a streamed sample's new tokens, read per
+        engine step without copying what was sent)."""
+        flat = state.logprobs_processor.logprobs
+        if len(flat.logprobs) == len(flat.start_indices):
+            lps = flat.logprobs[k:]
+        else:
+            lps = [flat.logprobs[i] for i in flat.start_indices[k:]]
+        return (
+            list(state.detokenizer.output_token_ids[k:]),
+            list(lps),
+            [(start, int(version)) for version, start in state.weight_version_starts],
+            state.num_cached_tokens or 0,
+            k,
+        )
+
     # -- weight updates ----------------------------------------------------------------------
 
     # Two owners pause vLLM: a weight update (`pause` .. `resume`) and a learner's /pause of

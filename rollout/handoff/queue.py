@@ -15,12 +15,14 @@ reserved (the order prompts were fed), holding back a finished group until the o
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
 
+from rollout.handoff.stream import TokenStream
 from rollout.types import Group
 
 
@@ -129,12 +131,18 @@ class Submission:
     prompt's position in the call), or `await submission.result()` for all in prompt order.
     `cancel()` stops the ones still running (their engine requests are aborted). Bounded: it holds
     at most one group per prompt. Raises the engine's fatal error (every engine dead, the engine
-    closed) instead of waiting for what can never come.
+    closed) instead of waiting for what can never come. Streamed (`on_tokens`): each prompt's
+    samples' new tokens go to `on_tokens(index, sample_index, position, token_ids, logprobs)` as
+    the engines generate them (`rollout.handoff.stream`), and each group still comes back whole.
     """
 
-    def __init__(self, prompts: list[Any], train: bool, on_take: Callable[[Group], Group] | None = None):
+    def __init__(
+        self, prompts: list[Any], train: bool, on_take: Callable[[Group], Group] | None = None,
+        on_tokens: Callable[[int, int, int, list[int], list[float]], None] | None = None,
+    ):  # fmt: skip
         self.prompts = prompts
         self.train = train  # counted by staleness admission and checked at hand-out (`on_take`)
+        self.on_tokens = on_tokens  # streamed: (prompt index, sample index, position, ids, logprobs)
         self.scope = anyio.CancelScope()
         self._send, self._recv = anyio.create_memory_object_stream[tuple[int, Group]](max(len(prompts), 1))
         self._left = len(prompts)
@@ -152,6 +160,12 @@ class Submission:
 
     def cancel(self) -> None:
         self.scope.cancel()
+
+    def stream(self, index: int) -> TokenStream | None:
+        """The stream of prompt `index`'s new tokens, when the caller streams (`on_tokens`)."""
+        if self.on_tokens is None:
+            return None
+        return TokenStream(functools.partial(self.on_tokens, index))
 
     async def next(self) -> tuple[int, Group] | None:
         """The next finished group and its prompt's index; None once every prompt's came back."""

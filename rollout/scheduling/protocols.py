@@ -6,20 +6,23 @@ set of them. `RolloutEngine` starts the real one (`actors.pool`: Ray actors runn
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from rollout.types import EngineStats, Request, SpecCounters, Trajectory
+from rollout.types import Delta, EngineStats, Request, SpecCounters, Trajectory
 
 
 class Engine(Protocol):
     engine_id: int
 
-    def generate_group(self, requests: list[Request]) -> AsyncIterator[Trajectory]:
+    def generate_group(
+        self, requests: list[Request], on_delta: Callable[[Delta], None] | None = None
+    ) -> AsyncIterator[Trajectory]:
         """Run a group's requests on this engine; yield each trajectory as soon as it finishes.
 
         Cancelling the iteration aborts the unfinished requests in the engine. A bad request
-        yields a trajectory with finish_reason "error"; raises EngineDeadError.
+        yields a trajectory with finish_reason "error"; raises EngineDeadError. `on_delta` gets
+        a streamed request's (`Request.stream`) new tokens as they are generated.
         An engine may also have `start_group(requests, deliver) -> abort`, the same without a task
         (`rollout.scheduling.direct.start_group`; `actors.handle.RayEngine` has it).
         """

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import anyio
 import msgspec
@@ -28,6 +29,9 @@ from rollout.log import get_logger
 from rollout.scheduling.protocols import Engine
 from rollout.scheduling.router import EngineLoad, count, key, route
 from rollout.types import Request, Trajectory
+
+if TYPE_CHECKING:
+    from rollout.handoff.stream import TokenStream
 
 log = get_logger(__name__)
 
@@ -128,28 +132,34 @@ class Runner:
 
     # -- running requests --------------------------------------------------------------------
 
-    async def run(self, i: int, requests: list[Request], cost: int, finish: Callable[[Trajectory], None]) -> int:
+    async def run(
+        self, i: int, requests: list[Request], cost: int, finish: Callable[[Trajectory], None],
+        stream: TokenStream | None = None,
+    ) -> int:  # fmt: skip
         """Run `requests` (room for them already taken on engine `i`) until each has a trajectory,
         handed to `finish` as it ends; moves the unfinished ones when `i` dies. Returns the engine
-        the last of them ran on. Every request gets a trajectory: a failed one says why."""
+        the last of them ran on. Every request gets a trajectory: a failed one says why.
+        `stream`: the requests are streamed (`Request.stream`); their new tokens go there."""
         pending = {r.sample_index: r for r in requests}
-        failure, moved = await self._attempt(i, pending, cost, finish, self.cfg.engines.request_timeout_s)
-        return await self.carry_on(i, pending, cost, finish, failure, moved)
+        failure, moved = await self._attempt(i, pending, cost, finish, self.cfg.engines.request_timeout_s, stream)
+        return await self.carry_on(i, pending, cost, finish, failure, moved, stream)
 
     async def carry_on(
         self, i: int, pending: dict[int, Request], cost: int, finish: Callable[[Trajectory], None], failure: str | None,
-        moved: bool
+        moved: bool, stream: TokenStream | None = None,
     ) -> int:  # fmt: skip
         """After an attempt on engine `i` ended (`failure`: why, if it failed) with `pending` still
         unfinished (their room there given back): while they may move (`moved`: the engine died or
-        timed out), continue them on another engine from `i`'s last progress report, up to
-        `engines.max_retries` times; whatever is left gets a failed trajectory saying why. Returns
-        the engine the last of them ran on."""
+        timed out), continue them on another engine from `i`'s last progress report (or from
+        what was streamed of them, if more), up to `engines.max_retries` times; whatever is left
+        gets a failed trajectory saying why. Returns the engine the last of them ran on."""
         retries, timeout = 0, self.cfg.engines.request_timeout_s
         while pending and moved and retries < self.cfg.engines.max_retries:
             retries += 1
             for k, req in list(pending.items()):  # continue from the failed engine's last progress report
                 partial = self.reports[i].get(req.request_id)
+                if stream is not None:
+                    partial = stream.resume_point(req, partial)
                 if partial is not None and partial.finished_at:
                     finish(partial)
                     del pending[k]
@@ -165,7 +175,7 @@ class Runner:
             log.warning("samples moved to another engine", prompt=next(iter(pending.values())).prompt_id,
                         samples=len(pending), engine=i, reason=failure,
                         resumed_tokens=sum(len(r.resume.token_ids) for r in pending.values() if r.resume))  # fmt: skip
-            failure, moved = await self._attempt(i, pending, cost, finish, timeout)
+            failure, moved = await self._attempt(i, pending, cost, finish, timeout, stream)
         for req in pending.values():
             reason = failure or "engine returned no result"
             finish(failed(req, i, f"{reason} (moved {retries} times)" if retries else reason))
@@ -178,14 +188,17 @@ class Runner:
         cost: int,
         finish: Callable[[Trajectory], None],
         timeout: float | None,
+        stream: TokenStream | None = None,
     ) -> tuple[str | None, bool]:
         """Run `pending` on engine `i` (room already taken), handing finished ones to `finish`.
 
         Returns (failure, whether the rest may move to another engine)."""
         failure, moved = None, False
+        engine, requests = self.engines[i], list(pending.values())
         try:  # a cancel scope per group only where there is a timeout: one per group costs the driver's loop
             with anyio.fail_after(timeout) if timeout is not None else contextlib.nullcontext():
-                async for traj in self.engines[i].generate_group(list(pending.values())):
+                group = engine.generate_group(requests, stream.put) if stream else engine.generate_group(requests)
+                async for traj in group:
                     del pending[traj.sample_index]
                     self.release(i, 1, cost)  # per sample: the engine has room as soon as one ends
                     finish(traj)

@@ -307,10 +307,18 @@ class Scheduler:
             dest.fail(self._failed or e)  # a group that came after the first to hear it
             return
         salt = (session[1] if session else f"s:{prompt.session}") if prompt.session is not None else None
+        stream = dest.stream(seq) if isinstance(dest, Submission) and self.env is None else None
         requests = [
             Request(
-                f"r{number}-{k}", prompt.id, k, sampling, token_ids=prompt.token_ids, text=prompt.text, cache_salt=salt
-            )
+                f"r{number}-{k}",
+                prompt.id,
+                k,
+                sampling,
+                token_ids=prompt.token_ids,
+                text=prompt.text,
+                cache_salt=salt,
+                stream=stream is not None,
+            )  # fmt: skip
             for k in range(sampling.n)
         ]
         done: dict[int, Trajectory] = {}
@@ -322,7 +330,7 @@ class Scheduler:
                 self.on_trajectory(traj)
 
         if self.env is None:
-            await self.runner.run(i, requests, cost, finish)
+            await self.runner.run(i, requests, cost, finish, stream)
         else:
             self.runner.release(i, sampling.n, cost)  # an episode holds room on its engine only while a turn runs
             async with anyio.create_task_group() as tg:

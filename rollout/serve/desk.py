@@ -67,7 +67,10 @@ class ServedEngine(Protocol):
     def epoch(self) -> int: ...
     @property
     def healthy(self) -> bool: ...
-    def submit(self, prompts: list[Prompt], *, train: bool = True) -> Submission: ...
+    def submit(
+        self, prompts: list[Prompt], *, train: bool = True,
+        on_tokens: Callable[[int, int, int, list[int], list[float]], None] | None = None,
+    ) -> Submission: ...  # fmt: skip
     async def hand_in(self, group: Group) -> None: ...
     def prometheus_collector(self) -> Collector: ...
     def weight_sync_client(self, *, wait: bool = True) -> WeightSyncClient: ...
@@ -109,16 +112,21 @@ class Desk:
     # -- requests ----------------------------------------------------------------------------
 
     async def run(self, prompt_ids: list[int], sampling: dict[str, Any], session: str | None, prefix: int,
-                  episode: str | None, rid: str | None) -> list[Trajectory]:  # fmt: skip
+                  episode: str | None, rid: str | None,
+                  on_tokens: Callable[[int, int, list[int], list[float]], None] | None = None,
+                  ) -> list[Trajectory]:  # fmt: skip
         """One prompt (its `n` samples) through the engine, in the session of the turn it continues.
         Cancelled (the client gone), it aborts the engine request; `/abort_requests` naming `rid`
-        (else its prompt id) answers 499. Raises InvalidPromptError for what the engine refused."""
+        (else its prompt id) answers 499. Raises InvalidPromptError for what the engine refused.
+        `on_tokens(sample_index, position, token_ids, logprobs)`: streamed, each sample's new
+        tokens after every engine step (`RolloutEngine.submit`)."""
         single = sampling.get("n", 1) == 1  # a session continues one conversation: n samples start none
         session = (session or self._session_of(prompt_ids, prefix)) if single else None
         pid = SEEDED if sampling.get("seed") is not None else f"http-{uuid.uuid4().hex[:12]}"
         submission = self.engine.submit(
-            [Prompt(token_ids=prompt_ids, sampling=sampling, session=session, id=pid)], train=False
-        )
+            [Prompt(token_ids=prompt_ids, sampling=sampling, session=session, id=pid)], train=False,
+            on_tokens=(lambda _, k, start, ids, lps: on_tokens(k, start, ids, lps)) if on_tokens else None,
+        )  # fmt: skip
         groups, aborted, token = None, False, object()
         with anyio.CancelScope() as scope:
 

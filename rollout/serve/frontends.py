@@ -32,6 +32,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +61,8 @@ log = get_logger(__name__)
 CALLS = frozenset({"run", "reward", "metrics", "healthy", "pause", "resume", "is_paused", "abort", "init", "shutdown",
                    "start", "update", "finish", "label", "weight_info", "world_size"})  # fmt: skip
 NOTES = frozenset({"record", "ready"})  # sent, never answered
+Update = tuple[int, int, list[int], list[float]]  # a streamed run's (sample index, position, token ids, logprobs)
+TOKENS = b"t"  # the first part of a frame with a streamed run's new tokens (a reply has one part)
 ERRORS = (InvalidPromptError, RetryableError, EngineDeadError, EngineClosedError)  # cross as themselves
 RETURNS: dict[str, Any] = {"run": list[Trajectory]}  # how a call's answer decodes (the rest: plain data)
 START_S = 300.0  # a front end not serving by then failed to start
@@ -216,6 +219,8 @@ class DeskService:
         try:
             if op not in CALLS:
                 raise ApiError(500, f"serve: no desk call {op!r}", kind="server_error")
+            if op == "run" and len(args) == 7 and args[6] is True:  # streamed: its tokens go back as they come
+                args[6] = functools.partial(self._tokens, peer, call_id)
             reply = (call_id, None, await getattr(self.desk, op)(*args))
         except asyncio.CancelledError:
             return  # cancelled by its front end, which waits no more
@@ -230,6 +235,13 @@ class DeskService:
         try:
             self._sock.send_multipart([peer, payload])
         except zmq.ZMQError:  # that front end is gone (it is started again; its clients were cut off)
+            pass
+
+    def _tokens(self, peer: bytes, call_id: int, *update: Any) -> None:
+        """A streamed run's new tokens, to the front end that asked (a frame of its own kind)."""
+        try:
+            self._sock.send_multipart([peer, TOKENS, encode((call_id, update))])
+        except zmq.ZMQError:  # that front end is gone: its call is cancelled with it
             pass
 
     def close(self) -> None:
@@ -248,6 +260,7 @@ class RemoteDesk:
         self._sock = FrameSocket(zmq.DEALER)
         self._sock.sock.connect(address)
         self._calls: dict[int, tuple[asyncio.Future, str]] = {}
+        self._streams: dict[int, Callable[..., None]] = {}  # a streamed run's call id -> its `on_tokens`
         self._ids = itertools.count(1)
         self._sock.start(self._frames)
 
@@ -263,6 +276,8 @@ class RemoteDesk:
 
     async def _call(self, op: str, *args: Any) -> Any:
         call_id = next(self._ids)
+        if op == "run" and len(args) == 7 and callable(args[6]):  # streamed: the desk sends its tokens back
+            self._streams[call_id], args = args[6], (*args[:6], True)
         try:
             frame = encode((call_id, op, args))
         except (OverflowError, TypeError) as e:  # what the request held: an int msgpack cannot carry
@@ -278,8 +293,14 @@ class RemoteDesk:
             raise
         finally:
             self._calls.pop(call_id, None)
+            self._streams.pop(call_id, None)
 
     def _frames(self, frames: list[bytes]) -> None:
+        if len(frames) == 2 and frames[0] == TOKENS:
+            call_id, update = msgspec.msgpack.decode(frames[1], type=tuple[int, Update])
+            if (on_tokens := self._streams.get(call_id)) is not None:
+                on_tokens(*update)
+            return
         call_id, error, value = msgspec.msgpack.decode(frames[-1], type=tuple[int, list | None, msgspec.Raw])
         future, op = self._calls.get(call_id, (None, ""))
         if future is None or future.done():

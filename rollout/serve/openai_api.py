@@ -14,8 +14,7 @@ a stop string, and a stop id's text, are cut from it (`visible_text`); the token
 token. `n` choices on completions and generate are the samples of one group. Tool calls and
 reasoning are vLLM's parsers' (`serve.tool_parser`, `serve.reasoning_parser`, `rollout.episodes.chat.Parsers`):
 `message.tool_calls`, `message.reasoning` (and `reasoning_content`, its older name), finish reason
-"tool_calls", and in a stream the parser's delta for the turn (`delta.tool_calls`,
-`delta.reasoning`), each as vLLM's chat server makes them.
+"tool_calls", each as vLLM's chat server makes them (streamed: `rollout.serve.sse`).
 Does not own: HTTP, auth, limits, decoding bodies (`rollout.serve.server`, `rollout.serve.io`),
 rendering (`rollout.episodes.chat`).
 """
@@ -62,6 +61,7 @@ class Call(msgspec.Struct):
     return_token_ids: bool = False
     parse: Any = None  # what the parsers read of the request (`Parsers.request`); None: no parsers
     stream: bool = False
+    usage: bool = False  # streamed: `stream_options.include_usage`
     ids_param: str = "messages"  # the field the prompt's ids came from, named by errors about them
     where: str = ""  # where sampling fields sit: "" (top level) or "sampling_params."
     stop: list[str] = msgspec.field(default_factory=list)  # effective stop strings and ids (the server fills them)
@@ -223,19 +223,6 @@ def chat_response(
                               "finish_reason": "tool_calls" if parsed["tool_calls"] else finish(traj),
                               "logprobs": {"content": logprob_items(traj, call.as_token_ids, chat)}
                                           if call.logprobs else None}  # fmt: skip
-    if call.stream and parsers is not None and call.parse is not None and chat is not None:
-        # vLLM's streaming path, one token per step (some parsers stream nothing given a whole call
-        # at once), on the text the client sees (a stop string cut as above); `events` sends the
-        # deltas as one, since the engine hands a turn over when it ends
-        steps = [[t] for t in traj.token_ids]
-        deltas = parsers.stream(
-            call.parse, steps, list(traj.prompt_token_ids), lambda ids: chat.decode(ids)[: len(text)]
-        )
-        tools = any(d.get("tool_calls") for d in deltas)
-        choice["stream"] = {
-            "deltas": deltas,
-            "finish_reason": "tool_calls" if tools and finish(traj) == "stop" else finish(traj),
-        }
     body = _envelope("chat.completion", model, trajs, [choice])
     if call.return_token_ids:
         body["prompt_token_ids"] = list(traj.prompt_token_ids)
@@ -289,78 +276,21 @@ def visible_text(
     return text if best is None else text[: best[1]]
 
 
-def events(body: dict[str, Any], usage: bool) -> bytes:
-    """A finished chat or text completion as OpenAI's stream of server-sent events: per choice, the
-    whole answer and its token fields in one chunk (the engine hands over a turn when it ends; with
-    parsers, the role and token fields then the parser's delta for the turn, `chat_response`),
-    the finish reason in the next; the usage last if asked (`stream_options.include_usage`), [DONE]."""
-    chat = body["object"] == "chat.completion"
-    head = {"id": body["id"], "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": body["created"], "model": body["model"]}  # fmt: skip
-    chunks = []
-    for choice in body["choices"]:
-        i = choice["index"]
-        if chat:
-            delta = {**choice["message"]}
-            finish_reason = choice["finish_reason"]
-            if (
-                stream := choice.get("stream")
-            ) is not None:  # vLLM's parser delta for the turn in place of the parsed message
-                delta = {
-                    k: v
-                    for k, v in delta.items()
-                    if k not in ("content", "reasoning", "reasoning_content", "tool_calls")
-                }
-                delta.update(_merged(stream["deltas"]))
-                finish_reason = stream["finish_reason"]
-            elif "tool_calls" in delta:
-                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(delta["tool_calls"])]
-            first = {"index": i, "delta": delta, "logprobs": choice["logprobs"], "finish_reason": None}
-            if "token_ids" in choice:
-                first["token_ids"] = choice["token_ids"]
-            last = {"index": i, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
-        else:
-            first = {**choice, "finish_reason": None}
-            last = {"index": i, "text": "", "logprobs": None, "finish_reason": choice["finish_reason"]}
-        chunks += [{**head, "choices": [first]}, {**head, "choices": [last]}]
-    if "prompt_token_ids" in body:
-        chunks[0]["prompt_token_ids"] = body["prompt_token_ids"]
-    if usage:
-        chunks.append({**head, "choices": [], "usage": body["usage"]})
-    return b"".join(b"data: " + msgspec.json.encode(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
-
-
-def _merged(deltas: list[dict[str, Any]]) -> dict[str, Any]:
-    """vLLM's per-token deltas as one: text joined, each tool call (by `index`) its id, name and
-    arguments joined."""
-    out: dict[str, Any] = {}
-    calls: dict[int, dict[str, Any]] = {}
-    for d in deltas:
-        for key in ("content", "reasoning"):
-            if d.get(key):
-                out[key] = out.get(key, "") + d[key]
-        for tc in d.get("tool_calls", []):
-            call = calls.setdefault(tc["index"], {"index": tc["index"], "function": {"arguments": ""}})
-            call.update({k: v for k, v in tc.items() if k in ("id", "type")})
-            fn = tc.get("function") or {}
-            if fn.get("name"):
-                call["function"]["name"] = fn["name"]
-            call["function"]["arguments"] += fn.get("arguments") or ""
-    if "reasoning" in out:
-        out["reasoning_content"] = out["reasoning"]
-    if calls:
-        out["tool_calls"] = [calls[i] for i in sorted(calls)]
-    return out
-
-
 def streamed(data: dict[str, Any]) -> tuple[bool, bool]:
     """(`stream`, `stream_options.include_usage`) of a request, checked."""
-    stream, options = data.get("stream", False), data.get("stream_options") or {}
+    stream, options = data.get("stream", False), data.get("stream_options")
     if not isinstance(stream, bool) and stream is not None:
         raise ApiError(400, "stream: expected true or false", "stream")
-    if not isinstance(options, dict):
+    if options is None:
+        options = {}
+    elif not isinstance(options, dict):
         raise ApiError(400, "stream_options: expected an object", "stream_options")
-    return bool(stream), bool(options.get("include_usage"))
+    if options and not stream:  # as vLLM's server refuses it
+        raise ApiError(400, "stream_options: only with stream: true", "stream_options")
+    usage = options.get("include_usage")
+    if usage is not None and not isinstance(usage, bool):
+        raise ApiError(400, "stream_options.include_usage: expected true or false", "stream_options.include_usage")
+    return bool(stream), bool(usage)
 
 
 def generate_response(trajs: list[Trajectory], request_id: str) -> dict[str, Any]:

@@ -25,6 +25,7 @@ auth, metrics (`rollout.serve.io`), sessions and episodes (`rollout.serve.desk`)
 
 # No `from __future__ import annotations`: FastAPI reads the endpoints' annotations (the local
 # `Request` import) when they are defined.
+import asyncio
 import time
 import uuid
 from collections.abc import Callable
@@ -36,7 +37,7 @@ from rollout.config import Config
 from rollout.episodes.chat import chat_parsers
 from rollout.errors import EngineClosedError, EngineDeadError, InvalidPromptError, RetryableError
 from rollout.log import get_logger
-from rollout.serve import io
+from rollout.serve import io, sse
 from rollout.serve import openai_api as api
 from rollout.serve.desk import RETRY_AFTER
 from rollout.serve.rl_routes import add_rl_routes
@@ -143,39 +144,27 @@ class Server:
                     raise api.ApiError(429, f"busy: {self.inflight} requests in flight (serve.max_concurrency)",
                                        kind="rate_limit_error", headers=RETRY_AFTER)  # fmt: skip
                 self.inflight += 1
+                streaming = False
                 try:
                     data, call, (stream, usage) = await self._prepare.run(
                         body, lambda b: self._parse(b, parse, streams)
                     )
-                    reply = await work(request, data, call)
-                    return (
-                        Response(api.events(reply, usage), media_type="text/event-stream")
-                        if stream
-                        else io.json_response(reply)
-                    )
+                    if stream:  # counted in flight until its last chunk is sent
+                        call.stream, call.usage = True, usage
+                        reply = await work(request, data, call)
+                        streaming = True
+                        return reply
+                    return io.json_response(await work(request, data, call))
                 finally:
-                    self.inflight -= 1
-            except api.ApiError as e:
-                status = e.status
-                return io.error(e)
-            except InvalidPromptError as e:  # the engine's own checks: the field named as ours are
-                status = 400
-                return io.error(
-                    api.ApiError(400, str(e), call.param_of(str(e)) if isinstance(call, api.Call) else None)
-                )
-            except RetryableError as e:  # the engine busy: the client's retry will do
-                status = 429
-                return io.error(api.ApiError(429, str(e), kind="rate_limit_error", headers=RETRY_AFTER))
-            except (EngineDeadError, EngineClosedError) as e:
-                status = 503
-                return io.error(api.ApiError(503, f"engine unavailable: {e}", kind="service_unavailable"))
+                    if not streaming:
+                        self.inflight -= 1
             except ClientDisconnect:  # gone before its body arrived: nothing was done, nobody reads this
                 status = 499
                 return io.error(api.ApiError(499, "the client closed the request", kind="client_closed_request"))
-            except Exception as e:  # a defect: answered in OpenAI's shape, logged, the server serves on
-                status = 500
-                log.exception("serve: request failed", path=request.url.path)
-                return io.error(api.ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"))
+            except Exception as e:
+                error = self._error(e, call, request.url.path)
+                status = error.status
+                return io.error(error)
             finally:
                 self.desk.record(request.url.path, status, time.perf_counter() - started)
 
@@ -241,6 +230,21 @@ class Server:
 
         return app
 
+    @staticmethod
+    def _error(e: Exception, call: Any, path: str) -> api.ApiError:
+        """What a request's failure answers: its own ApiError, or the engine's errors in OpenAI's shape."""
+        if isinstance(e, api.ApiError):
+            return e
+        if isinstance(e, InvalidPromptError):  # the engine's own checks: the field named as ours are
+            return api.ApiError(400, str(e), call.param_of(str(e)) if isinstance(call, api.Call) else None)
+        if isinstance(e, RetryableError):  # the engine busy: the client's retry will do
+            return api.ApiError(429, str(e), kind="rate_limit_error", headers=RETRY_AFTER)
+        if isinstance(e, (EngineDeadError, EngineClosedError)):
+            return api.ApiError(503, f"engine unavailable: {e}", kind="service_unavailable")
+        # a defect: answered in OpenAI's shape, logged, the server serves on
+        log.exception("serve: request failed", path=path)
+        return api.ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error")
+
     def _parse(
         self, body: bytes, parse: Callable[[dict[str, Any]], Any], streams: bool
     ) -> tuple[dict[str, Any], Any, tuple[bool, bool]]:
@@ -258,21 +262,84 @@ class Server:
 
     # -- endpoints -----------------------------------------------------------------------------
 
-    async def _chat(self, request: Any, data: dict[str, Any], call: api.Call) -> dict[str, Any]:
+    async def _chat(self, request: Any, data: dict[str, Any], call: api.Call) -> Any:
         call.episode = call.episode or request.headers.get("x-episode-id")
+        if call.stream:
+            return await self._streamed(request, call, True)
         trajs = await self._run(request, call)
         return api.chat_response(call, trajs, self.model, self.chat, self.parsers)
 
-    async def _completion(self, request: Any, data: dict[str, Any], call: api.Call) -> dict[str, Any]:
+    async def _completion(self, request: Any, data: dict[str, Any], call: api.Call) -> Any:
+        if call.stream:
+            return await self._streamed(request, call, False)
         return api.completion_response(call, await self._run(request, call), self.model, self.chat)
 
-    async def _generate(self, request: Any, data: dict[str, Any], call: api.Call) -> dict[str, Any]:
-        request_id = printable(data.get("request_id") or uuid.uuid4().hex)
-        return api.generate_response(await self._run(request, call, request_id), request_id)
+    async def _streamed(self, request: Any, call: api.Call, is_chat: bool) -> Any:
+        """A streamed answer (`rollout.serve.sse`): once its first tokens are generated (a failure
+        before them is answered as an HTTP error, like a request not streamed), the chunks as the
+        engine generates, every engine step's new tokens in one chunk per choice however slowly
+        the client reads (what waits for it is the tokens, never a queue of chunks). The client
+        gone, or `/abort_requests` naming it, aborts the engine request."""
+        from starlette.responses import StreamingResponse
 
-    async def _run(self, request: Any, call: api.Call, rid: str | None = None) -> list[Trajectory]:
-        """One prompt (its `n` samples) through the desk; the client going away aborts it, and so
-        does `/abort_requests` naming its id (`X-Request-Id`, else `rid`, else its prompt id)."""
+        self._fill(call)
+        chunks = sse.Chunks(call, self.model, self.chat, self.parsers if is_chat else None, is_chat,
+                            call.sampling.get("n", 1), call.usage)  # fmt: skip
+        new: dict[int, tuple[list[int], list[float]]] = {}
+        arrived = asyncio.Event()
+
+        def on_tokens(k: int, start: int, ids: list[int], lps: list[float]) -> None:
+            got = new.setdefault(k, ([], []))
+            got[0].extend(ids)
+            got[1].extend(lps)
+            arrived.set()
+
+        rid = request.headers.get("x-request-id")
+        run = asyncio.ensure_future(self.desk.run(call.prompt_ids, call.sampling, call.session, call.prefix,
+                                                  call.episode, rid, on_tokens))  # fmt: skip
+        gone = asyncio.ensure_future(_disconnect(request))
+        try:
+            await _first(run, arrived, gone)
+            if run.done():
+                run.result()  # its failure: answered as the request's HTTP error
+            elif gone.done():
+                raise api.ApiError(499, "the client closed the request", kind="client_closed_request")
+        except BaseException:
+            run.cancel()
+            raise
+        finally:
+            gone.cancel()  # from here the response watches for the client going away
+
+        async def body() -> Any:
+            try:
+                yield chunks.start()
+                while True:
+                    if new:
+                        taken = dict(new)
+                        new.clear()
+                        if out := chunks.step(taken):
+                            yield out
+                    if run.done():
+                        break
+                    if new:  # arrived while the last chunk was being sent
+                        continue
+                    arrived.clear()
+                    await _first(run, arrived)
+                try:
+                    trajs = run.result()
+                except Exception as e:  # after the first chunk: an error event ends the stream
+                    yield chunks.error(self._error(e, call, request.url.path))
+                    return
+                yield chunks.end(trajs)
+            finally:
+                run.cancel()
+                self.inflight -= 1
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    def _fill(self, call: api.Call) -> None:
+        """A request's sampling as the engine runs it: what it leaves out, the server's, and
+        `max_tokens` capped at what the context has room for. Raises ApiError (400) past the context."""
         room = self.max_model_len - len(call.prompt_ids)
         if room < 1 or call.sampling.get("max_tokens", 1) > room:
             asked = len(call.prompt_ids) + call.sampling.get("max_tokens", 0)
@@ -286,6 +353,15 @@ class Server:
             call.sampling.get("stop", list(base.stop)),
             call.sampling.get("stop_token_ids", list(base.stop_token_ids)),
         )
+
+    async def _generate(self, request: Any, data: dict[str, Any], call: api.Call) -> dict[str, Any]:
+        request_id = printable(data.get("request_id") or uuid.uuid4().hex)
+        return api.generate_response(await self._run(request, call, request_id), request_id)
+
+    async def _run(self, request: Any, call: api.Call, rid: str | None = None) -> list[Trajectory]:
+        """One prompt (its `n` samples) through the desk; the client going away aborts it, and so
+        does `/abort_requests` naming its id (`X-Request-Id`, else `rid`, else its prompt id)."""
+        self._fill(call)
         trajs: list[Trajectory] | None = None
         failure: Exception | None = None
         async with anyio.create_task_group() as tg:
@@ -309,3 +385,20 @@ class Server:
         if trajs is None:
             raise api.ApiError(499, "the client closed the request", kind="client_closed_request")
         return trajs
+
+
+async def _disconnect(request: Any) -> None:
+    """Returns once the client has gone away."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _first(*aws: asyncio.Future | asyncio.Event) -> None:
+    """Wait until the first of these is done (a future) or set (an event)."""
+    waits = [asyncio.ensure_future(a.wait()) if isinstance(a, asyncio.Event) else a for a in aws]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w, a in zip(waits, aws):
+            if w is not a:
+                w.cancel()

@@ -161,6 +161,10 @@ class FakeVllm:
     def so_far(state: _Request) -> tuple[list[int], list[float], list[tuple[int, int]], int]:
         return list(state.out), list(state.lps), list(state.spans), state.cached
 
+    @staticmethod
+    def tail(state: _Request, k: int) -> tuple[list[int], list[float], list[tuple[int, int]], int, int]:
+        return list(state.out[k:]), list(state.lps[k:]), list(state.spans), state.cached, k
+
     async def pause(self, mode: str, clear_cache: bool) -> None:
         if mode == "wait":
             self.draining = True

@@ -7,6 +7,8 @@ every request, the most requests it held at once, and every cancelled request. T
 with events, never sleeps: `gate` holds every request until set, `dead` makes it raise
 `EngineDeadError`, and `wait_until(predicate)` waits for a condition on its counters.
 `HeldEngine` holds chosen prompts' requests until released (a slow sample of an older epoch).
+A streamed request (`Request.stream`) sends its first `streamed_early` tokens as deltas before
+the gate, one per token, and the rest after it, as an engine's steps would.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import msgspec
 from rollout.aio import as_finished
 from rollout.epochs import append_run
 from rollout.errors import EngineDeadError
-from rollout.types import EngineStats, Request, SpecCounters, Trajectory
+from rollout.types import Delta, EngineStats, Request, SpecCounters, Trajectory
 
 VOCAB_SIZE = 260  # the tiny model's: 4 special ids, then 256 bytes
 EOS_ID = 2
@@ -72,6 +74,7 @@ class FakeEngine:
         self.spec = SpecCounters(engine_id=engine_id)  # what spec_counters() reports; tests set it
         self.preemptions = 0  # what stats() reports; tests set it
         self.spec_per_request: tuple[int, int, int, list[int]] | None = None  # added to `spec` per finished request
+        self.streamed_early = 1  # a streamed request's tokens sent as deltas before the gate
         self._changed = anyio.Event()
         self._batch = [0.0, time.monotonic(), 0]  # running request-seconds, at, requests then (`batch`)
 
@@ -91,18 +94,24 @@ class FakeEngine:
             changed = self._changed
             await changed.wait()
 
-    async def generate(self, request: Request) -> Trajectory:
+    async def generate(self, request: Request, on_delta: Callable[[Delta], None] | None = None) -> Trajectory:
         self.requests.append(request)
         self.held[request.request_id] = request
         self.inflight += 1
         self.max_inflight = max(self.max_inflight, self.inflight)
         self._notify()
+        stream = on_delta if request.stream else None
+        sent = len(request.resume.token_ids) if request.resume else 0
         try:
+            if stream is not None:
+                sent = self._stream(request, stream, sent, sent + self.streamed_early)
             if self.gate is not None:
                 await self.gate.wait()
             if self.dead:
                 self.failed += 1
                 raise EngineDeadError(f"fake engine {self.engine_id} is dead")
+            if stream is not None:
+                self._stream(request, stream, sent, None)
             traj = self._trajectory(request)
             self.finished += 1
             if self.spec_per_request is not None:
@@ -116,10 +125,25 @@ class FakeEngine:
             self.held.pop(request.request_id, None)
             self._notify()
 
-    async def generate_group(self, requests: list[Request]) -> AsyncIterator[Trajectory]:
+    async def generate_group(
+        self, requests: list[Request], on_delta: Callable[[Delta], None] | None = None
+    ) -> AsyncIterator[Trajectory]:
         """Like the real policy: the group's requests run together, each yielded as it finishes."""
-        async for traj in as_finished(self.generate(r) for r in requests):
+        runs = (self.generate(r, on_delta) if on_delta is not None else self.generate(r) for r in requests)
+        async for traj in as_finished(runs):
             yield traj
+
+    def _stream(self, request: Request, on_delta: Callable[[Delta], None], sent: int, end: int | None) -> int:
+        """Send a streamed request's tokens from `sent` up to `end` (None: all), one delta each."""
+        t = self._trajectory(request)
+        stop = len(t.token_ids) if end is None else min(end, len(t.token_ids))
+        for k in range(sent, stop):
+            runs = [(s, e) for s, e in t.policy_epochs if s <= k]
+            part = Trajectory(request_id=request.request_id, prompt_id=request.prompt_id,
+                              sample_index=request.sample_index, token_ids=[t.token_ids[k]],
+                              logprobs=[t.logprobs[k]], policy_epochs=runs, engine_id=self.engine_id)  # fmt: skip
+            on_delta(Delta("", k, part))
+        return max(sent, stop)
 
     async def stats(self) -> EngineStats:
         return EngineStats(
@@ -367,11 +391,11 @@ class HeldEngine(FakeEngine):
         self.hold, self.release = hold, release
         self.arrived: dict[str, int] = {}
 
-    async def generate(self, request):
+    async def generate(self, request, on_delta=None):
         self.arrived[request.request_id] = self.epoch
         if request.prompt_id in self.hold or "*" in self.hold:
             await self.release.wait()
-        return await super().generate(request)
+        return await super().generate(request, on_delta)
 
     def _trajectory(self, request):
         traj = super()._trajectory(request)
