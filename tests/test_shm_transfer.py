@@ -87,6 +87,7 @@ def test_layout_aligns_every_tensor_and_both_sides_cut_alike():
 def test_the_trainer_sends_exact_bytes_to_every_worker_round_after_round():
     """A 2-slot ring of 1000 bytes carries ~10 kB: every tensor but the small ones crosses slots,
     and the ring wraps round 5 times per round. The ring is no /dev/shm file."""
+    gc.collect()  # rings of earlier tests' workers, in garbage cycles, are unmapped first
     before = mapped({os.getpid()})
     trainer, client, source = setup()
     assert (

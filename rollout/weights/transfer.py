@@ -187,7 +187,8 @@ class WeightTransfer:
         rnd.names |= set(names)
         with anyio.CancelScope(shield=True):  # engines load from here on: they end loaded or out of rotation
             await self._transfer(rnd, update_info)
-            if not self.confirmed:
+            if not self.confirmed and not rnd.asked:
+                rnd.asked = True
                 await self._joined(rnd)
 
     async def _joined(self, rnd: Round) -> None:
@@ -282,7 +283,10 @@ class WeightTransfer:
             self.u.lost(i, reason)
         if short := {i: r for i, r in zip(live, got) if isinstance(r, str)}:
             said = await self._call_off(rnd, "bytes missing", skip=short)
-            raise WeightSyncError(f"epoch {rnd.epoch}: bytes missing on {describe(short)}; {said}", sorted(short))
+            capped = "" if self.confirmed else self.capped  # a rendezvous of the init's may be why
+            raise WeightSyncError(
+                f"epoch {rnd.epoch}: bytes missing on {describe(short)}{capped}; {said}", sorted(short)
+            )
 
     async def _finish(self, rnd: Round, weight_version: str | None) -> int:
         if not rnd.started:  # nothing was sent: no engine changed
