@@ -12,6 +12,7 @@ with the engine or with the driver's process."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import select
 import signal
@@ -92,6 +93,27 @@ async def test_a_conversation_and_an_episode_served_by_two_front_ends_are_one():
         assert again.status_code == 200 and again.json() == done.json()  # rewarded once, wherever: the first answer
         metrics = (await b.get("/metrics")).text
         assert 'rollout_http_requests_total{path="/v1/chat/completions",status="200"} 3.0' in metrics
+
+
+async def test_a_stream_through_a_front_end_process_gets_its_tokens_as_the_engine_makes_them():
+    """Streamed through a front end's desk (a socket to the driver): the first token's chunk arrives
+    while the engine holds the rest, then the rest, the same answer as not streamed."""
+    async with two_front_ends() as (engine, pool, (a, b)):
+        body = {"messages": [user("s")], "max_tokens": 4, "return_token_ids": True}
+        whole = (await b.post("/v1/chat/completions", json=body)).json()["choices"][0]
+        gates = [e.block() for e in pool.engines]
+        chunks = []
+        async with a.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+                    if chunks[-1]["choices"][0].get("token_ids") and len(chunks) == 2:
+                        assert sum(e.finished for e in pool.engines) == 1  # the first token, the engine holding
+                        for gate in gates:
+                            gate.set()
+        ids = [t for c in chunks for t in c["choices"][0].get("token_ids") or []]
+        assert ids == whole["message"]["generation_token_ids"] and len(chunks) >= 3
+        assert chunks[-1]["choices"][0]["delta"]["policy_epoch"] == whole["message"]["policy_epoch"]
 
 
 async def test_abort_on_one_front_end_and_a_client_gone_from_the_other_reach_the_engines():

@@ -239,3 +239,33 @@ async def test_every_engine_gone_is_503_on_every_route_and_every_request_after_i
         assert e.value.status_code == 503
         with anyio.fail_after(TIMEOUT), pytest.raises(EngineDeadError, match="every engine is dead"):
             await s.engine.submit(["x"], train=False).result()
+
+
+async def test_a_streaming_client_that_takes_no_chunk_is_cut_off_and_its_request_aborted(monkeypatch):
+    """Backpressure: a client whose socket takes nothing (here a `send` that never returns) holds
+    no growing buffer, and past `STALL_S` its stream ends and its run is aborted (`on_close`),
+    whether it stalled on the first chunk or a later one."""
+    from rollout.serve import server as server_module
+
+    monkeypatch.setattr(server_module, "STALL_S", 0.05)
+
+    async def body():
+        while True:
+            yield b"data: {}\n\n"
+
+    for stall_at in (0, 3):  # the response's start, or a chunk after some were taken
+        closed, sent = anyio.Event(), []
+
+        async def send(message):
+            if len(sent) >= stall_at:
+                await anyio.sleep_forever()
+            sent.append(message)
+
+        async def receive():
+            await anyio.sleep_forever()
+
+        with anyio.fail_after(30):
+            events = server_module.Events(body(), closed.set, media_type="text/event-stream")
+            await events({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+            await closed.wait()
+        assert len(sent) == stall_at

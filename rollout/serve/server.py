@@ -14,8 +14,8 @@ This is the HTTP half, which `serve.api_servers` runs in that many processes; wh
 Owns: the routes (FastAPI on uvicorn), overload (429 with `Retry-After` past
 `serve.max_concurrency` requests in flight in this process, never unbounded memory), client
 disconnects (abort the engine request), the error shape (`openai_api.ApiError`; whatever a request
-holds, an error of its own, never a 500 or a stopped server), `stream: true` (server-sent events in
-OpenAI's chunk format, sent when the turn ends). `seed`: a seeded request runs under one fixed
+holds, an error of its own, never a 500 or a stopped server), `stream: true` (server-sent events as
+the engine generates, `rollout.serve.sse`). `seed`: a seeded request runs under one fixed
 prompt id, so the same seed, request and weights give the same tokens (the per-request vLLM seed
 is derived from the seed and the prompt id).
 Does not own: the wire format (`rollout.serve.openai_api`), reading bodies off the loop, listening,
@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
+from starlette.responses import StreamingResponse
 
 from rollout.config import Config
 from rollout.episodes.chat import chat_parsers
@@ -56,6 +57,10 @@ log = get_logger(__name__)
 # closes first (uvicorn's own 5 s) races the client's next request on that connection, which then
 # gets a reset: agents retrying 429s every few seconds lost about 1 POST in 100 so.
 KEEP_ALIVE_S = 120
+# Seconds a streamed answer's client may take to accept a chunk (its socket's buffers full): past
+# it the request is aborted and logged. Memory does not grow meanwhile (a step's tokens wait for
+# the client, not a queue of chunks); the engine's room does.
+STALL_S = 60.0
 
 
 class Server:
@@ -280,8 +285,6 @@ class Server:
         engine generates, every engine step's new tokens in one chunk per choice however slowly
         the client reads (what waits for it is the tokens, never a queue of chunks). The client
         gone, or `/abort_requests` naming it, aborts the engine request."""
-        from starlette.responses import StreamingResponse
-
         self._fill(call)
         chunks = sse.Chunks(call, self.model, self.chat, self.parsers if is_chat else None, is_chat,
                             call.sampling.get("n", 1), call.usage)  # fmt: skip
@@ -333,9 +336,12 @@ class Server:
                 yield chunks.end(trajs)
             finally:
                 run.cancel()
-                self.inflight -= 1
 
-        return StreamingResponse(body(), media_type="text/event-stream")
+        def close() -> None:
+            run.cancel()
+            self.inflight -= 1
+
+        return Events(body(), close, media_type="text/event-stream")
 
     def _fill(self, call: api.Call) -> None:
         """A request's sampling as the engine runs it: what it leaves out, the server's, and
@@ -402,3 +408,30 @@ async def _first(*aws: asyncio.Future | asyncio.Event) -> None:
         for w, a in zip(waits, aws):
             if w is not a:
                 w.cancel()
+
+
+class Events(StreamingResponse):
+    """Server-sent events whose client must take each chunk within `STALL_S`, or the request is
+    aborted and logged. `on_close` runs once the response ends, however it ends (sent, the client
+    gone, cut off, never started): it aborts the engine request if it still runs."""
+
+    def __init__(self, content: Any, on_close: Callable[[], None], **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+    async def stream_response(self, send: Any) -> None:
+        async def bounded(message: Any) -> None:
+            with anyio.fail_after(STALL_S):
+                await send(message)
+
+        try:
+            await super().stream_response(bounded)
+        except TimeoutError:
+            log.warning(f"serve: a streaming client took no chunk for {STALL_S:.0f} s; its request is aborted")
+            await self.body_iterator.aclose()

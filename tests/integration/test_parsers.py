@@ -1,7 +1,7 @@
 """vLLM's tool-call and reasoning parsers by name through `rollout serve`, driven by the real `openai`
 client: hermes, llama3_json and qwen3_xml tool calls and qwen3 reasoning come back as vLLM's server
 returns them (`message.tool_calls`, finish reason "tool_calls", `reasoning` / `reasoning_content`),
-streamed too (`delta.tool_calls`, `delta.reasoning_content`).
+streamed too, a delta per engine step (`delta.tool_calls`, `delta.reasoning_content`).
 
 How the model is made to write each parser's format: a test-only vLLM logits processor
 (`tests/support/forced_output.py`, named in this module's engine config only) forces the text after
@@ -80,7 +80,12 @@ async def test_the_openai_client_gets_vllms_tool_calls_and_reasoning(engine, too
 
         chunks = [c async for c in await client.chat.completions.create(**request, stream=True)]
         deltas = [c.choices[0].delta for c in chunks if c.choices]
-        streamed = [(tc.function.name, json.loads(tc.function.arguments)) for d in deltas for tc in d.tool_calls or []]
+        merged: dict[int, list[str]] = {}  # a call's deltas by index: its name, then its arguments in pieces
+        for tc in (tc for d in deltas for tc in d.tool_calls or []):
+            name, args = merged.setdefault(tc.index, ["", ""])
+            merged[tc.index] = [name + (tc.function.name or ""), args + (tc.function.arguments or "")]
+        streamed = [(name, json.loads(args)) for name, args in (merged[k] for k in sorted(merged))]
+        assert len(deltas) > 2  # streamed as generated, not as one
         assert (
             streamed == calls and [c.choices[0].finish_reason for c in chunks if c.choices][-1] == choice.finish_reason
         )

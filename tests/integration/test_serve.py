@@ -6,6 +6,8 @@
   prompt extends the one before token for token.
 - An engine killed mid-request: the request still completes, on the other engine.
 - 512 concurrent chat requests: every one answered exactly once, the driver's memory bounded.
+- A seeded chat streamed and not: the same answer, the streamed one token by token; a client
+  that leaves mid-stream aborts its engine request.
 - A learner iterating `engine.groups()` with nothing fed collects the agents' rewarded episodes, one
   group each (a reward POST retried after its connection was reset too), and stops with serving.
 """
@@ -103,13 +105,12 @@ async def test_served_turns_match_the_oracle_across_updates_and_a_killed_engine(
                     "extra_body": {**EXTRA, "min_tokens": 8} if pilot else EXTRA,
                     **SAMPLING,
                 }
-                if c % 2:  # as agents that always stream: the message arrives as one delta
+                if c % 2:  # as agents that always stream: the text in deltas, the token fields in the last
                     chunks = [chunk async for chunk in await client.chat.completions.create(
                         model=server.model, messages=messages, stream=True, **kwargs)]  # fmt: skip
-                    m = chunks[0].choices[0].delta.model_dump()
-                    assert chunks[-1].choices[0].finish_reason and m["content"] == "".join(
-                        x.choices[0].delta.content or "" for x in chunks
-                    )
+                    assert chunks[-1].choices[0].finish_reason
+                    m = {**chunks[-1].choices[0].delta.model_dump(), "role": "assistant",
+                         "content": "".join(x.choices[0].delta.content or "" for x in chunks)}  # fmt: skip
                 else:
                     m = (
                         (await client.chat.completions.create(model=server.model, messages=messages, **kwargs))
@@ -249,6 +250,44 @@ async def test_seed_repeats_the_tokens_and_stop_strings_leave_the_text_as_vllms_
             )
             assert t.choices[0].text == choice.message.content and t.choices[0].finish_reason == "stop"
         assert stopped, "no turn ended by a stop string"
+
+
+async def test_a_seeded_request_streamed_is_the_same_answer_token_by_token_and_a_client_gone_aborts_it(served):
+    """The same seeded chat, streamed and not: the same text, token ids, logprobs and epochs, the
+    streamed one arriving in many chunks (the first before the last token is generated: it holds
+    fewer than all of them). A client that leaves mid-stream aborts its request in the engine."""
+    engine, server = served
+    async with connected(server) as client:
+        chat = {"model": server.model, "messages": [{"role": "user", "content": "stream me"}], "max_tokens": 48,
+                "temperature": 1.0, "seed": 5, "logprobs": True,
+                "extra_body": {"min_tokens": 48, "return_token_ids": True}}  # fmt: skip
+        whole = (await client.chat.completions.create(**chat)).choices[0]
+        chunks = [c async for c in await client.chat.completions.create(**chat, stream=True)]
+        deltas = [c.choices[0] for c in chunks if c.choices]
+        fields, ids = deltas[-1].delta.model_extra, whole.message.model_extra["generation_token_ids"]
+        for key in ("generation_token_ids", "generation_log_probs", "policy_epoch", "rollout"):
+            assert fields[key] == whole.message.model_extra[key], key
+        assert "".join(d.delta.content or "" for d in deltas) == whole.message.content
+        per_chunk = [d.model_extra.get("token_ids") or [] for d in deltas]
+        assert [t for p in per_chunk for t in p] == ids and len(ids) == 48
+        assert 0 < len(next(p for p in per_chunk if p)) < len(ids), per_chunk
+        assert [lp.logprob for d in deltas for lp in (d.logprobs.content if d.logprobs else [])] == fields[
+            "generation_log_probs"
+        ]
+
+    before = await engine.stats()
+    long = {"model": server.model, "messages": [{"role": "user", "content": "leave me"}], "max_tokens": 900,
+            "min_tokens": 900, "stream": True, "return_token_ids": True}  # fmt: skip
+    async with httpx.AsyncClient(base_url=server.url, timeout=600) as http:
+        async with http.stream("POST", "/v1/chat/completions", json=long) as r:
+            async for line in r.aiter_lines():
+                if '"token_ids"' in line:
+                    break  # generating: leave
+    with anyio.fail_after(120):  # the engine request ends long before its 900 tokens
+        while sum(s.running for s in await engine.stats()):
+            await anyio.sleep(0.1)
+    after = await engine.stats()
+    assert sum(a.requests_finished - b.requests_finished for a, b in zip(after, before)) == 0
 
 
 async def test_a_learner_iterates_rewarded_episodes_until_serving_stops(served):
