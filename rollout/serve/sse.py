@@ -32,34 +32,60 @@ log = get_logger(__name__)
 
 
 class Text:
-    """One choice's text as its tokens arrive: decoded incrementally, what the client may see yet."""
+    """One choice's text as its tokens arrive: decoded incrementally, what the client may see yet.
+    A stop string ends it where vLLM's detokenizer ends it: at the first one in the text the
+    tokens past `min_tokens` added (`check_stop_strings`), left out."""
 
-    __slots__ = ("chat", "ids", "hold", "stop_ids", "text", "sent", "prefix", "read")
+    __slots__ = ("chat", "ids", "stop", "hold", "stop_ids", "min_tokens", "text", "sent", "prefix", "read", "cut")
 
-    def __init__(self, chat: ChatRenderer | None, stop: list[str], stop_ids: list[int]):
-        self.chat, self.stop_ids = chat, set(stop_ids)
+    def __init__(self, chat: ChatRenderer | None, stop: list[str], stop_ids: list[int], min_tokens: int = 0):
+        self.chat, self.stop, self.stop_ids, self.min_tokens = chat, stop, set(stop_ids), min_tokens
         self.hold = max((len(s) for s in stop), default=1) - 1  # characters a stop string could still cut
         self.ids: list[int] = []
         self.text = ""  # decoded so far (a trailing stop token left out)
         self.sent = ""  # what the client has
         self.prefix = self.read = 0  # incremental decoding: ids[prefix:read] decode to the text's end
+        self.cut: int | None = None  # where a stop string ended the text
 
     def add(self, ids: list[int]) -> str:
         """New tokens; the text the client may now see."""
         if self.chat is None:
             return ""
-        self.ids.extend(ids)
-        end = len(self.ids) - (1 if self.ids and self.ids[-1] in self.stop_ids else 0)
+        for t in ids:
+            if self.cut is not None:
+                break
+            self._one(t)
+        if self.cut is not None:
+            shown = self.text[: self.cut]
+        else:
+            shown = self.text[: len(self.text) - self.hold] if self.hold else self.text
+        new = shown[len(self.sent) :]
+        self.sent += new
+        return new
+
+    def _one(self, token: int) -> None:
+        """One token, as vLLM's detokenizer takes it: decoded (a stop token's text once a token
+        follows it), then, past `min_tokens`, the text it added searched for the stop string that
+        completes first (the first listed on a tie)."""
+        assert self.chat is not None
+        self.ids.append(token)
+        end = len(self.ids) - (1 if token in self.stop_ids else 0)
+        grew = 0
         if end > self.read:
             before = self.chat.decode(self.ids[self.prefix : self.read])
             after = self.chat.decode(self.ids[self.prefix : end])
             if len(after) > len(before) and not after.endswith("\ufffd"):  # a whole character more
+                grew = len(after) - len(before)
                 self.text += after[len(before) :]
                 self.prefix, self.read = self.read, end
-        shown = self.text[: len(self.text) - self.hold] if self.hold else self.text
-        new = shown[len(self.sent) :]
-        self.sent += new
-        return new
+        if grew and self.stop and len(self.ids) > self.min_tokens:
+            best: tuple[int, int] | None = None  # (end, start) of the stop string completing first
+            for s in self.stop:
+                at = self.text.find(s, max(0, len(self.text) - grew - len(s) + 1))
+                if at >= 0 and (best is None or at + len(s) < best[0]):
+                    best = (at + len(s), at)
+            if best is not None:
+                self.cut = best[1]
 
     def rest(self, final: str) -> str:
         """The finished answer's text past what was sent."""
@@ -82,7 +108,7 @@ class Chunks:
         self.head = {"id": f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}",
                      "object": "chat.completion.chunk" if is_chat else "text_completion",
                      "created": int(time.time()), "model": model}  # fmt: skip
-        self.texts = [Text(chat, call.stop, call.stop_ids) for _ in range(n)]
+        self.texts = [Text(chat, call.stop, call.stop_ids, call.sampling.get("min_tokens", 0)) for _ in range(n)]
         self.seen = [0] * n  # tokens of each choice sent
         use = parsers is not None and call.parse is not None and chat is not None and is_chat
         self.parsers = [parsers.streamer(call.parse, call.prompt_ids) for _ in range(n)] if use else None
