@@ -7,13 +7,15 @@ per group were most of the driver's CPU (docs/guides/scaling.md). So groups trav
 own front end talks to its engine core: over zmq, msgpack frames. Each engine actor's `serve` call
 (`policies.group_calls`: a Ray call that lasts as long as the engine, so its failure is the
 engine's death) connects a DEALER socket, named by its handle's identity, to this ROUTER socket
-and says hello; from then on submits and cancels go down and finished samples come up as frames.
-Ray keeps what is not per group: start, progress reports, weight updates, stats, kill.
+and says hello; from then on submits and cancels go down and finished samples come up as frames
+(`rollout.wire`), and so do progress reports and the per-update calls. Ray keeps the rest: start,
+the `serve` call, stats, kill.
 An identity is 128 random bits handed to the engine through Ray: whoever else reaches the
 port (on a cluster it is the driver node's address) has every frame dropped and counted.
 
 Owns: the socket (bound on first use, in the running loop, read by a loop callback), and the handle
-each identity's frames go to. Does not own: what the frames mean (`actors.handle.RayEngine`).
+each identity's frames go to. Does not own: the frames (`rollout.wire`) or what they mean to the
+driver (`actors.handle.RayEngine`).
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from collections.abc import Callable
 
 import zmq
 
-from policies.group_calls import FrameSocket
 from rollout.log import get_logger
+from rollout.wire import FrameSocket
 
 log = get_logger(__name__)
 BACKLOG = 4096  # pending connections the socket holds (the kernel caps it at net.core.somaxconn)

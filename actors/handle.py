@@ -1,6 +1,6 @@
 """The driver's handle on one engine actor: `RayEngine`, the `rollout.scheduling.protocols.Engine` the scheduler
 runs groups on. Groups and their samples cross the zmq data path (`actors.channel`), and so do,
-once the engine is connected, progress reports and the per-update calls (`policies.group_calls.CALLS`,
+once the engine is connected, progress reports and the per-update calls (`rollout.wire.CALLS`,
 unless an argument is an ObjectRef); everything else (the `serve` call that lasts as long as the
 engine, stats, kill) is a Ray call, its errors translated into `rollout.errors`.
 """
@@ -21,12 +21,12 @@ import zmq
 from ray.exceptions import RayActorError, RayTaskError
 
 from actors.channel import Channel
-from policies.group_calls import ANSWER, CALL, CALLS, CANCEL, DELTAS, FAILED, HELLO, PROGRESS, RESULTS, SUBMIT
 from rollout import errors
 from rollout.errors import EngineDeadError, InvalidPromptError, RetryableError, RolloutError
 from rollout.log import get_logger
 from rollout.packed import encode
 from rollout.types import Delta, EngineStats, GroupResult, ProgressReport, Request, SpecCounters, Trajectory
+from rollout.wire import ANSWER, CALL, CALLS, CANCEL, DELTAS, FAILED, HELLO, PROGRESS, RESULTS, SUBMIT
 
 log = get_logger(__name__)
 

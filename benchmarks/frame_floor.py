@@ -2,7 +2,7 @@
 and nothing else, by how many samples one results frame carries.
 
 The receiver is the driver's own data path (`actors.channel.Channel`: the ROUTER socket, read by
-`policies.group_calls.FrameSocket`'s callback on an asyncio loop) with each frame decoded as
+`rollout.wire.FrameSocket`'s callback on an asyncio loop) with each frame decoded as
 `RayEngine` decodes it (`list[GroupResult]`, packed token ids and logprobs unpacked into their
 `Trajectory`s), and nothing else: no scheduling, no hand-out. A sender in a process of its own sends
 results frames of `--per-frame` samples each (`--prompt-len` prompt and `--tokens` generated tokens,
@@ -38,9 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors.channel import Channel  # noqa: E402
 from benchmarks.sim_measure import thread_cpu  # noqa: E402
-from policies.group_calls import RESULTS  # noqa: E402
 from rollout.packed import Logprobs, TokenIds, encode  # noqa: E402
 from rollout.types import GroupResult, Trajectory  # noqa: E402
+from rollout.wire import RESULTS  # noqa: E402
 
 
 class Options(msgspec.Struct, frozen=True):

@@ -10,7 +10,7 @@ import threading
 import zmq
 
 from actors.channel import Channel
-from policies.group_calls import RESULTS, FrameSocket
+from rollout.wire import RESULTS, FrameSocket
 
 
 async def test_frames_reach_the_handle_of_the_identity_that_sent_them():

@@ -3,7 +3,7 @@
 A Ray call costs each end ~0.3 ms of CPU; at 256 engines an update's two calls per engine held the
 driver's event loop ~60-170 ms at a time, and every group an engine finished meanwhile waited behind
 them (the simulator's finish-to-batch p99: 82 ms with an update every 5 s, 2.6 ms without). Once an
-engine is connected, `policies.group_calls.CALLS` go as a frame each way on its zmq socket; Ray
+engine is connected, `rollout.wire.CALLS` go as a frame each way on its zmq socket; Ray
 carries them before, and whatever msgpack does not carry as sent (an ObjectRef to the weights).
 
 Real `RayEngine` handles over real `VLLMPolicy` objects on the fake vLLM (`tests.support.wire`): the frames,
@@ -21,11 +21,11 @@ import anyio
 import msgspec
 import pytest
 
-from policies.group_calls import CALL
 from rollout.aio import fan_out
 from rollout.config import Config
 from rollout.errors import EngineDeadError, InvalidWeightsError, RetryableError
 from rollout.types import Request, Sampling
+from rollout.wire import CALL
 from tests.support.wire import WirePool
 
 TIMEOUT = 10  # seconds; reached only by a test about to fail (a hang)

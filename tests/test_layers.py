@@ -6,6 +6,8 @@ type-only arrow is still an arrow. The rules:
 - scheduling and hand-out never import serving, weights, benchmarks or the learner helpers;
 - only `rollout/engine.py` imports `actors` (among `rollout/` and `policies/`);
 - `policies/**` imports only the foundation of `rollout` (its leaf modules: types, config, ...);
+- the data path's protocol (every name `rollout/wire.py` defines) is imported from `rollout.wire`,
+  never from `policies/` (tests included);
 - no module imports another module's private (`_name`) name;
 - no circles between the parts of `rollout/` (a subpackage, or a module at its top, is one part);
 - no test module imports another test module: test helpers live in `tests/support/`.
@@ -25,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROJECT = ("rollout", "actors", "policies", "benchmarks")
 FOUNDATION = {
     f"rollout.{m}"
-    for m in ("aio", "batch", "config", "epochs", "errors", "log", "packed", "process", "torch_addons", "types")
+    for m in ("aio", "batch", "config", "epochs", "errors", "log", "packed", "process", "torch_addons", "types", "wire")
 }
 LOWER = ("rollout.scheduling", "rollout.handoff")
 ABOVE_THEM = ("rollout.serve", "rollout.weights", "rollout.bench.run", "rollout.learner", "benchmarks")
@@ -120,6 +122,30 @@ def test_policies_import_only_the_foundation_of_rollout():
     assert not found, broken(found)
 
 
+def defined(path: Path) -> set[str]:
+    """The names a module binds at its top: its classes, functions and assigned names."""
+    names: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+    return names
+
+
+WIRE = defined(ROOT / "rollout" / "wire.py")
+
+
+def test_the_wire_protocol_is_imported_from_rollout_wire_never_from_policies():
+    found = [
+        i
+        for i in [*(i for f in PROJECT for i in ALL[f]), *TESTS]
+        if under(i.module, "policies") and WIRE.intersection(i.names)
+    ]
+    assert not found, broken(found)
+
+
 def test_no_module_imports_another_modules_private_name():
     found = [
         i
@@ -181,6 +207,10 @@ def test_the_parts_of_rollout_import_each_other_without_circles():
         ),
         ("def f():\n    from actors.pool import RayEnginePool\n", test_only_the_engine_imports_actors),
         ("from rollout.engine import _private\n", test_no_module_imports_another_modules_private_name),
+        (
+            "from policies.group_calls import RESULTS, GroupCalls\n",
+            test_the_wire_protocol_is_imported_from_rollout_wire_never_from_policies,
+        ),
     ],
 )
 def test_each_rule_fails_on_a_planted_violation(source, rule, monkeypatch):

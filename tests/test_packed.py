@@ -11,10 +11,11 @@ import msgspec
 import pytest
 import torch
 
-from policies.group_calls import RESULTS, GroupCalls
+from policies.group_calls import GroupCalls
 from rollout.batch import Batch
 from rollout.packed import Logprobs, TokenIds, encode, json_hook, to_json, wire_hook
 from rollout.types import Group, GroupResult, ProgressReport, Prompt, Request, Sampling, Trajectory
+from rollout.wire import RESULTS
 
 
 def packed(prompt, tokens, epochs) -> Trajectory:

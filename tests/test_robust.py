@@ -14,12 +14,12 @@ import anyio
 import msgspec
 import pytest
 
-from policies.group_calls import RESULTS
 from rollout.aio import as_finished
 from rollout.config import Config, config_from_dict, load_config
 from rollout.engine import RolloutEngine
 from rollout.errors import InvalidConfigError, InvalidPromptError, RetryableError, RolloutError, WeightSyncError
 from rollout.types import Prompt, Request, Sampling
+from rollout.wire import RESULTS
 from tests.support.fakes import FakePool
 from tests.support.wire import WirePool
 

@@ -40,7 +40,6 @@ import anyio
 import msgspec
 import zmq
 
-from policies.group_calls import FrameSocket
 from rollout.errors import EngineClosedError, EngineDeadError, InvalidPromptError, RetryableError
 from rollout.log import get_logger
 from rollout.packed import encode
@@ -49,6 +48,7 @@ from rollout.serve.desk import Desk
 from rollout.serve.openai_api import ApiError
 from rollout.serve.server import Server
 from rollout.types import Trajectory
+from rollout.wire import FrameSocket
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
