@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.rounds import alternating
 from policies.shm import descendants
 from rollout.bench import run as bench
 from rollout.bench.progress import Progress
@@ -82,8 +83,8 @@ async def main() -> None:
         freeze_heap()
         mine = descendants(os.getpid()) | {os.getpid()}
         same: list = []
-        for r in range(2):
-            for side in ["engine", "raw"] if r % 2 == 0 else ["raw", "engine"]:
+        for r, order in alternating(2, ["engine", "raw"]):
+            for side in order:
                 await bench._reset_prefix_caches(engine)
                 b0, before, start = await bench._batch(engine), cpu_times(), time.time()
                 if side == "engine":

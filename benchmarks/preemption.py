@@ -26,6 +26,7 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.rounds import alternating  # noqa: E402
 from rollout.config import Config, load_config  # noqa: E402
 from rollout.engine import RolloutEngine  # noqa: E402
 from rollout.inputs.prompts import configured_prompts  # noqa: E402
@@ -99,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cfg = load_config(args.config, [*LONG_CONTEXT, f"engines.vllm={{kv_cache_gib: {args.kv_gib}}}", *args.override])
     runs = []
-    for r in range(args.rounds):
-        for setting in ("record", "avoid") if r % 2 == 0 else ("avoid", "record"):
+    for r, order in alternating(args.rounds, ("record", "avoid")):
+        for setting in order:
             runs.append(asyncio.run(one_run(cfg, setting)))
             print(
                 f"round {r + 1} {setting}: {runs[-1]['tokens_per_s']:.1f} tokens/s, {runs[-1]['preempted']} preempted",

@@ -38,6 +38,7 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.rounds import alternating  # noqa: E402
 from benchmarks.weight_plane import SIZES, build_model  # noqa: E402
 from policies.tiny import cache_root  # noqa: E402
 from rollout.config import load_config  # noqa: E402
@@ -98,9 +99,9 @@ async def run(
             await http()
             sides = {"http": http, "in_process": in_process, "paced": paced}
             table = []
-            for r in range(rounds):
+            for r, order in alternating(rounds, sides):
                 row: dict[str, Any] = {}
-                for name in list(sides) if r % 2 == 0 else list(sides)[::-1]:
+                for name in order:
                     for e in engine.pool.engines:  # type: ignore[union-attr]
                         await e.reset_prefix_cache()
                     if name == "paced":
