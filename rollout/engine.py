@@ -213,6 +213,11 @@ class RolloutEngine:
         """Whether any engine is in rotation (a server's `/health`)."""
         return any(load.healthy for load in self._live_scheduler().runner.loads)
 
+    @property
+    def restarting(self) -> bool:
+        """Whether any engine is being started again (after it died)."""
+        return any(load.restarting for load in self._live_scheduler().runner.loads)
+
     def feed(self, prompts: Prompt | str | Iterable[Any] | AsyncIterable[Any]) -> None:
         """Queue prompts for generation.
 

@@ -241,6 +241,28 @@ async def test_every_engine_gone_is_503_on_every_route_and_every_request_after_i
             await s.engine.submit(["x"], train=False).result()
 
 
+async def test_with_no_engine_in_rotation_and_one_restarting_a_request_is_503_at_once_with_retry_after():
+    """An agent framework or load balancer retries (the SDK honours Retry-After) instead of holding
+    a connection for an engine start; once the engine is back, requests are served again."""
+    pool = FakePool(1)
+    pool.restart_gate = anyio.Event()
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    async with served("engines.count=1", "engines.max_restarts=1", "engines.restart_backoff_s=0", pool=pool) as s:
+        pool.engines[0].dead = True
+        waiting = s.engine.submit(["x"], train=False)  # finds the engine dead; waits for its restart
+        with anyio.fail_after(TIMEOUT):
+            while s.engine.healthy or not s.engine.restarting:
+                await anyio.sleep(0.01)
+            for path, body in [("/v1/chat/completions", chat), ("/v1/completions", {"prompt": "x", "max_tokens": 2})]:
+                r = await s.http.post(path, json=body)
+                assert r.status_code == 503 and r.headers["retry-after"] == "10", r.text
+                assert "one is starting again" in r.json()["error"]["message"]
+        pool.restart_gate.set()
+        with anyio.fail_after(TIMEOUT):
+            assert (await waiting.result())[0].ok
+            assert (await s.http.post("/v1/chat/completions", json=chat)).status_code == 200
+
+
 async def test_a_streaming_client_that_takes_no_chunk_is_cut_off_and_its_request_aborted(monkeypatch):
     """Backpressure: a client whose socket takes nothing (here a `send` that never returns) holds
     no growing buffer, and past `STALL_S` its stream ends and its run is aborted (`on_close`),

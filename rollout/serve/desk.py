@@ -54,6 +54,7 @@ log = get_logger(__name__)
 MAX_KEPT = 65536  # sessions found by token ids, episodes collecting turns: the oldest forgotten first
 SEEDED = "http-seeded"  # the prompt id of every request with a `seed`: its vLLM seed depends on the seed alone
 RETRY_AFTER = {"Retry-After": "1"}  # seconds; the OpenAI SDK waits this long before its retry
+RESTART_RETRY_S = 10  # Retry-After while no engine is in rotation and one starts again
 P, T = ParamSpec("P"), TypeVar("T")
 
 
@@ -67,6 +68,8 @@ class ServedEngine(Protocol):
     def epoch(self) -> int: ...
     @property
     def healthy(self) -> bool: ...
+    @property
+    def restarting(self) -> bool: ...
     def submit(
         self, prompts: list[Prompt], *, train: bool = True,
         on_tokens: Callable[[int, int, int, list[int], list[float]], None] | None = None,
@@ -119,7 +122,11 @@ class Desk:
         Cancelled (the client gone), it aborts the engine request; `/abort_requests` naming `rid`
         (else its prompt id) answers 499. Raises InvalidPromptError for what the engine refused.
         `on_tokens(sample_index, position, token_ids, logprobs)`: streamed, each sample's new
-        tokens after every engine step (`RolloutEngine.submit`)."""
+        tokens after every engine step (`RolloutEngine.submit`). With no engine in rotation and
+        one starting again: 503 at once, with `Retry-After`."""
+        if not self.engine.healthy and self.engine.restarting:  # a client's retry does better than a wait
+            raise ApiError(503, "no engine in rotation: one is starting again; retry", kind="service_unavailable",
+                           headers={"Retry-After": str(RESTART_RETRY_S)})  # fmt: skip
         single = sampling.get("n", 1) == 1  # a session continues one conversation: n samples start none
         session = (session or self._session_of(prompt_ids, prefix)) if single else None
         pid = SEEDED if sampling.get("seed") is not None else f"http-{uuid.uuid4().hex[:12]}"

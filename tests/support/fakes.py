@@ -330,12 +330,15 @@ class FakePool:
         self.shared: list[object] = []
         self.restarts: list[int] = []
         self.fail_restart = False
+        self.restart_gate: anyio.Event | None = None  # when set to an unset event, restarts wait for it
 
     def share(self, payload: object) -> object:
         self.shared.append(payload)
         return payload
 
     async def restart(self, i: int) -> FakeEngine:
+        if self.restart_gate is not None:
+            await self.restart_gate.wait()
         if self.fail_restart:
             raise RuntimeError("engine failed to start")
         self.restarts.append(i)
