@@ -9,29 +9,48 @@ learner's queue (`Scheduler.complete`).
 What must wait runs as a task, then: what follows an engine ending it (its samples moving on from
 an engine that died, `Runner.carry_on`), a reward to score or the durable log to write. Nothing on
 the callback path may use anyio, which finds no task there (`anyio.get_cancelled_exc_class`,
-a task group's `start_soon` raise NoEventLoopError): `Scheduler.spawn` makes plain asyncio tasks.
+a task group's `start_soon` raise NoEventLoopError): `GroupSink.spawn` makes plain asyncio tasks.
 A group that needs a task throughout (an episode, a session's turn, a caller's submission, a
 request timeout) is not direct (`Scheduler._start`).
+Owns: one group's requests, samples and room from its start to its hand-in. Does not own: where it
+goes, what spawned tasks belong to, or stopping at exit (its `GroupSink`, the scheduler).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from rollout.errors import RolloutError
 from rollout.inputs.usercode import passes_through
-from rollout.scheduling.protocols import Engine
+from rollout.scheduling.runner import Runner
 from rollout.types import Prompt, Request, Sampling, Trajectory
 
-if TYPE_CHECKING:
-    from rollout.scheduling.scheduler import Scheduler
+
+class GroupSink(Protocol):
+    """What a direct group needs of the scheduler that started it (`Scheduler` is one)."""
+
+    runner: Runner  # its engine, the room it holds there, its samples moving on from a dead one
+    direct: set[Direct]  # the direct groups started and not over: stopped when the scheduler exits
+    on_trajectory: Callable[[Trajectory], None] | None  # each sample as it finishes
+
+    def spawn(self, fn: Callable[..., Awaitable[None]], *args: object) -> asyncio.Task:
+        """Run `fn(*args)` as a task, from a callback too; cancelled when the scheduler exits."""
+        ...
+
+    def complete(self, prompt: Prompt, trajectories: list[Trajectory], seq: int, train: bool) -> None:
+        """The group's last sample ended: hand it in."""
+        ...
+
+    def crash(self, error: BaseException, prompt: Prompt, seq: int, train: bool) -> None:
+        """The group failed for a reason of ours: hand it in failed, saying why."""
+        ...
 
 
 class Direct:
     __slots__ = (
-        "s",
+        "sink",
         "prompt",
         "sampling",
         "number",
@@ -49,7 +68,7 @@ class Direct:
 
     def __init__(
         self,
-        s: Scheduler,
+        sink: GroupSink,
         prompt: Prompt,
         sampling: Sampling,
         number: int,
@@ -58,7 +77,7 @@ class Direct:
         queued_at: float,
         train: bool,
     ):
-        self.s, self.prompt, self.sampling, self.number, self.seq = s, prompt, sampling, number, seq
+        self.sink, self.prompt, self.sampling, self.number, self.seq = sink, prompt, sampling, number, seq
         self.cost, self.queued_at, self.train, self.n = cost, queued_at, train, sampling.n
         self.engine = -1
         self.pending: dict[int, Request] = {}
@@ -74,11 +93,9 @@ class Direct:
             k: Request(f"r{self.number}-{k}", p.id, k, sampling, token_ids=p.token_ids, text=p.text)
             for k in range(self.n)
         }
-        self.s.direct.add(self)
+        self.sink.direct.add(self)
         try:
-            self.abort = start_group(
-                self.s.runner.engines[i], list(self.pending.values()), self.on_result, self.s.spawn
-            )
+            self.abort = self.sink.runner.engines[i].start_group(list(self.pending.values()), self.on_result)
         except BaseException as e:
             self.crash(e)
 
@@ -87,10 +104,10 @@ class Direct:
         if self.over:
             return
         if isinstance(item, BaseException):  # what follows (an engine out of rotation, its restart) runs in a task
-            self.s.spawn(self._end, item)
+            self.sink.spawn(self._end, item)
             return
         try:
-            release, i, cost = self.s.runner.release, self.engine, self.cost
+            release, i, cost = self.sink.runner.release, self.engine, self.cost
             for traj in item:
                 del self.pending[traj.sample_index]
                 release(i, 1, cost)  # per sample, before anything of ours can raise: a crash gives back the rest
@@ -105,8 +122,8 @@ class Direct:
     def finish(self, traj: Trajectory) -> None:
         traj.queued_at = self.queued_at
         self.done[traj.sample_index] = traj
-        if self.s.on_trajectory is not None:
-            self.s.on_trajectory(traj)
+        if self.sink.on_trajectory is not None:
+            self.sink.on_trajectory(traj)
 
     async def _end(self, error: BaseException) -> None:
         """Its engine ended it with samples unfinished: they move on if it died (`Runner.carry_on`),
@@ -114,7 +131,7 @@ class Direct:
         try:
             if not isinstance(error, RolloutError):  # a bug at the engine's edge (a fake's)
                 raise error
-            runner, i = self.s.runner, self.engine
+            runner, i = self.sink.runner, self.engine
             failure, moved = runner.failed_on(i, error)
             runner.release(i, len(self.pending), self.cost)
             self.abort, self.engine = None, -1  # its room there is given back: a crash below must not give it twice
@@ -127,44 +144,23 @@ class Direct:
 
     def _complete(self) -> None:
         self.over = True
-        self.s.direct.discard(self)
-        self.s.complete(self.prompt, [self.done[k] for k in range(self.n)], self.seq, self.train)
+        self.sink.direct.discard(self)
+        self.sink.complete(self.prompt, [self.done[k] for k in range(self.n)], self.seq, self.train)
 
     def crash(self, error: BaseException) -> None:
         """It fails with `error` as the reason (a bug of ours, or a callback that raised)."""
         if self.over:
             return
         self.over = True
-        self.s.direct.discard(self)
+        self.sink.direct.discard(self)
         if self.pending and self.engine >= 0:
             if self.abort is not None:
                 self.abort()
-            self.s.runner.release(self.engine, len(self.pending), self.cost)
-        self.s.spawn(self.s.crashed, error, self.prompt, self.seq, self.s.queue, self.train)
+            self.sink.runner.release(self.engine, len(self.pending), self.cost)
+        self.sink.crash(error, self.prompt, self.seq, self.train)
 
     def stop(self) -> None:
         """The scheduler stops: abort what still runs on the engine."""
         self.over = True
         if self.abort is not None:
             self.abort()
-
-
-def start_group(
-    engine: Engine, requests: list[Request], deliver: Callable[[Any], None], spawn: Callable[..., asyncio.Task]
-) -> Callable[[], None]:  # fmt: skip
-    """Run `requests` on `engine`, handing `deliver` each batch of finished trajectories, or what
-    ended the group (a RolloutError; anything else is a bug). Returns the call that aborts the rest.
-    Engines with `start_group` (`actors.handle.RayEngine`) do it without a task; any other
-    (a test's fake) is read through `generate_group` in a task."""
-    native = getattr(engine, "start_group", None)
-    if native is not None:
-        return native(requests, deliver)
-
-    async def read() -> None:
-        try:
-            async for traj in engine.generate_group(requests):
-                deliver([traj])
-        except Exception as e:
-            deliver(e)
-
-    return spawn(read).cancel

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
+from rollout.errors import RolloutError
 from rollout.types import Delta, EngineStats, Request, SpecCounters, Trajectory
 
 
@@ -23,9 +24,17 @@ class Engine(Protocol):
         Cancelling the iteration aborts the unfinished requests in the engine. A bad request
         yields a trajectory with finish_reason "error"; raises EngineDeadError. `on_delta` gets
         a streamed request's (`Request.stream`) new tokens as they are generated.
-        An engine may also have `start_group(requests, deliver) -> abort`, the same without a task
-        (`rollout.scheduling.direct.start_group`; `actors.handle.RayEngine` has it).
         """
+        ...
+
+    def start_group(
+        self, requests: list[Request], deliver: Callable[[list[Trajectory] | RolloutError], None]
+    ) -> Callable[[], None]:
+        """`generate_group` without a task (`rollout.scheduling.direct`, the learner's plain groups):
+        `deliver` gets each results frame's samples of the group as they finish, from a loop
+        callback, or the RolloutError that ends the group (EngineDeadError; a bad request is a
+        trajectory with finish_reason "error"). Returns the call that aborts what has not finished;
+        nothing is delivered after it."""
         ...
 
     async def stats(self) -> EngineStats: ...

@@ -286,6 +286,11 @@ class Scheduler:
             if dest is self.queue:
                 self.fail(EngineDeadError(f"{reason}; and it could not be handed in: {type(e).__name__}: {e}"))
 
+    def crash(self, error: BaseException, prompt: Prompt, seq: int, train: bool) -> None:
+        """A direct group of the learner's failed for a reason of ours (`Direct.crash`): into its
+        queue failed, with the reason, from a task (a callback cannot wait)."""
+        self.spawn(self.crashed, error, prompt, seq, self.queue, train)
+
     async def _reject(self, group: Group, seq: int, dest: Destination, train: bool) -> None:
         if train:
             self.admission.release()  # never trained on

@@ -13,6 +13,7 @@ the gate, one per token, and the rest after it, as an engine's steps would.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -132,6 +133,58 @@ class FakeEngine:
         runs = (self.generate(r, on_delta) if on_delta is not None else self.generate(r) for r in requests)
         async for traj in as_finished(runs):
             yield traj
+
+    def start_group(
+        self, requests: list[Request], deliver: Callable[[list[Trajectory] | Exception], None]
+    ) -> Callable[[], None]:
+        """Like the real engine's handle (`actors.handle.RayEngine.start_group`): the group's
+        requests run together, and `deliver` gets, from a loop callback (no task, as the data path's
+        reader calls it), the samples that finished in one turn of the loop together (one results
+        frame), then what ended the group if anything did (the rest are cancelled). Returns the
+        call that aborts what has not finished: nothing is delivered after it."""
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(self.generate(r)) for r in requests]
+        frame: list[Trajectory] = []
+        ended: list[Exception] = []  # what ended the group, once
+        over = False  # aborted, or its end delivered
+        looking = False  # a `flush` is on the loop
+
+        def abort() -> None:
+            nonlocal over
+            over = True
+            for t in tasks:
+                t.cancel()
+
+        def finished(task: asyncio.Task) -> None:
+            nonlocal looking
+            if over or ended or task.cancelled():
+                return
+            if (error := task.exception()) is not None:
+                ended.append(error)
+                for t in tasks:
+                    t.cancel()
+            else:
+                frame.append(task.result())
+            if not looking:
+                looking = True
+                loop.call_soon(flush)
+
+        def flush() -> None:
+            nonlocal looking, over
+            looking = False
+            if over:
+                return
+            if frame:
+                got = frame[:]
+                frame.clear()
+                deliver(got)
+            if ended and not over:
+                over = True
+                deliver(ended[0])
+
+        for t in tasks:
+            t.add_done_callback(finished)
+        return abort
 
     def _stream(self, request: Request, on_delta: Callable[[Delta], None], sent: int, end: int | None) -> int:
         """Send a streamed request's tokens from `sent` up to `end` (None: all), one delta each."""
