@@ -141,9 +141,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         """Starts the rendezvous (the trainer's store, this worker's pair group) in a thread and
         returns: each of its waits within `timeout_s` (the engine caps it:
         `rollout.weights.transfer`), all of it by the init's deadline. A failure leaves nothing
-        joined and is raised, naming the address and `timeout_s`, by the round's first call
-        that needs the group (`update_weights({"settle": true, "joined": true})` asks without
-        waiting). A previous init's rendezvous, pending or joined, is closed first."""
+        joined and is raised, naming the address and `timeout_s`, by the round's settle or finish
+        (`update_weights({"joined": true})` asks without waiting). A previous init's rendezvous,
+        pending or joined, is closed first."""
         self.shutdown()
         p, i = self.parallel_config, init_info
         self.rank = p.data_parallel_index * p.world_size + p.rank + i.rank_offset
@@ -239,14 +239,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             raise RuntimeError(f"{why}; the model is unchanged")
 
     def settle(self) -> None:
-        """Waits for every staged bucket. One that did not arrive, or a rendezvous still running
-        (the learner's bytes cannot have come: raised at once, the engine core not held), drops
-        the staging and the group (the learner inits again) and raises naming it; the model is
-        untouched either way."""
-        if self.join is not None and not self.join.done():
-            what = self.join.what
-            self.shutdown()
-            raise RuntimeError(f"{what}: the rendezvous is still running at settle; the model is unchanged")
+        """Waits for every staged bucket (and a rendezvous still running, within its init's
+        deadline: the learner's side may be joining while the engine's side settles). One that
+        did not arrive, or a rendezvous that failed, drops the staging and the group (the learner
+        inits again) and raises naming it; the model is untouched either way."""
         self._posted()
         if self.post_error is not None:
             why = self.post_error

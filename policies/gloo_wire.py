@@ -28,8 +28,8 @@ DEFAULT_BUCKET_BYTES = 64 << 20
 # update infos that move no bytes (`rollout.weights.transfer` sends them through vLLM's update_weights,
 # so vLLM ends its update session when they fail): wait for the staged bytes; drop them unloaded
 SETTLE, DISCARD = "settle", "discard"
-# an update info asking, without waiting, whether the worker's rendezvous failed (raises why; sent
-# with SETTLE, so an engine that raises ends vLLM's update as a settle does: `rollout.weights.transfer`)
+# an update info asking, without waiting, whether the worker's rendezvous failed (raises why, the
+# round dropped); a rendezvous still running answers nothing
 JOINED = "joined"
 
 

@@ -120,7 +120,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         """Starts the join (the learner's socket, the ring) in a thread and returns: its waits are
         bounded by `timeout_s` (the engine caps it: `rollout.weights.transfer`). A failure leaves
         nothing joined and is raised, naming the address and `timeout_s`, by the round's settle or
-        finish (`update_weights({"settle": true, "joined": true})` asks without waiting). A
+        finish (`update_weights({"joined": true})` asks without waiting). A
         previous init's join, pending or joined, is closed first."""
         self.shutdown()
         if isinstance(init_info, GlooInitInfo):
@@ -245,14 +245,9 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
             raise RuntimeError(f"{why}; the model is unchanged")
 
     def settle(self) -> None:
-        """Waits for the drain. A round whose bytes did not all arrive, or whose join is still
-        running (its bytes cannot have come: raised at once, the engine core not held), is dropped
-        (the socket closed: the learner inits again) and raises naming the chunk or the address;
-        the model is untouched."""
-        if self.join is not None and not self.join.done():
-            what = self.join.what
-            self.shutdown()
-            raise RuntimeError(f"{what}: the join is still running at settle; the model is unchanged")
+        """Waits for the drain (which waits for a join still running, within its init's deadline).
+        A round whose join failed or whose bytes did not all arrive is dropped (the socket closed:
+        the learner inits again) and raises naming the address or the chunk; the model is untouched."""
         if self.pending is not None:
             self.pending[0].join()
             if errors := self.pending[1]:

@@ -264,7 +264,7 @@ def test_an_init_naming_nothing_returns_at_once_and_the_rounds_first_call_names_
     """Nobody serves the learner's store. The worker's init, run on a thread standing for vLLM's
     engine core, returns while the rendezvous still runs, and the core runs its next call (a
     generation step) meanwhile. The round's calls return without waiting; once the rendezvous
-    gave up at its timeout_s, the round's first check (`{"settle": true, "joined": true}`)
+    gave up at its timeout_s, the round's check (`{"joined": true}`, as a settle would)
     raises naming where it looked, nothing joined; a correct learner's init then joins and its
     round loads."""
     import socket
@@ -292,7 +292,7 @@ def test_an_init_naming_nothing_returns_at_once_and_the_rounds_first_call_names_
     with pytest.raises(
         RuntimeError, match=rf"could not join the learner's group at 127.0.0.1:{port} within timeout_s=3: .*unchanged"
     ):
-        wk.update_weights({"settle": True, "joined": True})
+        wk.update_weights({"joined": True})
     assert wk.pg is None and wk.store is None and wk.info is None and wk.staged == []
     source = StateDictSource(weights(1))
     init = GlooTrainerInitInfo(world_size=3, rank=0, bucket_bytes=3000, timeout_s=30)

@@ -90,6 +90,8 @@ def test_the_trainer_sends_exact_bytes_to_every_worker_round_after_round():
     gc.collect()  # rings of earlier tests' workers, in garbage cycles, are unmapped first
     before = mapped({os.getpid()})
     trainer, client, source = setup()
+    for wk in client.workers:
+        wk.join.wait()  # each worker maps the ring in its join's thread, once handed the file
     assert (
         len(ring_mappings()) == 3 and mapped({os.getpid()}) == before
     )  # the learner's and each worker's mapping, no name
@@ -338,7 +340,7 @@ def test_an_init_whose_learner_never_answers_returns_at_once_and_the_round_names
     with pytest.raises(
         RuntimeError, match=r"could not join the learner at rollout-shm-test-silent within timeout_s=3: .*unchanged"
     ):
-        wk.update_weights({"settle": True, "joined": True})
+        wk.update_weights({"joined": True})
     assert wk.sock is None and wk.pending is None and wk.model.loaded == []
     listener.close()
     trainer, _, source = setup(client=client)

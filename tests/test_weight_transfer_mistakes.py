@@ -2,8 +2,8 @@
 model workers run the real gloo worker engine (real process groups over a real TCPStore, in this
 process). Each mistake costs the learner its round, never the engines: a round that leaves a
 tensor out or names one twice is refused before any engine changes; an init naming a rendezvous
-nobody serves is answered at once and costs the learner its next round, named at its first
-update_weights, its wait ending at `weight_sync.timeout_s` whatever the learner asked for;
+nobody serves is answered at once and costs the learner its next round, named at its finish,
+its wait ending at `weight_sync.timeout_s` whatever the learner asked for;
 bytes that never all arrive leave every engine on the previous epoch, in rotation."""
 
 from __future__ import annotations
@@ -94,9 +94,9 @@ async def test_a_round_that_leaves_a_tensor_out_or_sends_one_twice_is_refused_be
 async def test_an_init_naming_a_rendezvous_nobody_serves_costs_the_learner_its_round_not_the_engines(cfg):
     """The learner asks its workers to wait 300 s for a store nobody serves: init answers at once
     (each worker's rendezvous runs in a thread of its own, ending at weight_sync.timeout_s, not
-    the learner's 300 s); the learner's round then fails at its first update_weights, naming the
-    address and the cap, before any engine loads; no engine leaves rotation, and a correct
-    learner's init and round go on."""
+    the learner's 300 s); the learner's round then fails at its finish, naming the address and
+    the cap, no engine loading it; no engine leaves rotation, and a correct learner's init and
+    round go on."""
     pool = FakePool([StagingEngine(0), StagingEngine(1)])
     run = anyio.to_thread.run_sync
     with anyio.fail_after(TIMEOUT):
@@ -108,8 +108,9 @@ async def test_an_init_naming_a_rendezvous_nobody_serves_costs_the_learner_its_r
             info = {"names": list(STATE), "dtype_names": [str(v.dtype).removeprefix("torch.") for v in STATE.values()],
                     "shapes": [list(v.shape) for v in STATE.values()], "round": 1}  # fmt: skip
             await run(client.start_weight_update)
+            await run(client.update_weights, info)  # the engines take the round: no byte can come
             with pytest.raises(WeightSyncError) as e:
-                await run(client.update_weights, info)
+                await run(client.finish_weight_update)
             said = str(e.value)
             assert f"could not join the learner's group at 127.0.0.1:9 within timeout_s={BOUND}" in said, said
             assert f"capped at weight_sync.timeout_s={BOUND}" in said and "no engine loaded epoch 1" in said, said

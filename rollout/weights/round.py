@@ -30,7 +30,6 @@ class Round:
         self.closed = asyncio.Event()
         self.poke = asyncio.Event()
         self.busy = 0
-        self.asked = False  # its engines were asked whether their rendezvous failed (`WeightTransfer._joined`)
 
 
 def add_label(versions: dict[str, int], version: str, epoch: int) -> None:

@@ -17,10 +17,9 @@ CPU; vLLM's `nccl` / `ipc` on GPUs). What we add to vLLM's calls:
    once: the rendezvous with the learner runs in a thread of each worker, so an engine core
    never waits inside the call for a learner that is not there, and init's answer means "every
    engine took the info", not "every engine joined" (vLLM's `nccl` / `ipc` join inside the call).
-   The first round after it asks each engine whether its rendezvous failed, right after its
-   first `update_weights` reached the engines (`_joined`): one that failed calls the round off
-   (nothing loaded, every engine in rotation on the epoch before; the error names the address
-   and the cap); one still running by the learner's finish fails that round the same way. An
+   A rendezvous that failed costs the learner's next round: its finish (whose settle waits
+   for a rendezvous still running, within the init's deadline) calls it off, nothing loaded,
+   every engine in rotation on the epoch before; the error names the address and the cap. An
    engine that does not answer the init within twice `weight_sync.timeout_s` (plus a margin) is
    stuck inside the call: it leaves rotation and restarts. A failed init leaves no engine
    joined; the next init starts afresh, closing whatever rendezvous the last one left running.
@@ -76,7 +75,6 @@ from rollout.weights.update_checks import ONE_CALL_ROUND, capped_infos, check_up
 from rollout.weights.updates import LEARNER, WeightUpdates, describe, failures, model_workers
 
 SETTLE = "settle"  # the update info asking a staging backend's engine to wait for its bytes (`policies.weight_loading`)
-JOINED = "joined"  # with SETTLE: asks, without waiting, whether the engine's rendezvous failed (`policies.gloo_wire`)
 
 log = get_logger(__name__)
 
@@ -91,7 +89,7 @@ class WeightTransfer:
         self.round: Round | None = None
         self.versions: dict[str, int] = {}  # weight_version label -> epoch, the newest last (`_label`)
         self.capped = ""  # the last init's cap of the learner's timeout_s, said in the errors of its rendezvous
-        self.confirmed = False  # the engines' rendezvous with the learner is known to hold (`_joined`)
+        self.confirmed = False  # a round since the last init loaded: the engines' rendezvous held
 
     def world_size(self) -> int:
         """Model workers over every engine an update goes to (the learner's group adds itself)."""
@@ -187,25 +185,6 @@ class WeightTransfer:
         rnd.names |= set(names)
         with anyio.CancelScope(shield=True):  # engines load from here on: they end loaded or out of rotation
             await self._transfer(rnd, update_info)
-            if not self.confirmed and not rnd.asked:
-                rnd.asked = True
-                await self._joined(rnd)
-
-    async def _joined(self, rnd: Round) -> None:
-        """A staging backend's first round after an init (its rendezvous ran in the background): each
-        engine is asked, without waiting, whether its rendezvous failed (ending vLLM's update
-        there, as a settle finding bytes missing does). One that failed calls the round off,
-        every engine in rotation on the epoch before (WeightSyncError naming the address and cap)."""
-        live = [i for i in rnd.live if i not in rnd.bad]
-        engines = [e for i, e in zip(rnd.live, rnd.engines) if i in live]
-        got = await fan_out(e.call("transfer", {SETTLE: True, JOINED: True}) for e in engines)
-        for i, reason in failures(live, got).items():
-            rnd.bad[i] = reason
-            self.u.lost(i, reason)
-        if short := {i: r for i, r in zip(live, got) if isinstance(r, str)}:
-            said = await self._call_off(rnd, "the learner's rendezvous failed", skip=short)
-            raise WeightSyncError(f"epoch {rnd.epoch}: the rendezvous of init_weight_transfer_engine failed on "
-                                  f"{describe(short)}{self.capped}; {said}", sorted(short))  # fmt: skip
 
     async def _start_engines(self, rnd: Round) -> None:
         """Every engine starts vLLM's update (pausing first unless its backend stages the bytes:
