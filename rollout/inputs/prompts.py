@@ -29,6 +29,14 @@ class BadPrompt(msgspec.Struct, frozen=True):
     reason: str
 
 
+class Checked(msgspec.Struct, frozen=True):
+    """A prompt that passed `check_prompt` (`check_all`), with the sampling it runs with: the
+    scheduler runs it as it is, without checking it again."""
+
+    prompt: Prompt
+    sampling: Sampling
+
+
 class ModelLimits(msgspec.Struct, frozen=True):
     """What a prompt is checked against: the model's vocabulary and length, the largest group."""
 
@@ -109,21 +117,25 @@ def check_prompt(prompt: Prompt, sampling: Sampling, limits: ModelLimits) -> Non
         )
 
 
-def check_all(prompts: list[Any], base: Sampling, limits: ModelLimits) -> list[Prompt]:
-    """Every prompt coerced and checked against the model (`base`: the config's sampling); raises
-    InvalidPromptError naming each bad one, and admits none of them."""
+def check_all(prompts: list[Any], base: Sampling, limits: ModelLimits) -> list[Checked]:
+    """Every prompt coerced and checked against the model (`base`: the config's sampling), with
+    the sampling it runs with; raises InvalidPromptError naming each bad one, and admits none of them."""
     items = [coerce(p) for p in prompts]
-    problems = []
+    checked, problems = [], []
     for i, item in enumerate(items):
         try:
             if isinstance(item, BadPrompt):
                 raise InvalidPromptError(item.reason)
-            check_prompt(item, effective_sampling(base, item), limits)
+            if isinstance(item, Checked):  # checked already (a list fed again)
+                item = item.prompt
+            sampling = effective_sampling(base, item)
+            check_prompt(item, sampling, limits)
+            checked.append(Checked(item, sampling))
         except InvalidPromptError as e:
             problems.append(f"[{i}] {e}")
     if problems:
         raise InvalidPromptError(f"{len(problems)} of {len(items)} prompts rejected: " + "; ".join(problems))
-    return items  # type: ignore[return-value]
+    return checked
 
 
 def synthetic_prompts(cfg: PromptsConfig, vocab_size: int) -> list[Prompt]:
@@ -178,11 +190,11 @@ async def as_async(source: Iterable[Any] | AsyncIterable[Any]) -> AsyncIterator[
             yield item
 
 
-def coerce(item: Any) -> Prompt | BadPrompt:
+def coerce(item: Any) -> Prompt | BadPrompt | Checked:
     """Accept a Prompt, a list of token ids, a string, or a dict with Prompt fields. Types are
     checked here (a Prompt made in code too: its constructor checks none), text is checked to be
-    UTF-8 in `check_prompt`."""
-    if isinstance(item, BadPrompt):
+    UTF-8 in `check_prompt`. What `check_all` passed stays as it is."""
+    if isinstance(item, (BadPrompt, Checked)):
         return item
     if isinstance(item, Prompt):
         item = msgspec.structs.asdict(item)

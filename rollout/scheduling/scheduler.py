@@ -6,7 +6,8 @@ Owns the data path between the prompt sources and where groups go:
   2) for groups to train on, wait for the staleness budget (`staleness.max_lag`, see
      `staleness.Admission`); for the learner's, reserve a queue slot (a full queue stops admission);
   3) validate it against the model and its sampling values (a bad one becomes a failed group,
-     which gives its admission slot back);
+     which gives its admission slot back); a prompt from a list comes checked (`check_all`, when
+     it was fed or submitted), so each prompt is checked once;
   4) wait for room for the whole group on the engine with the least work waiting and in flight
      (`Runner.acquire`, `router.route`: another engine takes it only rather than run below a full
      batch). Each engine holds its running batch plus `engines.queued_per_engine` more waiting in
@@ -51,7 +52,7 @@ from rollout.errors import EngineDeadError, InvalidPromptError, RetryableError, 
 from rollout.handoff.durable import DurableLog
 from rollout.handoff.queue import Submission, TrajectoryQueue
 from rollout.handoff.staleness import Admission, trainable
-from rollout.inputs.prompts import BadPrompt, ModelLimits, check_prompt, coerce, effective_sampling
+from rollout.inputs.prompts import BadPrompt, Checked, ModelLimits, check_prompt, coerce, effective_sampling
 from rollout.inputs.rewards import RewardFn, score
 from rollout.inputs.usercode import passes_through
 from rollout.log import get_logger
@@ -222,7 +223,7 @@ class Scheduler:
     # -- one group ---------------------------------------------------------------------------
 
     async def _admit(
-        self, item: Prompt | BadPrompt, tg: TaskGroup, dest: Destination, train: bool, index: int = 0
+        self, item: Prompt | BadPrompt | Checked, tg: TaskGroup, dest: Destination, train: bool, index: int = 0
     ) -> bool:
         """Start one prompt's group in `tg`. False when no engine is left to run it."""
         if train:
@@ -237,23 +238,27 @@ class Scheduler:
         try:
             return await self._start(item, tg, dest, train, seq, self._numbers)
         except Exception as e:  # a bug must not leave `seq` waiting forever: this group fails, the rest goes on
-            await self.crashed(e, item, seq, dest, train)
+            await self.crashed(e, item.prompt if isinstance(item, Checked) else item, seq, dest, train)
             return True
 
     async def _start(
-        self, item: Prompt | BadPrompt, tg: TaskGroup, dest: Destination, train: bool, seq: int, number: int
+        self, item: Prompt | BadPrompt | Checked, tg: TaskGroup, dest: Destination, train: bool, seq: int, number: int
     ) -> bool:
         queued_at = time.time()
         if isinstance(item, BadPrompt):
             await self._reject(Group(prompt_id=item.id, prompt=Prompt(id=item.id), error=item.reason), seq, dest, train)
             return True
-        prompt = item if item.id else msgspec.structs.replace(item, id=f"p{number}")
-        try:
-            sampling = effective_sampling(self.cfg.sampling, prompt)
-            check_prompt(prompt, sampling, self.limits)
-        except InvalidPromptError as e:
-            await self._reject(Group(prompt_id=prompt.id, prompt=prompt, error=str(e)), seq, dest, train)
-            return True
+        # A listed prompt was checked when it was fed or submitted (`check_all`); one read lazily is checked now.
+        prompt, sampling = (item.prompt, item.sampling) if isinstance(item, Checked) else (item, None)
+        if not prompt.id:
+            prompt = msgspec.structs.replace(prompt, id=f"p{number}")
+        if sampling is None:
+            try:
+                sampling = effective_sampling(self.cfg.sampling, prompt)
+                check_prompt(prompt, sampling, self.limits)
+            except InvalidPromptError as e:
+                await self._reject(Group(prompt_id=prompt.id, prompt=prompt, error=str(e)), seq, dest, train)
+                return True
         cost = len(prompt.token_ids or prompt.text or "") + sampling.max_tokens
         if self._direct and dest is self.queue and prompt.session is None:
             self.lobby.add(Direct(self, prompt, sampling, number, seq, cost, queued_at, train), sampling.max_tokens)
