@@ -229,7 +229,6 @@ def circles(edges: dict[str, set[str]]) -> list[tuple[str, ...]]:
 
 # Module circles not untied yet, each a type-only arrow back: remove a line once its circle is gone.
 KNOWN_CIRCLES = {
-    ("rollout.serve.rl_routes", "rollout.serve.server"),  # rl_routes is handed the whole server
     ("rollout.weights.sync_client", "rollout.weights.transfer"),  # the client is handed the whole transfer
 }
 

@@ -29,16 +29,13 @@ key's check (`rollout.serve.io.ApiKey`), pausing vLLM (`policies.vllm_policy`).
 # No `from __future__ import annotations`: FastAPI reads the endpoints' annotations.
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import msgspec
 
 from rollout.serve import io
 from rollout.serve import openai_api as api
 from rollout.serve.desk import rl_error
-
-if TYPE_CHECKING:
-    from rollout.serve.server import Server
 
 PAUSE_MODES = ("abort", "wait", "keep")
 TRUE, FALSE = ("true", "1", "yes", "on", "t", "y"), ("false", "0", "no", "off", "f", "n")
@@ -70,11 +67,12 @@ class AbortBody(msgspec.Struct):
     request_ids: list[str] | None = None
 
 
-def add_rl_routes(app: Any, server: "Server") -> None:
-    """vLLM's RL routes on `app`, over `server.desk`."""
+def add_rl_routes(app: Any, desk: Any, max_body_bytes: int) -> None:
+    """vLLM's RL routes on `app`, over `desk` (a `rollout.serve.desk.Desk` or a front end's
+    `RemoteDesk`); bodies up to `max_body_bytes`."""
     from fastapi import Request
 
-    routes = RLRoutes(server)
+    routes = RLRoutes(desk, max_body_bytes)
 
     def route(method: str, path: str, work: Callable[[Request], Awaitable[dict[str, Any]]]) -> None:
         async def endpoint(request: Request) -> Any:
@@ -100,8 +98,8 @@ class RLRoutes:
     """The routes: each reads its request and calls the desk (`rollout.serve.desk.Desk`: the work,
     on the engine's loop), which returns vLLM's response body (our additions: `epoch`)."""
 
-    def __init__(self, server: "Server"):
-        self.server, self.desk = server, server.desk
+    def __init__(self, desk: Any, max_body_bytes: int):
+        self.desk, self.max_body_bytes = desk, max_body_bytes
 
     async def answer(self, request: Any, work: Callable[[Any], Awaitable[dict[str, Any]]]) -> Any:
         started, status = time.perf_counter(), 200
@@ -115,7 +113,7 @@ class RLRoutes:
             status = error.status
             return io.error(error)
         finally:
-            self.server.desk.record(request.url.path, status, time.perf_counter() - started)
+            self.desk.record(request.url.path, status, time.perf_counter() - started)
 
     async def pause(self, request: Any) -> dict[str, Any]:
         """vLLM's /pause: every live engine's vLLM stays paused until /resume (`clear_cache`, deprecated
@@ -171,7 +169,7 @@ class RLRoutes:
 
     async def _body(self, request: Any, kind: type) -> Any:
         """The body as `kind` (an empty body: its defaults). Raises ApiError(400) naming the field."""
-        body = await io.read_body(request, self.server.cfg.max_body_bytes)
+        body = await io.read_body(request, self.max_body_bytes)
         data = io.decode(body) if body.strip() else {}
         try:
             return msgspec.convert(data, kind)

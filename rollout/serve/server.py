@@ -221,7 +221,8 @@ class Server:
         async def metrics() -> Any:
             return PlainTextResponse(await self.desk.metrics(), media_type="text/plain; version=0.0.4")
 
-        add_rl_routes(app, self)  # vLLM's /pause, /resume, weight-transfer routes, ... (`rollout.serve.rl_routes`)
+        # vLLM's /pause, /resume, weight-transfer routes, ... (`rollout.serve.rl_routes`)
+        add_rl_routes(app, self.desk, self.cfg.max_body_bytes)
 
         @app.exception_handler(404)
         async def not_found(request: Request, exc: Any) -> Response:
