@@ -13,7 +13,8 @@ unmodified, between vLLM's `/pause` and `/resume`.
 - `/is_paused`, `/weight_info`, `/get_world_size` and the round's calls answer with vLLM's
   response bodies (`vllm/entrypoints/rl/online/api_router.py`); ours add `epoch`.
 - A learner's mistakes cost its call, never the engines: an init naming a rendezvous nobody
-  serves ends on the engines' own bound (`weight_sync.timeout_s`), a round that leaves
+  serves is answered at once and the engines keep generating while their rendezvous runs (its
+  failure costs the learner its next round, named with the address), a round that leaves
   `lm_head.weight` out is refused at its update call before any engine stages a byte, a learner
   SIGKILLed mid-transfer costs its round (called off, every engine on the epoch before); chats
   are answered meanwhile, no engine restarts, and a correct learner's round goes on.
@@ -191,20 +192,38 @@ async def a_correct_round(engine: RolloutEngine, server: Any, seed: int) -> None
     await anyio.to_thread.run_sync(t.shutdown)
 
 
-async def test_an_init_naming_a_rendezvous_nobody_serves_ends_on_the_engines_bound(served):
-    """vLLM's init waits inside each engine core: capped at weight_sync.timeout_s (the learner's 300 s
-    default says so in the error), the cores are free again, the chat sent meanwhile is answered,
-    no engine restarts, and a correct learner's init and round succeed."""
+def full_round(model_path: str) -> dict:
+    """The update info of a round naming every tensor of the model, as vLLM's trainer sends it."""
+    base = load_file(f"{model_path}/model.safetensors")
+    return {"names": list(base), "dtype_names": [str(v.dtype).removeprefix("torch.") for v in base.values()],
+            "shapes": [list(v.shape) for v in base.values()]}  # fmt: skip
+
+
+async def test_an_init_naming_a_rendezvous_nobody_serves_leaves_the_engines_generating(served):
+    """vLLM's init runs inside each engine core: ours answers at once (200: the engines took the
+    info, before their rendezvous is known), each worker's rendezvous running in a thread of its
+    own, and the chat sent with it is answered. The learner's next round fails at its finish
+    (whose settle waits for the rendezvous, within weight_sync.timeout_s), naming the address
+    and the cap, with no engine loading, every engine in rotation on the epoch before; no
+    engine restarts, and a correct learner's init and round succeed."""
     engine, server = served
     runner = engine._scheduler.runner
-    before = list(runner.engines)
+    before, s = list(runner.engines), engine.epoch
     async with client(server) as (http, tasks):
-        bad = asyncio.ensure_future(http.post("/init_weight_transfer_engine", json={"init_info": NOWHERE}))
-        meanwhile = asyncio.ensure_future(chat(http, server.model, "sent during the bad init", GREEDY))
+        post = lambda path, **kw: within(f"POST {path}", http.post(path, **kw))  # noqa: E731
+        bad = asyncio.ensure_future(post("/init_weight_transfer_engine", json={"init_info": NOWHERE}))
+        meanwhile = asyncio.ensure_future(chat(http, server.model, "sent with the bad init", GREEDY))
         tasks += [bad, meanwhile]
-        r = await within("the init naming nothing", bad)
-        assert r.status_code == 500 and "capped at weight_sync.timeout_s=20" in r.text, r.text
-        assert (await within("the chat sent meanwhile", meanwhile))["generation_token_ids"]
+        r = await bad
+        assert r.status_code == 200, r.text  # answered before the rendezvous is known
+        assert (await within("the chat sent with the bad init", meanwhile))["generation_token_ids"]
+        assert (await post("/start_weight_update")).status_code == 200
+        r = await post("/update_weights", json={"update_info": full_round(engine.model_path)})
+        assert r.status_code == 200, r.text  # the engines take the round: no byte can come
+        r = await post("/finish_weight_update")
+        assert r.status_code >= 400 and "could not join the learner's group at 127.0.0.1:9" in r.text, r.text
+        assert "capped at weight_sync.timeout_s=20" in r.text and f"every engine serves epoch {s}" in r.text, r.text
+        assert engine.epoch == s and all(load.healthy for load in runner.loads)
         assert (await chat(http, server.model, "after the bad init", GREEDY))["generation_token_ids"]
         await a_correct_round(engine, server, seed=60)
         assert all(a is b for a, b in zip(runner.engines, before)), "an engine restarted"
