@@ -257,7 +257,7 @@ class RolloutGeneration:
     def init_collective(self, ip: str, port: int, world_size: int, *, train_world_size: int) -> list[Any]:
         """Every engine joins the trainer's transfer group (vLLM's `init_weight_transfer_engine`,
         `rollout.weights.transfer`): the trainer's `train_world_size` ranks come first (on CPU each runs
-        `policies.gloo_transfer.GlooCollective(ip, port, world_size, rank=r, train_world_size=...)`,
+        `rollout.weights.trainer.GlooCollective(ip, port, world_size, rank=r, train_world_size=...)`,
         rank 0 hosting the store), the engines' model workers after them. Blocks until the group
         is formed; returns [] (NeMo RL `ray.get`s it with the trainer's futures). Raises
         WeightSyncError when `world_size` is not `train_world_size` + the engines' model workers."""

@@ -6,6 +6,8 @@ type-only arrow is still an arrow. The rules:
 - scheduling and hand-out never import serving, weights, benchmarks or the learner helpers;
 - only `rollout/engine.py` imports `actors` (among `rollout/` and `policies/`);
 - `policies/**` imports only the foundation of `rollout` (its leaf modules: types, config, ...);
+- in `rollout/`, only `rollout/weights/trainer.py` (the learner's public half of weight transfer)
+  names vLLM's weight-transfer classes or ours;
 - the data path's protocol (every name `rollout/wire.py` defines) is imported from `rollout.wire`,
   never from `policies/` (tests included);
 - no module imports another module's private (`_name`) name;
@@ -96,6 +98,17 @@ ALL = {folder: [i for f in files(folder) for i in imports(f)] for folder in PROJ
 
 def broken(found: list[Import]) -> str:
     return "\n".join(map(str, found))
+
+
+# The learner's half of weight transfer: vLLM's classes and ours, named in `rollout/` by one module.
+TRANSFER = ("vllm.distributed.weight_transfer", "policies.gloo_transfer", "policies.gloo_wire",
+            "policies.shm_transfer", "policies.shm_wire", "policies.shm_trainer", "policies.transfer_join")  # fmt: skip
+LEARNER_SIDE = "rollout/weights/trainer.py"
+
+
+def test_only_the_public_learner_module_names_the_weight_transfer_classes_in_rollout():
+    found = [i for i in ALL["rollout"] if under(i.module, *TRANSFER) and i.path != LEARNER_SIDE]
+    assert not found, broken(found)
 
 
 def test_rollout_never_imports_ray_or_vllm_at_module_level():
@@ -264,6 +277,10 @@ def test_the_modules_of_rollout_import_each_other_without_circles():
             "from policies.group_calls import RESULTS, GroupCalls\n",
             test_the_wire_protocol_is_imported_from_rollout_wire_never_from_policies,
         ),
+        (
+            "def f():\n    from policies.gloo_transfer import StateDictSource\n",
+            test_only_the_public_learner_module_names_the_weight_transfer_classes_in_rollout,
+        ),
     ],
 )
 def test_each_rule_fails_on_a_planted_violation(source, rule, monkeypatch):
@@ -309,3 +326,17 @@ def test_a_planted_circle_is_found(monkeypatch):
     )
     with pytest.raises(AssertionError, match="a circle: .*rollout.handoff"):
         test_the_parts_of_rollout_import_each_other_without_circles()
+
+
+def test_the_public_learner_module_hands_out_the_engine_sides_own_classes():
+    """`rollout.weights.trainer` re-exports, it does not copy: each name is the class the engines'
+    workers and vLLM's factories know, imported on first use."""
+    import importlib
+
+    trainer = importlib.import_module("rollout.weights.trainer")
+    for name in trainer.__all__:
+        home = importlib.import_module(trainer._HOME[name])
+        assert getattr(trainer, name) is getattr(home, name), name
+    assert sorted(trainer._HOME) == trainer.__all__
+    with pytest.raises(AttributeError, match="no attribute 'GlooWeightTransferEngine'"):
+        trainer.GlooWeightTransferEngine  # noqa: B018  (the engine's half is not the learner's)

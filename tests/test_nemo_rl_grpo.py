@@ -67,7 +67,7 @@ def test_refit_through_vllms_transfer_calls_as_grpo_makes_them(generation_cfg):
     backend's `GlooCollective`; the fake engines' workers run the real gloo worker engine."""
     import socket
 
-    from policies.gloo_transfer import GlooCollective
+    from rollout.weights.trainer import GlooCollective
 
     new = {k: v + 1 for k, v in WEIGHTS.items()}
     info = {k: (tuple(v.shape), v.dtype) for k, v in new.items()}

@@ -210,8 +210,7 @@ async def vllm_trainer_update(
     or shm) + our client."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from policies.gloo_transfer import GlooTrainerInitInfo, StateDictSource
-    from policies.shm_transfer import ShmTrainerInitInfo
+    from rollout.weights.trainer import GlooTrainerInitInfo, ShmTrainerInitInfo, StateDictSource
 
     client, source = engine.weight_sync_client(), StateDictSource(weights)
     info = {"gloo": GlooTrainerInitInfo, "shm": ShmTrainerInitInfo}[backend]

@@ -13,9 +13,9 @@ import msgspec
 import torch
 from safetensors.torch import save_file
 
-from policies.gloo_transfer import GlooTrainerInitInfo, StateDictSource
 from rollout.config import Config, load_config
 from rollout.engine import RolloutEngine
+from rollout.weights.trainer import GlooTrainerInitInfo, StateDictSource
 from tests.support.fakes import FakePool
 
 TIMEOUT = 30  # seconds; only reached when a test is about to fail

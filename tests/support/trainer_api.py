@@ -12,8 +12,8 @@ import msgspec
 import torch
 from safetensors.torch import save_file
 
-from policies.gloo_transfer import GlooTrainerInitInfo, StateDictSource
 from rollout.config import Config, load_config
+from rollout.weights.trainer import GlooTrainerInitInfo, StateDictSource
 
 STATE = {
     "embed.weight": torch.randn(40, 30),
