@@ -40,10 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.rounds import alternating  # noqa: E402
 from benchmarks.weight_plane import SIZES, build_model  # noqa: E402
-from policies.tiny import cache_root  # noqa: E402
 from rollout.config import load_config  # noqa: E402
 from rollout.engine import RolloutEngine  # noqa: E402
 from rollout.process import freeze_heap  # noqa: E402
+from rollout.tiny import cache_root  # noqa: E402
 from rollout.types import Prompt  # noqa: E402
 
 
@@ -153,7 +153,7 @@ def _sim_pool(cfg: Any, engines: int, max_tokens: int) -> Any:
     from actors.cluster import connect
     from benchmarks.sim_engine import SimSpec
     from benchmarks.sim_pool import SimPool
-    from policies.tiny import resolve_model_path
+    from rollout.tiny import resolve_model_path
 
     connect(cfg)
     vocab = json.loads((resolve_model_path(cfg.model.path, cfg.model.seed) / "config.json").read_text())["vocab_size"]

@@ -276,8 +276,8 @@ def server_command(name: str, cfg: Any, config: str, overrides: list[str], port:
         exe = Path(sys.executable).with_name("rollout")
         cmd = [str(exe), "serve", config, "--port", str(port), "-o", "engines.count=1"]
         return cmd + [a for o in overrides for a in ("-o", o)], dict(os.environ)
-    from policies.tiny import resolve_model_path
     from policies.vllm_args import engine_args, engine_env
+    from rollout.tiny import resolve_model_path
 
     args = engine_args(cfg, str(resolve_model_path(cfg.model.path, cfg.model.seed)))
     env = {**os.environ, **engine_env(0, cfg.engines.cpus_per_engine, cfg.engines.gpus_per_engine)}

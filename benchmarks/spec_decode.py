@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     overrides = ["logging.level=warning", *args.override]
     if args.medium:
-        from policies.tiny import TinySpec, build_tiny
+        from rollout.tiny import TinySpec, build_tiny
 
         overrides.append(f"model.path={build_tiny(TinySpec(**MEDIUM))}")
     cfg = load_config(args.config, overrides)

@@ -1,4 +1,4 @@
-"""What the value check of a weights directory costs (`policies.weights.check_directory`).
+"""What the value check of a weights directory costs (`rollout.tensors.check_directory`).
 
 `update_weights(directory)` reads every tensor of the directory's safetensors files, one at a
 time, and checks it for NaN/inf before any engine loads it. This measures, on a warm page cache
@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from policies.tiny import resolve_model_path
-from policies.weights import check_directory, read_manifest
+from rollout.tensors import check_directory, read_manifest
+from rollout.tiny import resolve_model_path
 
 
 def best_ms(fn, repeat: int) -> float:

@@ -61,7 +61,7 @@ def build_model(size: str, root: Path) -> Path:
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from policies.tiny import TinySpec, build_tiny
+    from rollout.tiny import TinySpec, build_tiny
 
     out = root / f"bench-llama-{size}"
     if (out / "DONE").exists():

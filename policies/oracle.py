@@ -282,7 +282,7 @@ def compare(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI: replay a JSONL of trajectories, print the report as JSON; exit 0 when all agree."""
-    from policies.tiny import resolve_model_path
+    from rollout.tiny import resolve_model_path
 
     parser = argparse.ArgumentParser(prog="python -m policies.oracle", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="'tiny' or an HF model directory (its config.json)")

@@ -15,7 +15,7 @@ A staging round is settled (`transfer({"settle": true})`: every byte arrived, or
 them and serves its weights as before) before its finish pauses; called off (`finish_transfer`
 with `loaded=False`), it is dropped unloaded. An engine that fails to load stays paused and
 refuses work, so it never serves torn weights.
-Does not own: checking weights (`policies.weights`, `rollout.weights.transfer`), moving bytes
+Does not own: checking weights (`rollout.tensors`, `rollout.weights.transfer`), moving bytes
 (vLLM's weight-transfer engines, `policies.gloo_transfer`), vLLM's internals (`policies.vllm_adapter`).
 """
 
@@ -29,7 +29,8 @@ from typing import Any
 
 from policies.gloo_transfer import DISCARD, SETTLE
 from policies.shm import staging_dir
-from policies.weights import Packed
+from rollout.tensors import Packed
+from rollout.transfer_backend import stages
 
 
 class WeightLoading:
@@ -53,7 +54,7 @@ class WeightLoading:
         if isinstance(weights, str):
             self._staged[epoch] = (weights, False)
             return 0
-        from policies.weights import save_dir, unpack
+        from rollout.tensors import save_dir, unpack
 
         d = staging_dir(self.engine_id)
         self._staged[epoch] = (d, True)
@@ -253,21 +254,3 @@ class WeightLoading:
         self.epoch = epoch
         await self._vllm.resume()
         return t1, t2, recomputed
-
-
-def transfer_backend(cfg: Any) -> str:
-    """The engines' vLLM weight-transfer backend: `engines.vllm.weight_transfer_config`'s, else
-    `nccl` on GPUs and ours, `gloo`, on CPU (`policies.vllm_args`)."""
-    from policies.gloo_transfer import BACKEND
-
-    conf = cfg.engines.vllm.get("weight_transfer_config") or {}
-    backend = conf.get("backend") if isinstance(conf, dict) else getattr(conf, "backend", None)
-    return backend or ("nccl" if cfg.engines.gpus_per_engine else BACKEND)
-
-
-def stages(cfg: Any) -> bool:
-    """Whether the engines' backend stages the bytes before the load: ours, `gloo` and `shm`."""
-    return transfer_backend(cfg) in STAGING
-
-
-STAGING = ("gloo", "shm")  # backends of ours: bytes staged until finish, waits bounded by their init's timeout_s

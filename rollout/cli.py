@@ -229,11 +229,11 @@ class _Writer:
 def _validate(cfg: Config, args: argparse.Namespace) -> int:
     """Everything that can be checked without starting an engine: the config, the prompts file, the
     model and vLLM's view of the engine args, the reward function and the environment (imported)."""
-    from policies.tiny import resolve_model_path
-    from policies.vllm_args import checked_engine_args
+    from rollout.engine import check_engine_args
     from rollout.episodes.env import load_env
     from rollout.inputs.prompts import ModelLimits, sampling_problem
     from rollout.inputs.rewards import load_reward
+    from rollout.tiny import resolve_model_path
 
     if cfg.prompts.source == "jsonl" and not Path(cfg.prompts.path or "").is_file():
         raise InvalidConfigError(f"prompts.path: no such file {cfg.prompts.path!r}")
@@ -243,7 +243,7 @@ def _validate(cfg: Config, args: argparse.Namespace) -> int:
     limits = ModelLimits.from_model_dir(model_path, cfg.model.max_model_len, cfg.engines.max_inflight_per_engine)
     if (bad := sampling_problem(cfg.sampling, limits.vocab_size)) is not None:
         raise InvalidConfigError(f"sampling.{bad}")
-    checked_engine_args(cfg, model_path)
+    check_engine_args(cfg, model_path)
     print(dump_config(cfg), end="")
     print(f"{args.config}: ok")
     return 0

@@ -210,7 +210,7 @@ class ServeConfig(Struct, frozen=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         if self.tool_parser not in (None, "none", "hermes") or self.reasoning_parser not in (None, "none"):
-            from policies.parsers import check_names  # imports vLLM: only for a name not known here
+            from rollout.parsers import check_names  # imports vLLM: only for a name not known here
 
             check_names(self.tool_parser, self.reasoning_parser)
 

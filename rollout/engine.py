@@ -38,6 +38,7 @@ from rollout.metrics.figures import Collector, EngineMetrics, MetricsWindow, Pro
 from rollout.process import catch_sigterm, restore_sigterm
 from rollout.scheduling.protocols import EnginePool
 from rollout.scheduling.scheduler import Scheduler
+from rollout.tiny import resolve_model_path
 from rollout.types import EngineStats, Group, Prompt, Trajectory, UpdateStats
 from rollout.weights.updates import WeightUpdates
 
@@ -54,6 +55,14 @@ async def start_pool(cfg: Config, model_path: str) -> EnginePool:
     from actors.pool import RayEnginePool  # the only way in to ray and vLLM, taken lazily
 
     return await RayEnginePool.start(cfg, model_path)
+
+
+def check_engine_args(cfg: Config, model_path: str) -> None:
+    """vLLM's view of the engine args, built in this process without starting an engine (`rollout
+    validate`): what vLLM would refuse at engine start raises InvalidConfigError naming the key."""
+    from policies.vllm_args import checked_engine_args  # the engine side's own check, taken lazily
+
+    checked_engine_args(cfg, model_path)
 
 
 class RolloutEngine:
@@ -108,8 +117,6 @@ class RolloutEngine:
         self._old_sigterm = catch_sigterm()
         reward = self._reward or load_reward(self.cfg.reward)  # a bad path fails before engines start
         env = self._env or load_env(self.cfg.env, self.cfg.env_args)
-        from policies.tiny import resolve_model_path
-
         path = await anyio.to_thread.run_sync(resolve_model_path, self.cfg.model.path, self.cfg.model.seed)
         self.model_path = str(path)
         limits = ModelLimits.from_model_dir(

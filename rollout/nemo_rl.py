@@ -278,7 +278,7 @@ class RolloutGeneration:
         """The trainer's tensors, {HF name: (shape, dtype)} in the order rank 0 broadcasts them,
         checked against the model now (InvalidWeightsError naming each problem) and kept as each
         refit's update info; every update checks them again before any engine changes."""
-        from policies.weights import TensorSpec, check_specs, read_manifest
+        from rollout.tensors import TensorSpec, check_specs, read_manifest
 
         got = {
             n: TensorSpec(str(dtype).removeprefix("torch."), tuple(shape))

@@ -6,6 +6,8 @@ type-only arrow is still an arrow. The rules:
 - scheduling and hand-out never import serving, weights, benchmarks or the learner helpers;
 - only `rollout/engine.py` imports `actors` (among `rollout/` and `policies/`);
 - `policies/**` imports only the foundation of `rollout` (its leaf modules: types, config, ...);
+- in `rollout/`, only `rollout/engine.py` (which starts the engines) and `rollout/weights/trainer.py`
+  (the learner's public half of weight transfer) import `policies`: one door each way;
 - in `rollout/`, only `rollout/weights/trainer.py` (the learner's public half of weight transfer)
   names vLLM's weight-transfer classes or ours;
 - the data path's protocol (every name `rollout/wire.py` defines) is imported from `rollout.wire`,
@@ -30,8 +32,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PROJECT = ("rollout", "actors", "policies", "benchmarks")
 FOUNDATION = {
     f"rollout.{m}"
-    for m in ("aio", "batch", "config", "epochs", "errors", "log", "packed", "process", "torch_addons", "types", "wire")
-}
+    for m in ("aio", "batch", "config", "epochs", "errors", "log", "packed", "parsers", "process", "tensors", "tiny",
+              "torch_addons", "transfer_backend", "types", "wire")
+}  # fmt: skip
 LOWER = ("rollout.scheduling", "rollout.handoff")
 ABOVE_THEM = ("rollout.serve", "rollout.weights", "rollout.bench.run", "rollout.learner", "benchmarks")
 
@@ -128,6 +131,14 @@ def test_only_the_engine_imports_actors():
         for i in ALL[folder]
         if under(i.module, "actors") and i.path != "rollout/engine.py"
     ]
+    assert not found, broken(found)
+
+
+DOORS = ("rollout/engine.py", LEARNER_SIDE)  # the modules of rollout/ that reach the engine side
+
+
+def test_rollout_reaches_policies_only_through_the_engine_and_the_learner_module():
+    found = [i for i in ALL["rollout"] if under(i.module, "policies") and i.path not in DOORS]
     assert not found, broken(found)
 
 
@@ -280,6 +291,10 @@ def test_the_modules_of_rollout_import_each_other_without_circles():
         (
             "def f():\n    from policies.gloo_transfer import StateDictSource\n",
             test_only_the_public_learner_module_names_the_weight_transfer_classes_in_rollout,
+        ),
+        (
+            "def f():\n    from policies.vllm_args import checked_engine_args\n",
+            test_rollout_reaches_policies_only_through_the_engine_and_the_learner_module,
         ),
     ],
 )

@@ -14,8 +14,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from policies.oracle import Oracle, compare, main
 from policies.processing import Processing
-from policies.tiny import TinySpec, build_tiny
 from rollout.epochs import expand_runs
+from rollout.tiny import TinySpec, build_tiny
 from rollout.types import Trajectory
 
 EPOCHS = (0, 1, 2, 3)

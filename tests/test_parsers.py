@@ -1,4 +1,4 @@
-"""vLLM's tool-call and reasoning parsers by name (`policies.parsers`, `serve.tool_parser`,
+"""vLLM's tool-call and reasoning parsers by name (`rollout.parsers`, `serve.tool_parser`,
 `serve.reasoning_parser`): the adapter returns what vLLM's own parser classes extract, non-streaming
 and streamed token by token; names are checked at config time; the tiny model's chat template
 writes tool calls the `hermes` parser reads back; the server's message and stream shapes.
@@ -12,15 +12,15 @@ import subprocess
 import sys
 
 import pytest
-import transformers  # noqa: F401  (before vLLM's parser modules: policies.parsers' docstring)
+import transformers  # noqa: F401  (before vLLM's parser modules: rollout.parsers' docstring)
 
-from policies.parsers import ChatParsers, check_names
-from policies.tiny import EOS_ID, TinySpec, build_tiny
 from rollout.config import load_config
 from rollout.episodes.chat import ChatRenderer
 from rollout.errors import InvalidConfigError
+from rollout.parsers import ChatParsers, check_names
 from rollout.serve import openai_api as api
 from rollout.serve import sse
+from rollout.tiny import EOS_ID, TinySpec, build_tiny
 from rollout.types import Trajectory
 from tests.support.parser_cases import ARGS, CASES, TOOLS
 

@@ -144,8 +144,8 @@ async def test_serving_on_a_port_in_use_raises_oserror_and_the_engine_serves_on(
 def test_the_stop_string_is_cut_from_the_text_and_kept_in_the_token_ids():
     """vLLM's rule: the text ends before the stop string its last token completed (and anything
     after it in that token); the ids keep every token. A stop id's text is left out too."""
-    from policies.tiny import resolve_model_path
     from rollout.episodes.chat import ChatRenderer
+    from rollout.tiny import resolve_model_path
 
     chat = ChatRenderer(resolve_model_path("tiny"))
     ids = chat.encode("xyzabcde")

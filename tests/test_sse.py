@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from policies.tiny import build_tiny
 from rollout.episodes.chat import ChatRenderer
 from rollout.serve import openai_api as api
 from rollout.serve.sse import Text
+from rollout.tiny import build_tiny
 
 
 @pytest.fixture(scope="module")

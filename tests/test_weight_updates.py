@@ -10,9 +10,9 @@ import msgspec
 import pytest
 import torch
 
-from policies.weights import pack, read_manifest, save_dir
 from rollout.engine import RolloutEngine
 from rollout.errors import EngineDeadError, InvalidWeightsError, WeightSyncError
+from rollout.tensors import pack, read_manifest, save_dir
 from rollout.types import Prompt
 from rollout.weights.updates import pack_on_loop
 from tests.support.fakes import FakePool

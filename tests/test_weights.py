@@ -1,4 +1,4 @@
-"""Weights on their way to the engines, without engines (`policies.weights`): the model's manifest,
+"""Weights on their way to the engines, without engines (`rollout.tensors`): the model's manifest,
 the checks on incoming weights (names, dtypes, shapes, finite values) and their wire form. Their
 orchestration over the engines (`rollout.weights.updates`): tests/test_weight_updates.py."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from policies.weights import Packed, TensorSpec, pack, read_manifest, save_dir, unpack
 from rollout.epochs import kv_runs
 from rollout.errors import InvalidWeightsError
+from rollout.tensors import Packed, TensorSpec, pack, read_manifest, save_dir, unpack
 from rollout.types import Trajectory
 from rollout.weights.updates import pack_on_loop
 from tests.support.model import STATE
@@ -103,7 +103,7 @@ def test_pack_checks_the_values_of_a_directory(model_dir, tmp_path, bad, shard):
 def test_finite_bits_agrees_with_torch_on_every_pattern(dtype):
     """The driver reads NaN/inf from the bits (numpy, no torch intra-op threads): every 8- and
     16-bit pattern, and for wider floats the edges of every class, agree with `torch.isfinite`."""
-    from policies.weights import finite_bits
+    from rollout.tensors import finite_bits
 
     torch_dtype = getattr(torch, dtype)
     width = torch.empty(0, dtype=torch_dtype).element_size()
@@ -140,7 +140,7 @@ def test_finite_bits_agrees_with_torch_on_every_pattern(dtype):
 
 
 def test_finite_bits_reads_past_one_chunk_and_leaves_other_dtypes_to_torch():
-    from policies.weights import finite_bits
+    from rollout.tensors import finite_bits
 
     t = torch.zeros(3 * (1 << 18) + 5, dtype=torch.bfloat16)
     assert finite_bits("bfloat16", t.view(torch.uint8).numpy()) is True

@@ -8,7 +8,7 @@ tokens: what the learner trains on is what the engine ran. `append` renders a fi
 conversation with and without the new messages and keeps the difference (as verl and SkyRL do);
 a template for which that difference is not a clean suffix is refused with the reason.
 `chat_parsers`: vLLM's tool-call and reasoning parsers by name (`serve.tool_parser`,
-`serve.reasoning_parser`; `policies.parsers` runs them as vLLM's chat server does), for the
+`serve.reasoning_parser`; `rollout.parsers` runs them as vLLM's chat server does), for the
 server's replies and episodes' actions.
 Does not own: which messages (the environment or the HTTP client says), sampling, engines.
 """
@@ -100,7 +100,7 @@ def chat_renderer(path: Any, tool: str | None = None, reasoning: str | None = No
 
 
 class Parsers(Protocol):
-    """What rollout/ calls of `policies.parsers.ChatParsers` (its docstrings say what each does)."""
+    """What the server and episodes call of `rollout.parsers.ChatParsers` (its docstrings say what each does)."""
 
     tools: bool  # a tool-call parser is set
 
@@ -116,7 +116,7 @@ def chat_parsers(renderer: ChatRenderer | None, tool: str | None, reasoning: str
     """vLLM's parsers for the model's tokenizer, or None when neither is set (or there is no chat
     template: no text to parse). Raises InvalidConfigError naming the key when the tokenizer lacks
     what a parser needs (e.g. `llama3_json` looks up `<|python_tag|>`)."""
-    from policies.parsers import NO_PARSER, ChatParsers
+    from rollout.parsers import NO_PARSER, ChatParsers
 
     if renderer is None or (tool in NO_PARSER and reasoning in NO_PARSER):
         return None

@@ -378,7 +378,7 @@ class WeightTransfer:
 
 
 def _stages(cfg: Any) -> bool:
-    from policies.weight_loading import stages
+    from rollout.transfer_backend import stages
 
     return stages(cfg)
 

@@ -4,7 +4,7 @@ model, and the timeout our backends' init infos carry to the engines.
 
 Owns: `check_update` (a pure function of the model's manifest and the round so far),
 `capped_infos`, `ONE_CALL_ROUND`, `LEARNER_TIMEOUT_S`. Does not own: the round and its engines
-(`rollout.weights.transfer`), the manifest (`policies.weights`).
+(`rollout.weights.transfer`), the manifest (`rollout.tensors`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ def check_update(u: Any, sent: set[str], update_info: Any) -> tuple[list[str], l
     manifest is read once), each name once in the round (`sent`: the round's names so far); the
     round's first call of a backend that sends it in one (`ONE_CALL_ROUND`) lists every
     parameter. Returns the names, what does not fit, and the update's bytes (0 when it does not)."""
-    from policies.weight_loading import transfer_backend
-    from policies.weights import TensorSpec, read_manifest
+    from rollout.tensors import TensorSpec, read_manifest
+    from rollout.transfer_backend import transfer_backend
 
     if u.manifest is None:
         u.manifest = read_manifest(u.model_path)
@@ -60,7 +60,7 @@ def capped_infos(cfg: Any, infos: list[dict[str, Any]]) -> tuple[list[dict[str, 
     """Our backends' init infos with `timeout_s` (each of the worker's waits: connect,
     rendezvous, receive) at most `weight_sync.timeout_s`, so a rendezvous nobody serves ends
     within it; and what was capped, said (errors of the init's rendezvous repeat it)."""
-    from policies.weight_loading import stages
+    from rollout.transfer_backend import stages
 
     if not stages(cfg):
         return infos, ""  # vLLM's nccl / ipc take no timeout of ours

@@ -16,7 +16,7 @@ the bytes live only in the learner: the restarted engine is parked, out of rotat
 the next update, whatever its source; never other bytes under the current epoch. While a
 learner holds `rollout serve`'s /pause (`held`), a restarted engine is paused before it rejoins
 or parks, so the pause holds until the learner's /resume (`rollout.serve.rl_routes`).
-Does not own: checking weights against the model (`policies.weights`, `rollout.weights.transfer`),
+Does not own: checking weights against the model (`rollout.tensors`, `rollout.weights.transfer`),
 loading them into vLLM (`policies.vllm_policy`), scheduling (`rollout.scheduling.scheduler`).
 """
 
@@ -173,7 +173,7 @@ class WeightUpdates:
         return self.epoch
 
     async def _update(self, weights: Any, handed: Any = None) -> int:
-        from policies.weights import fingerprint, read_manifest
+        from rollout.tensors import fingerprint, read_manifest
 
         pool = self.pool
         async with self.lock:
@@ -380,7 +380,7 @@ class WeightUpdates:
         """Load the current epoch's weights, exactly those bytes, into a restarted engine, within
         `weight_sync.timeout_s` (the receive and the load). Raises WeightSyncError when a weights
         directory changed since it was loaded as this epoch."""
-        from policies.weights import fingerprint
+        from rollout.tensors import fingerprint
 
         if (
             self.weights_stamp is not None
@@ -417,7 +417,7 @@ def describe(failures: dict[int, str]) -> str:
 
 
 async def pack_on_loop(weights: Any, manifest: Any) -> Any:
-    """`policies.weights.pack` for the driver's event loop: a state dict of CPU tensors is checked
+    """`rollout.tensors.pack` for the driver's event loop: a state dict of CPU tensors is checked
     and packed on the loop's own thread, one tensor per loop turn, so the loop blocks for one
     tensor at a time. Not in a worker thread: each torch call there releases the GIL and must win
     it back from the loop, and on cores the engines keep busy each hand-off waits to be scheduled
@@ -425,7 +425,7 @@ async def pack_on_loop(weights: Any, manifest: Any) -> Any:
     each) go to a worker thread, where those costs outweigh the hand-offs."""
     from pathlib import Path
 
-    from policies.weights import Packed, check_state_dict, pack, tensor_bytes
+    from rollout.tensors import Packed, check_state_dict, pack, tensor_bytes
 
     if isinstance(weights, (str, Path)):
         return await anyio.to_thread.run_sync(pack, weights, manifest)

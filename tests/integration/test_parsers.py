@@ -19,11 +19,11 @@ import msgspec
 import openai
 import pytest
 
-from policies.tiny import TinySpec, build_tiny
 from rollout import RolloutEngine
 from rollout.config import ServeConfig
 from rollout.serve import Desk, Server
 from rollout.serve.io import served_chat
+from rollout.tiny import TinySpec, build_tiny
 from tests.support.engines import held, integration_config
 from tests.support.parser_cases import ARGS, CASES, TOOLS
 

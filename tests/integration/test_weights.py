@@ -25,10 +25,10 @@ from safetensors.torch import load_file
 
 from policies.oracle import Oracle, compare
 from policies.processing import Processing
-from policies.weights import save_dir
 from rollout import Prompt, RolloutEngine
 from rollout.epochs import kv_runs
 from rollout.errors import InvalidWeightsError
+from rollout.tensors import save_dir
 from rollout.types import Trajectory
 from tests.support.engines import SharedPools, integration_config
 from tests.support.oracle_runs import (

@@ -93,7 +93,7 @@ class Learner(torch.nn.Module):
 
 def tiny_learner() -> Learner:
     """The reader's `model`: the embedded tiny model's weights as a learner holds them."""
-    from policies.tiny import resolve_model_path
+    from rollout.tiny import resolve_model_path
 
     model_dir = resolve_model_path("tiny", 0)
     return Learner(load_file(str(next(model_dir.glob("*.safetensors")))))

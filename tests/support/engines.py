@@ -159,7 +159,7 @@ class SharedPools:
     async def _start_ray_pool(self, cfg: Config) -> Any:
         from actors.cluster import connect
         from actors.pool import RayEnginePool
-        from policies.tiny import resolve_model_path
+        from rollout.tiny import resolve_model_path
 
         self._started_ray |= connect(cfg)  # the session's cluster (a no-op once it is up): no pool owns it
         path = await asyncio.to_thread(resolve_model_path, cfg.model.path, cfg.model.seed)

@@ -14,7 +14,7 @@ import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
-from policies.tiny import EOS_ID, FIRST_BYTE_ID
+from rollout.tiny import EOS_ID, FIRST_BYTE_ID
 
 MARKER = [FIRST_BYTE_ID + b for b in b"FORCE:"]  # the tiny model's byte tokens
 

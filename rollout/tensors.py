@@ -5,7 +5,9 @@ headers of the model directory, no tensor loaded), the checks that reject a stat
 directory that does not fit it or holds NaN/inf (before any engine is touched; a directory is read
 one tensor at a time, `check_directory`), and the wire form of a state dict
 (`Packed`: raw bytes per tensor, which Ray's object store moves zero-copy, bfloat16 included).
-Does not own: loading into vLLM (see `vllm_policy.VLLMPolicy.commit_weights`).
+Both ends use it: the driver checks and packs (`rollout.weights`), the engines unpack and stage
+(`policies.weight_loading`). Needs no vLLM.
+Does not own: loading into vLLM (`policies.vllm_policy.VLLMPolicy.commit_weights`).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ chat server runs it: `parse` as its non-streaming path does (one parser per choi
 its streaming path does (a fresh parser, `parse_delta` per generated token with the text that
 token completes, `finished` on the last). Results come back as plain dicts in OpenAI's shape
 (vLLM's `reasoning`, plus `reasoning_content`, the name older clients read).
+Imports vLLM inside its functions (the driver's one lookup of vLLM's registries outside the engines).
 Does not own: what the server does with them (`rollout.serve.openai_api`), the turn's text (`rollout.episodes.chat`).
 Import order: `transformers` before `vllm.tool_parsers` / `vllm.reasoning` in a fresh interpreter
 (importing them first hits a circular import inside transformers on this install).
