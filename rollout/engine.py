@@ -45,7 +45,8 @@ from rollout.weights.updates import WeightUpdates
 if TYPE_CHECKING:
     from rollout.serve.frontends import FrontEnds
     from rollout.serve.server import Server
-    from rollout.weights.transfer import WeightSyncClient, WeightTransfer
+    from rollout.weights.sync_client import WeightSyncClient
+    from rollout.weights.transfer import WeightTransfer
 
 log = get_logger(__name__)
 
@@ -397,7 +398,7 @@ class RolloutEngine:
         learner makes them from a thread. `finish_weight_update` starts the new epoch and returns it;
         with `wait=False` it returns once every tensor was sent, the engines load in the background
         (as `update_weights(wait=False)`). Call on the engine's event loop. (`rollout.weights.transfer` runs it.)"""
-        from rollout.weights.transfer import WeightSyncClient, loop_caller
+        from rollout.weights.sync_client import WeightSyncClient, loop_caller
 
         self._live_scheduler()
         return WeightSyncClient(self.weight_transfer(), loop_caller(asyncio.get_running_loop()), wait)

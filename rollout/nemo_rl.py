@@ -44,7 +44,8 @@ from rollout.types import Group, Prompt, Trajectory
 
 if TYPE_CHECKING:
     from rollout.metrics.figures import MetricsWindow
-    from rollout.weights.transfer import WeightSyncClient, WeightTransfer
+    from rollout.weights.sync_client import WeightSyncClient
+    from rollout.weights.transfer import WeightTransfer
 
 __all__ = [
     "GenerationError",
@@ -262,7 +263,7 @@ class RolloutGeneration:
         is formed; returns [] (NeMo RL `ray.get`s it with the trainer's futures). Raises
         WeightSyncError when `world_size` is not `train_world_size` + the engines' model workers."""
         self._check_open()
-        from rollout.weights.transfer import WeightSyncClient
+        from rollout.weights.sync_client import WeightSyncClient
 
         async def transfer() -> WeightTransfer:
             return self.engine.weight_transfer()

@@ -70,7 +70,7 @@ class SyncRolloutEngine:
 
     def weight_sync_client(self, *, wait: bool = True) -> Any:
         """`RolloutEngine.weight_sync_client`: vLLM's `VLLMWeightSyncClient`, callable from any thread."""
-        from rollout.weights.transfer import WeightSyncClient
+        from rollout.weights.sync_client import WeightSyncClient
 
         return WeightSyncClient(self._portal.call(self._engine._weight_transfer), self._portal.call, wait)
 

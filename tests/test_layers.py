@@ -14,7 +14,7 @@ type-only arrow is still an arrow. The rules:
   never from `policies/` (tests included);
 - no module imports another module's private (`_name`) name;
 - no circles between the parts of `rollout/` (a subpackage, or a module at its top, is one part),
-  nor between its modules (type-only imports included), but for the known ones listed;
+  nor between its modules (type-only imports included);
 - no test module imports another test module: test helpers live in `tests/support/`.
 Each failure names the file, line and import that breaks the rule.
 """
@@ -251,12 +251,6 @@ def circles(edges: dict[str, set[str]]) -> list[tuple[str, ...]]:
     return sorted(found)
 
 
-# Module circles not untied yet, each a type-only arrow back: remove a line once its circle is gone.
-KNOWN_CIRCLES = {
-    ("rollout.weights.sync_client", "rollout.weights.transfer"),  # the client is handed the whole transfer
-}
-
-
 def test_the_modules_of_rollout_import_each_other_without_circles():
     """Every import counts (lazy and type-only too): a module that names another's type for its
     annotations depends on it as much as one that calls it."""
@@ -268,9 +262,10 @@ def test_the_modules_of_rollout_import_each_other_without_circles():
         if i.module in modules and i.module != a and "rollout" not in (a, i.module):  # the face imports all
             edges.setdefault(a, set()).add(i.module)
             why.setdefault((a, i.module), i)
-    new = [c for c in circles(edges) if c not in KNOWN_CIRCLES]
-    assert not new, "\n".join(
-        "a circle: " + ", ".join(c) + "\n" + broken([i for (a, b), i in why.items() if a in c and b in c]) for c in new
+    found = circles(edges)
+    assert not found, "\n".join(
+        "a circle: " + ", ".join(c) + "\n" + broken([i for (a, b), i in why.items() if a in c and b in c])
+        for c in found
     )
 
 

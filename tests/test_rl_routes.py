@@ -357,7 +357,7 @@ async def test_a_version_label_past_its_length_answers_400_and_is_not_kept(cfg):
 async def test_version_labels_are_kept_up_to_a_count_the_oldest_forgotten(cfg):
     """Labels map to epochs (`WeightSyncClient.versions`); a learner labelling every step keeps
     the last MAX_LABELS, and /weight_info names the newest label of the current epoch."""
-    from rollout.weights.transfer import MAX_LABELS
+    from rollout.weights.round import MAX_LABELS
 
     async with served(cfg) as (engine, server, pool, http):
         for i in range(MAX_LABELS + 5):

@@ -14,7 +14,7 @@ from rollout.engine import RolloutEngine
 from rollout.errors import EngineDeadError, InvalidWeightsError, WeightSyncError
 from rollout.tensors import pack, read_manifest, save_dir
 from rollout.types import Prompt
-from rollout.weights.updates import pack_on_loop
+from rollout.weights.update_checks import pack_on_loop
 from tests.support.fakes import FakePool
 from tests.support.model import STATE
 

@@ -12,7 +12,7 @@ from rollout.epochs import kv_runs
 from rollout.errors import InvalidWeightsError
 from rollout.tensors import Packed, TensorSpec, pack, read_manifest, save_dir, unpack
 from rollout.types import Trajectory
-from rollout.weights.updates import pack_on_loop
+from rollout.weights.update_checks import pack_on_loop
 from tests.support.model import STATE
 
 

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from rollout.config import Config
     from rollout.handoff.queue import Submission
     from rollout.metrics.figures import Collector
-    from rollout.weights.transfer import WeightSyncClient
+    from rollout.weights.sync_client import WeightSyncClient
 
 log = get_logger(__name__)
 MAX_KEPT = 65536  # sessions found by token ids, episodes collecting turns: the oldest forgotten first

@@ -7,9 +7,10 @@
     engine.epoch                                  # the epoch finish_weight_update started
 
 Owns: `WeightTransfer`, the driver's side of vLLM's calls on every engine (each engine runs vLLM's
-own call on its workers: `policies.weight_loading`), and `WeightSyncClient`, the blocking
-`VLLMWeightSyncClient` a learner hands to vLLM's `TrainerWeightTransferEngine` (ours, `gloo`, on
-CPU; vLLM's `nccl` / `ipc` on GPUs). What we add to vLLM's calls:
+own call on its workers: `policies.weight_loading`), made by the blocking `VLLMWeightSyncClient`
+a learner hands to vLLM's `TrainerWeightTransferEngine` (ours, `gloo`, on CPU; vLLM's `nccl` /
+`ipc` on GPUs; the client is `rollout.weights.sync_client.WeightSyncClient`). It reaches the
+engine's epochs and engines through `rollout.weights.round.Updates` alone. What we add to vLLM's calls:
 1) `init_weight_transfer_engine`: every healthy engine joins, each at its own rank (`rank_offset`
    + k x its model workers); `world_size` is checked against them. Our backends' `timeout_s`
    (each of a worker's waits: connect, rendezvous, receive) is capped at `weight_sync.timeout_s`,
@@ -51,8 +52,8 @@ restarts, and the error names which. Restarts: the epoch's bytes
 live only in the learner, so a restarted engine waits out of rotation for the next update
 (`rollout.weights.updates`); it joins the learner's group at the next
 `init_weight_transfer_engine`.
-`WeightSyncClient` and `loop_caller` live in `rollout.weights.sync_client`; the update's checks and
-the init's cap in `rollout.weights.update_checks`; the round's state in `rollout.weights.round`.
+The update's checks and the init's cap live in `rollout.weights.update_checks`; the round's state
+in `rollout.weights.round`.
 Does not own: moving bytes (vLLM's engines, `policies.gloo_transfer`), epochs and restarts
 (`rollout.weights.updates`).
 """
@@ -68,11 +69,10 @@ import anyio
 from rollout.aio import fan_out
 from rollout.errors import EngineDeadError, InvalidWeightsError, WeightSyncError
 from rollout.log import get_logger
+from rollout.transfer_backend import stages
 from rollout.types import UpdateStats
-from rollout.weights.round import MAX_LABELS, Round, add_label  # noqa: F401 -- MAX_LABELS: named here
-from rollout.weights.sync_client import WeightSyncClient, loop_caller  # the learner's side
-from rollout.weights.update_checks import ONE_CALL_ROUND, capped_infos, check_update  # noqa: F401
-from rollout.weights.updates import LEARNER, WeightUpdates, describe, failures, model_workers
+from rollout.weights.round import Round, Updates, add_label, describe, failures
+from rollout.weights.update_checks import capped_infos, check_update
 
 SETTLE = "settle"  # the update info asking a staging backend's engine to wait for its bytes (`policies.weight_loading`)
 
@@ -82,8 +82,8 @@ log = get_logger(__name__)
 class WeightTransfer:
     """The driver's side of vLLM's weight-transfer calls (see the module docstring)."""
 
-    def __init__(self, updates: WeightUpdates):
-        self.u = updates
+    def __init__(self, updates: Updates):
+        self.u = updates  # the engine's epochs and engines, through `Updates` only
         self.members: list[int] | None = None  # engines that joined the learner's group
         self.incarnations: dict[int, int] = {}
         self.round: Round | None = None
@@ -114,7 +114,7 @@ class WeightTransfer:
                 for k in range(len(live))
             ]
             infos, capped = capped_infos(self.u.cfg, infos)
-            engines, bound = [self.u.pool.engines[i] for i in live], 2 * self.u.cfg.weight_sync.timeout_s + 5
+            engines, bound = self.u.engines(live), 2 * self.u.cfg.weight_sync.timeout_s + 5
             got = await fan_out(asyncio.wait_for(e.call("init_transfer", info), bound)
                                 for e, info in zip(engines, infos))  # fmt: skip
             if bad := failures(live, got, f"no answer within {bound:g} s"):
@@ -126,8 +126,8 @@ class WeightTransfer:
                 raise WeightSyncError(f"init_weight_transfer_engine failed on {describe(bad)}"
                                       f"{f'; engines {hung} out of rotation, restarting' if hung else ''}{capped}",
                                       sorted(bad))  # fmt: skip
-            self.members, self.incarnations = live, {i: self.u.incarnations.get(i, 0) for i in live}
-            self.capped, self.confirmed = capped, not _stages(self.u.cfg)
+            self.members, self.incarnations = live, {i: self.u.incarnation(i) for i in live}
+            self.capped, self.confirmed = capped, not stages(self.u.cfg)
 
     async def start(self) -> None:
         """vLLM's `start_weight_update`: the round's lock, engines and epoch; no engine changes.
@@ -140,11 +140,11 @@ class WeightTransfer:
         if self.members is None:
             raise WeightSyncError("start_weight_update called before init_weight_transfer_engine", [])
         rnd = self.round = Round(0, [], [])
-        self.u.tg.start_soon(self._hold, rnd)
+        self.u.start_soon(self._hold, rnd)
         await rnd.locked.wait()
         try:
             live = self.u.members()
-            gone = [i for i in self.members if i not in live or self.u.incarnations.get(i, 0) != self.incarnations[i]]
+            gone = [i for i in self.members if i not in live or self.u.incarnation(i) != self.incarnations[i]]
             if gone or set(live) != set(self.members):
                 raise WeightSyncError(
                     f"start_weight_update: engines {sorted(set(gone) | (set(live) - set(self.members)))} restarted or "
@@ -155,8 +155,8 @@ class WeightTransfer:
         except BaseException:
             self._close(rnd)
             raise
-        rnd.live, rnd.engines = live, [self.u.pool.engines[i] for i in live]
-        rnd.epoch = max(self.u.epoch, self.u.allocated) + 1
+        rnd.live, rnd.engines = live, self.u.engines(live)
+        rnd.epoch = self.u.next_epoch()
 
     async def update(self, update_info: Any) -> None:
         """vLLM's `update_weights` on every engine of the round, after the checks (module docstring)."""
@@ -171,7 +171,7 @@ class WeightTransfer:
             rnd.poke.set()
 
     async def _update(self, rnd: Round, update_info: Any) -> None:
-        names, problems, nbytes = check_update(self.u, rnd.names, update_info)
+        names, problems, nbytes = check_update(self.u.model_manifest(), self.u.cfg, rnd.names, update_info)
         rnd.nbytes += nbytes
         if problems:
             shown = "; ".join(problems[:8]) + (f"; ... {len(problems) - 8} more" if len(problems) > 8 else "")
@@ -201,8 +201,7 @@ class WeightTransfer:
                 f"epoch {rnd.epoch}: {describe(bad)} could not start the update; no engine changed", sorted(bad)
             )
         rnd.started = True
-        self.u.allocated = rnd.epoch  # an engine may hold it from here on: never allocated again
-        await self.u.record(rnd.epoch)
+        await self.u.allocate(rnd.epoch)  # an engine may hold it from here on: never allocated again
 
     async def _transfer(self, rnd: Round, update_info: Any) -> None:
         live = [i for i in rnd.live if i not in rnd.bad]
@@ -232,8 +231,7 @@ class WeightTransfer:
                 rnd.busy -= 1
                 raise
             rnd.finishing = True
-            self.u.hand_over(rnd.epoch)
-            self.u.detach(lambda: self._finish_closing(rnd, weight_version))
+            self.u.finish_later(rnd.epoch, lambda: self._finish_closing(rnd, weight_version))
             return rnd.epoch
         return await self._finish_closing(rnd, weight_version)
 
@@ -248,7 +246,7 @@ class WeightTransfer:
     async def _complete(self, rnd: Round) -> None:
         """Every checkpoint tensor was sent, or no engine serves the round: InvalidWeightsError.
         (A round sent in one call was checked whole there: this catches rounds of several calls.)"""
-        if missing := sorted(set(self.u.manifest) - rnd.names):
+        if missing := sorted(set(self.u.model_manifest()) - rnd.names):
             sent = f"the learner sent no {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
             raise InvalidWeightsError(f"epoch {rnd.epoch}: {sent}; {await self._call_off(rnd, sent)}")
 
@@ -271,7 +269,7 @@ class WeightTransfer:
         if not rnd.started:  # nothing was sent: no engine changed
             return self.u.epoch
         await self._complete(rnd)
-        if _stages(self.u.cfg):
+        if stages(self.u.cfg):
             await self._settle(rnd)
         live = [i for i in rnd.live if i not in rnd.bad]
         engines = [e for i, e in zip(rnd.live, rnd.engines) if i not in rnd.bad]
@@ -294,11 +292,7 @@ class WeightTransfer:
                 f"the epoch stays {self.u.epoch}",
                 sorted(rnd.bad),
             )
-        self.u.weights, self.u.weights_stamp = (
-            LEARNER,
-            None,
-        )  # its bytes live only in the learner: restarts wait for the next
-        self.u.serve(rnd.epoch, rnd.live, rnd.bad)
+        self.u.learner_serves(rnd.epoch, rnd.live, rnd.bad)  # restarts wait for the next update
         self.confirmed = True  # the engines received every byte: their rendezvous holds
         if weight_version is not None:
             add_label(self.versions, weight_version, rnd.epoch)
@@ -325,7 +319,7 @@ class WeightTransfer:
         backend's engines (all but `skip`, whose vLLM update already ended) drop the bytes and go
         on with their weights; the learner inits again. Otherwise the engines hold part of the
         round: out of rotation, restarted."""
-        if not _stages(self.u.cfg):
+        if not stages(self.u.cfg):
             self._fail_all(rnd, reason)
             return f"engines {rnd.live} had loaded part of epoch {rnd.epoch}: out of rotation, restarting"
         self._close(rnd)  # no call of the learner's joins the round from here on
@@ -377,10 +371,10 @@ class WeightTransfer:
                     self._close(rnd)
 
 
-def _stages(cfg: Any) -> bool:
-    from rollout.transfer_backend import stages
+def model_workers(cfg: Any) -> int:
+    """Model workers per engine: each one receives every tensor (vLLM shards them itself)."""
+    v = cfg.engines.vllm
+    return int(v.get("tensor_parallel_size", 1)) * int(v.get("pipeline_parallel_size", 1))
 
-    return stages(cfg)
 
-
-__all__ = ["WeightSyncClient", "WeightTransfer", "loop_caller"]
+__all__ = ["WeightTransfer"]

@@ -1,16 +1,24 @@
-"""What the learner sends through vLLM's weight-transfer calls, checked before any engine sees it
-(`rollout.weights.transfer` calls these): each update's names, dtypes and shapes against the
-model, and the timeout our backends' init infos carry to the engines.
+"""What a learner sends, checked before any engine sees it (`rollout.weights.updates` and
+`rollout.weights.transfer` call these): a state dict packed on the driver's loop, tensor by
+tensor; each transfer update's names, dtypes and shapes against the model; and the timeout our
+backends' init infos carry to the engines.
 
-Owns: `check_update` (a pure function of the model's manifest and the round so far),
-`capped_infos`, `ONE_CALL_ROUND`, `LEARNER_TIMEOUT_S`. Does not own: the round and its engines
-(`rollout.weights.transfer`), the manifest (`rollout.tensors`).
+Owns: `pack_on_loop`, `check_update` (a pure function of the model's manifest and the round so
+far), `capped_infos`, `ONE_CALL_ROUND`, `LEARNER_TIMEOUT_S`. Does not own: the round and its
+engines (`rollout.weights.transfer`), the manifest and the checks of one tensor (`rollout.tensors`),
+which backend the engines run (`rollout.transfer_backend`).
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
+
+import anyio
+
+from rollout.tensors import Manifest, Packed, TensorSpec, check_state_dict, pack, tensor_bytes
+from rollout.transfer_backend import stages, transfer_backend
 
 LEARNER_TIMEOUT_S = 300.0  # the timeout_s of our backends' init infos when the learner gives none
 # backends whose trainer sends a round's names, dtypes and shapes in one update_weights call (vLLM's
@@ -19,16 +27,11 @@ LEARNER_TIMEOUT_S = 300.0  # the timeout_s of our backends' init infos when the 
 ONE_CALL_ROUND = ("nccl", "gloo", "shm")
 
 
-def check_update(u: Any, sent: set[str], update_info: Any) -> tuple[list[str], list[str], int]:
-    """The update's names, dtypes and shapes against the model of `u` (`WeightUpdates`: its
-    manifest is read once), each name once in the round (`sent`: the round's names so far); the
-    round's first call of a backend that sends it in one (`ONE_CALL_ROUND`) lists every
-    parameter. Returns the names, what does not fit, and the update's bytes (0 when it does not)."""
-    from rollout.tensors import TensorSpec, read_manifest
-    from rollout.transfer_backend import transfer_backend
-
-    if u.manifest is None:
-        u.manifest = read_manifest(u.model_path)
+def check_update(manifest: Manifest, cfg: Any, sent: set[str], update_info: Any) -> tuple[list[str], list[str], int]:
+    """The update's names, dtypes and shapes against the model's `manifest`, each name once in the
+    round (`sent`: the round's names so far); the round's first call of a backend that sends it in
+    one (`ONE_CALL_ROUND`, the engines' backend as `cfg` says) lists every parameter. Returns the
+    names, what does not fit, and the update's bytes (0 when it does not)."""
     info = update_info[0] if isinstance(update_info, list) and update_info else update_info
     problems: list[str] = []
     try:
@@ -40,7 +43,7 @@ def check_update(u: Any, sent: set[str], update_info: Any) -> tuple[list[str], l
         problems.append(f"update_info: {len(names)} names, {len(dtypes)} dtype_names, {len(shapes)} shapes")
     seen = set(sent)
     for name, dtype, shape in zip(names, dtypes, shapes):
-        want = u.manifest.get(name)
+        want = manifest.get(name)
         if want is None:
             problems.append(f"unknown {name}")
         elif want != TensorSpec(dtype, shape):
@@ -48,8 +51,8 @@ def check_update(u: Any, sent: set[str], update_info: Any) -> tuple[list[str], l
         if name in seen:
             problems.append(f"{name} twice in the round")
         seen.add(name)
-    if not problems and not sent and transfer_backend(u.cfg) in ONE_CALL_ROUND:
-        if missing := sorted(set(u.manifest) - seen):
+    if not problems and not sent and transfer_backend(cfg) in ONE_CALL_ROUND:
+        if missing := sorted(set(manifest) - seen):
             problems.append(f"the round left out {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
     if problems:
         return names, problems, 0
@@ -60,8 +63,6 @@ def capped_infos(cfg: Any, infos: list[dict[str, Any]]) -> tuple[list[dict[str, 
     """Our backends' init infos with `timeout_s` (each of the worker's waits: connect,
     rendezvous, receive) at most `weight_sync.timeout_s`, so a rendezvous nobody serves ends
     within it; and what was capped, said (errors of the init's rendezvous repeat it)."""
-    from rollout.transfer_backend import stages
-
     if not stages(cfg):
         return infos, ""  # vLLM's nccl / ipc take no timeout of ours
     bound = cfg.weight_sync.timeout_s
@@ -74,3 +75,23 @@ def _itemsize(dtype: str) -> int:
     import torch
 
     return getattr(torch, dtype).itemsize
+
+
+async def pack_on_loop(weights: Any, manifest: Manifest) -> Any:
+    """`rollout.tensors.pack` for the driver's event loop: a state dict of CPU tensors is checked
+    and packed on the loop's own thread, one tensor per loop turn, so the loop blocks for one
+    tensor at a time. Not in a worker thread: each torch call there releases the GIL and must win
+    it back from the loop, and on cores the engines keep busy each hand-off waits to be scheduled
+    (`benchmarks/weight_sync.py` times the update call). A directory (file reads) and tensors off the CPU (a copy
+    each) go to a worker thread, where those costs outweigh the hand-offs."""
+    if isinstance(weights, (str, Path)):
+        return await anyio.to_thread.run_sync(pack, weights, manifest)
+    specs = check_state_dict(weights, manifest)
+    data = {}
+    for name, t in list(weights.items()):
+        if t.device.type == "cpu":
+            data[name] = tensor_bytes(name, t)
+            await anyio.sleep(0)
+        else:
+            data[name] = await anyio.to_thread.run_sync(tensor_bytes, name, t)
+    return Packed(specs=specs, data=data)

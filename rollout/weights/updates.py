@@ -33,7 +33,10 @@ from rollout.aio import fan_out
 from rollout.config import Config
 from rollout.errors import EngineClosedError, EngineDeadError, WeightSyncError
 from rollout.log import get_logger
+from rollout.tensors import Manifest, fingerprint, read_manifest
 from rollout.types import UpdateStats
+from rollout.weights.round import describe, failures
+from rollout.weights.update_checks import pack_on_loop
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
@@ -44,9 +47,8 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 SHARE_ON_LOOP_BYTES = 64 << 20  # state dicts up to this size go into the object store on the loop's thread (~10 ms)
-LEARNER = (
-    object()
-)  # `weights` of an epoch a learner sent (`rollout.weights.transfer`): its bytes live only in the learner
+# `weights` of an epoch a learner sent (`rollout.weights.transfer`): its bytes live only in the learner
+LEARNER = object()
 
 
 class WeightUpdates:
@@ -62,12 +64,8 @@ class WeightUpdates:
         self.weights_stamp: Any = None  # ... and, for a directory, what it held then (`fingerprint`)
         self.allocated = 0  # the highest epoch any engine may have loaded: the next one is above it
         self._restarts: dict[int, int] = {}
-        self._parked: dict[
-            int, Engine
-        ] = {}  # restarted engines waiting for the next update (after a learner's transfer)
-        self.incarnations: dict[
-            int, int
-        ] = {}  # engine -> +1 per restart or failed transfer (the learner's group is broken)
+        self._parked: dict[int, Engine] = {}  # restarted, waiting for the next update (after a learner's transfer)
+        self.incarnations: dict[int, int] = {}  # engine -> +1 per restart or broken transfer group
         self.held = False  # a learner's /pause (`rollout.serve.rl_routes`) holds every engine, restarted ones too
         self._scheduler: Scheduler | None = None  # admission's epoch, the runner's engines in rotation
         self.pool: EnginePool | None = None
@@ -127,9 +125,11 @@ class WeightUpdates:
         self._settling = anyio.Event()
         await self._detached(lambda: self._update(weights, hand_off), lambda: handed, self._settling)
 
-    def detach(self, work: Callable[[], Awaitable[Any]]) -> None:
-        """Run `work()` (an update's last phases, after its caller returned) in the background: the
-        next update, and `settled`, wait for it (from now on); its failure is raised once by `settled`."""
+    def finish_later(self, epoch: int, work: Callable[[], Awaitable[Any]]) -> None:
+        """The caller returns `epoch` now (`hand_over`) and `work()` (the update's last phases) runs
+        in the background: the next update, and `settled`, wait for it (from now on); its failure
+        is raised once by `settled`."""
+        self.hand_over(epoch)
         self._settling = anyio.Event()
         self.tg.start_soon(self._detached, work, lambda: True, self._settling)
 
@@ -173,8 +173,6 @@ class WeightUpdates:
         return self.epoch
 
     async def _update(self, weights: Any, handed: Any = None) -> int:
-        from rollout.tensors import fingerprint, read_manifest
-
         pool = self.pool
         async with self.lock:
             if self._closed:
@@ -186,21 +184,19 @@ class WeightUpdates:
             stamp = await anyio.to_thread.run_sync(fingerprint, payload) if isinstance(payload, str) else None
             live = self.members()
             engines = [pool.engines[i] for i in live]
-            epoch = max(self.epoch, self.allocated) + 1
+            epoch = self.next_epoch()
             # a copy into the object store: on the loop when small (a worker thread's GIL hand-offs cost more than
             # the copy)
             small = isinstance(payload, str) or payload.nbytes <= SHARE_ON_LOOP_BYTES
             shared = pool.share(payload) if small else await anyio.to_thread.run_sync(pool.share, payload)
             if handed is not None:  # the caller goes on from here: the epoch is its, failed or not
-                self.allocated = epoch
-                await self.record(epoch)
+                await self.allocate(epoch)
                 self.hand_over(epoch)
                 handed(epoch)
             live, engines, received = await self._stage(epoch, live, engines, shared)
             self.allocated = epoch  # an engine may hold it from here on: never allocated again
-            with anyio.CancelScope(
-                shield=True
-            ):  # every engine serves `epoch`, or left rotation, before anyone else looks
+            # every engine serves `epoch`, or left rotation, before anyone else looks
+            with anyio.CancelScope(shield=True):
                 if handed is None:
                     await self.record(epoch)
                 stats, bad = await self._commit(epoch, live, engines, received, payload, prepared=t0)
@@ -257,6 +253,36 @@ class WeightUpdates:
 
     def failed_transfer(self, i: int) -> None:
         self.incarnations[i] = self.incarnations.get(i, 0) + 1  # its transfer group is broken: the learner inits again
+
+    # -- what a learner's transfer round uses (`rollout.weights.round.Updates`) ----------------------
+
+    def engines(self, ids: list[int]) -> list[Engine]:
+        return [self.pool.engines[i] for i in ids]
+
+    def incarnation(self, i: int) -> int:
+        return self.incarnations.get(i, 0)
+
+    def start_soon(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        self.tg.start_soon(fn, *args)
+
+    def next_epoch(self) -> int:  # above every epoch an engine may have loaded: never one used before
+        return max(self.epoch, self.allocated) + 1
+
+    async def allocate(self, epoch: int) -> None:  # an engine may hold `epoch` from here on: never reused
+        self.allocated = epoch
+        await self.record(epoch)
+
+    def model_manifest(self) -> Manifest:
+        """The model's tensors (names, dtypes, shapes), read once from its safetensors headers."""
+        if self.manifest is None:
+            self.manifest = read_manifest(self.model_path)
+        return self.manifest
+
+    def learner_serves(self, epoch: int, live: list[int], bad: dict[int, str]) -> None:
+        """`serve` an epoch a learner's transfer loaded: its bytes live only in the learner, so an
+        engine restarted from now on waits out of rotation for the next update."""
+        self.weights, self.weights_stamp = LEARNER, None
+        self.serve(epoch, live, bad)
 
     def members(self) -> list[int]:
         """The engines an update goes to: every healthy one, and restarted ones waiting for weights."""
@@ -380,8 +406,6 @@ class WeightUpdates:
         """Load the current epoch's weights, exactly those bytes, into a restarted engine, within
         `weight_sync.timeout_s` (the receive and the load). Raises WeightSyncError when a weights
         directory changed since it was loaded as this epoch."""
-        from rollout.tensors import fingerprint
-
         if (
             self.weights_stamp is not None
             and await anyio.to_thread.run_sync(fingerprint, self.weights) != self.weights_stamp
@@ -393,48 +417,3 @@ class WeightUpdates:
         with anyio.fail_after(self.cfg.weight_sync.timeout_s):
             await engine.stage_weights(self.epoch, self.weights)
             await engine.commit_weights(self.epoch)
-
-
-def model_workers(cfg: Config) -> int:
-    """Model workers per engine: each one receives every tensor (vLLM shards them itself)."""
-    v = cfg.engines.vllm
-    return int(v.get("tensor_parallel_size", 1)) * int(v.get("pipeline_parallel_size", 1))
-
-
-def failures(ids: list[int], results: list[Any], timeout_reason: str = "timed out") -> dict[int, str]:
-    """Engine id -> reason, for every result that is an exception."""
-    out = {}
-    for i, r in zip(ids, results):
-        if isinstance(r, BaseException):
-            out[i] = (
-                timeout_reason if isinstance(r, (asyncio.TimeoutError, TimeoutError)) else f"{type(r).__name__}: {r}"
-            )
-    return out
-
-
-def describe(failures: dict[int, str]) -> str:
-    return "; ".join(f"engine {i}: {reason}" for i, reason in sorted(failures.items()))
-
-
-async def pack_on_loop(weights: Any, manifest: Any) -> Any:
-    """`rollout.tensors.pack` for the driver's event loop: a state dict of CPU tensors is checked
-    and packed on the loop's own thread, one tensor per loop turn, so the loop blocks for one
-    tensor at a time. Not in a worker thread: each torch call there releases the GIL and must win
-    it back from the loop, and on cores the engines keep busy each hand-off waits to be scheduled
-    (`benchmarks/weight_sync.py` times the update call). A directory (file reads) and tensors off the CPU (a copy
-    each) go to a worker thread, where those costs outweigh the hand-offs."""
-    from pathlib import Path
-
-    from rollout.tensors import Packed, check_state_dict, pack, tensor_bytes
-
-    if isinstance(weights, (str, Path)):
-        return await anyio.to_thread.run_sync(pack, weights, manifest)
-    specs = check_state_dict(weights, manifest)
-    data = {}
-    for name, t in list(weights.items()):
-        if t.device.type == "cpu":
-            data[name] = tensor_bytes(name, t)
-            await anyio.sleep(0)
-        else:
-            data[name] = await anyio.to_thread.run_sync(tensor_bytes, name, t)
-    return Packed(specs=specs, data=data)
