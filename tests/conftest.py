@@ -3,7 +3,8 @@ collector to close.
 
 Engine starts: every pool start and engine restart, in this process or any process it starts
 (`rollout.log.record_engine_start` appends to the file `$ROLLOUT_ENGINE_STARTS` names), is summed
-at the end of the run: the count cannot drift from what the suite really started.
+at the end of the run, each with its kind and the test that caused it (`tests.support.starts`):
+the count cannot drift from what the suite really started.
 
 asyncio's `_SelectorTransport.__del__` closes the socket without unregistering it from its loop's
 selector (CPython 3.11). The loop's selector map keeps the fd; the kernel's epoll set drops it. A
@@ -29,6 +30,7 @@ from asyncio import selector_events
 import pytest
 
 from rollout.log import STARTS_ENV
+from tests.support import starts
 
 pytest_plugins = ["tests.support.fixtures"]  # the unit tier's shared fixtures (make_cfg, model_dir, ...)
 
@@ -92,24 +94,22 @@ def pytest_configure(config: pytest.Config) -> None:
         config.stash[_starts_file] = path
 
 
+def pytest_runtest_logstart(nodeid: str) -> None:
+    """The test that runs from here on, in the record: the starts that follow are its."""
+    if nodeid.startswith(starts.PREFIX):
+        starts.append("test", test=nodeid)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:  # noqa: ANN001
     path = config.stash.get(_starts_file, None)
     if path is None:
         return
     with open(path) as f:
-        starts = [json.loads(line) for line in f if line.strip()]
+        records = [json.loads(line) for line in f if line.strip()]
     os.unlink(path)
-    pools = [s for s in starts if s["kind"] == "pool"]
-    restarts = [s for s in starts if s["kind"] == "restart"]
-    seconds = sum(s["seconds"] for s in starts)
     terminalreporter.write_sep("=", "engine starts")
-    terminalreporter.write_line(
-        f"{len(pools)} engine pools ({sum(s['engines'] for s in pools)} engines) and {len(restarts)} engine restarts: "
-        f"{len(pools) + len(restarts)} starts, {seconds:.0f} s of start-up"
-    )
-    for s in starts:  # a shared pool shut down instead of handed to the next test (tests/support/engines.py)
-        if s["kind"] == "dropped":
-            terminalreporter.write_line(f"shared pool dropped: {s['reason']}")
+    for line in starts.summary(records):
+        terminalreporter.write_line(line)
 
 
 _starts_file = pytest.StashKey[str]()

@@ -1,15 +1,21 @@
 """The integration tier's shared engine pools (`tests/support/engines.py`), over fake pools: one
 start per kind, a pool handed back as a fresh one (the model's weights, same engines), a failed
-test's pool dropped so that the next test starts a new one, at most `max_engines` engines alive."""
+test's pool dropped so that the next test starts a new one, at most `max_engines` engines alive;
+and the run's summary of its engine starts (`tests/support/starts.py`), each named by its kind
+and the tests that caused and used it."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from rollout.log import STARTS_ENV
-from tests.support.engines import SharedPools
+from tests.support.engines import SharedPools, integration_config, kind
 from tests.support.fakes import FakePool
 from tests.support.model import STATE
+from tests.support.oracle_runs import SMALL_KV
+from tests.support.starts import summary
 
 
 @pytest.fixture(autouse=True)
@@ -111,4 +117,73 @@ async def test_an_engine_killed_by_the_test_restarts_in_the_hand_back_and_the_po
     assert started[0].restarts == [1] and started[0].shutdown_calls == 0, "restarted, not dropped"
     async with pools.engine(cfg) as engine:
         assert len(started) == 1 and all(not e.dead for e in engine.pool.engines)
+    await pools.close()
+
+
+def test_a_kind_is_named_by_what_its_engines_start_with_beyond_the_default_config():
+    assert kind(integration_config()) == "default"
+    driver_side = ("engines.health_interval_s=0.5", "engines.max_restarts=0", "weight_sync.mode=keep", "sampling.n=2")
+    assert kind(integration_config("engines.count=3", *driver_side)) == "default", "the count is said apart"
+    assert kind(integration_config(SMALL_KV)) == (
+        "kv_cache_gib=0.003, weight_transfer_config.backend=shm, block_size unset, compiled"
+    )
+    spec = ("speculative.method=ngram", "speculative.num_speculative_tokens=3")
+    assert kind(integration_config(*spec)) == "spec-decode ngram, num_speculative_tokens=3"
+    model = ("model.path=/tmp/x/tiny-261", "model.max_model_len=2048")
+    assert kind(integration_config(*model)) == "path=tiny-261, max_model_len=2048"
+    forced = "engines.vllm={block_size: 32, enforce_eager: true, logits_processors: ['a.b:Forced']}"
+    assert kind(integration_config(forced)) == "logits_processors=[Forced]"
+
+
+def test_the_summary_names_each_start_its_kind_the_test_that_caused_it_and_the_files_that_shared_it():
+    t = "tests/integration/"
+    records = [
+        {"kind": "test", "test": f"{t}test_chaos.py::test_die", "pid": 1},
+        {"kind": "label", "label": "default", "pid": 1},
+        {"kind": "pool", "engines": 3, "seconds": 70.4, "pid": 1},
+        {"kind": "restart", "engines": 1, "seconds": 41.0, "pid": 1},
+        {"kind": "test", "test": f"{t}test_cli.py::test_run", "pid": 1},
+        {"kind": "pool", "engines": 1, "seconds": 50.0, "pid": 7},  # a subprocess's: no label
+        {"kind": "test", "test": f"{t}test_a.py::test_x", "pid": 1},
+        {"kind": "label", "label": "default", "pid": 1},
+        {"kind": "pool", "engines": 2, "seconds": 60.0, "pid": 1},
+        {"kind": "lease", "label": "default", "count": 2, "test": f"{t}test_a.py::test_x", "pid": 1},
+        {"kind": "test", "test": f"{t}test_a.py::test_y", "pid": 1},
+        {"kind": "lease", "label": "default", "count": 2, "test": f"{t}test_a.py::test_y", "pid": 1},
+        {"kind": "test", "test": f"{t}test_b.py::test_z[1]", "pid": 1},
+        {"kind": "lease", "label": "default", "count": 2, "test": f"{t}test_b.py::test_z[1]", "pid": 1},
+        {"kind": "dropped", "reason": "the test failed (after tests/integration/test_b.py::test_z[1])", "pid": 1},
+    ]
+    for r in records:
+        r.setdefault("engines", 0)
+        r.setdefault("seconds", 0)
+    assert summary(records) == [
+        "3 engine pools (6 engines) and 1 engine restarts: 4 starts, 221 s of start-up",
+        " 1.   70 s  pool of 3 engines, default: started in test_chaos.py::test_die",
+        " 2.   41 s  restart of 1 engine: started in test_chaos.py::test_die",
+        " 3.   50 s  pool of 1 engine, in a subprocess: started in test_cli.py::test_run",
+        " 4.   60 s  pool of 2 engines, default: started in test_a.py::test_x; shared by test_a.py, test_b.py",
+        "shared pool dropped: the test failed (after tests/integration/test_b.py::test_z[1])",
+    ]
+
+
+async def test_shared_pools_record_each_test_they_serve_and_a_fresh_one_starts_anew(make_cfg, monkeypatch, tmp_path):
+    """The record a run's summary reads: a lease per test, by the pool's kind and count."""
+    record = tmp_path / "starts.jsonl"
+    monkeypatch.setenv(STARTS_ENV, str(record))
+    pools, started = pools_of_fakes()
+    for test in ["test_a.py::test_x", "test_b.py::test_y"]:
+        monkeypatch.setenv("PYTEST_CURRENT_TEST", f"tests/integration/{test} (call)")
+        async with pools.engine(make_cfg()):
+            pass
+    async with pools.engine(make_cfg(), fresh=True):
+        pass
+    assert len(started) == 2 and started[0].shutdown_calls == 1, "fresh: the idle pool of the kind is stopped"
+    leases = [r for r in map(json.loads, record.read_text().splitlines()) if r["kind"] == "lease"]
+    assert [(r["test"], r["count"]) for r in leases] == [
+        ("tests/integration/test_a.py::test_x", 2),
+        ("tests/integration/test_b.py::test_y", 2),
+        ("tests/integration/test_b.py::test_y", 2),
+    ]
+    assert {r["label"] for r in leases} == {kind(make_cfg())}
     await pools.close()

@@ -12,7 +12,8 @@ import os
 
 import pytest
 
-from tests.support.engines import SharedPools, held, integration_config
+from tests.support import starts
+from tests.support.engines import SharedPools, held, integration_config, kind
 
 RERUNS = int(os.environ.get("ROLLOUT_INTEGRATION_RERUNS", "0"))
 
@@ -45,6 +46,23 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.integration)
             if RERUNS and item.get_closest_marker("flaky") is None:
                 item.add_marker(pytest.mark.flaky(reruns=RERUNS, rerun_except="Timeout >"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def named_starts():
+    """Every pool this process starts, shared or a test's own, is named by its kind in the run's
+    engine-start record (`tests.support.starts`): its start is wrapped, nothing else changes."""
+    from actors.pool import RayEnginePool
+
+    start = RayEnginePool.start.__func__
+
+    async def named(cls, cfg, *args, **kwargs):  # noqa: ANN001 -- RayEnginePool.start's own
+        starts.append("label", label=kind(cfg))
+        return await start(cls, cfg, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(RayEnginePool, "start", classmethod(named))
+        yield
 
 
 @pytest.fixture(scope="session")

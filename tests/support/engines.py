@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import re
 import subprocess
@@ -31,7 +30,8 @@ import msgspec
 from policies.shm import mapped
 from rollout import RolloutEngine, load_config
 from rollout.config import Config
-from rollout.log import STARTS_ENV, get_logger
+from rollout.log import get_logger
+from tests.support import starts
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 1024
@@ -66,11 +66,57 @@ DRIVER_ONLY = {
 }  # fmt: skip
 
 
-def pool_key(cfg: Config) -> bytes:
+def _started_with(cfg: Config) -> dict[str, Any]:
     """What a pool's engine actors are started with: the model, the engines and vLLM's arguments,
     speculation, the logprobs kind."""
     engines = {k: v for k, v in msgspec.to_builtins(cfg.engines).items() if k not in DRIVER_ONLY}
-    return msgspec.json.encode([cfg.model, engines, cfg.speculative, cfg.sampling.logprobs], order="sorted")
+    return {
+        "model": msgspec.to_builtins(cfg.model),
+        "engines": engines,
+        "speculative": msgspec.to_builtins(cfg.speculative),
+        "logprobs": cfg.sampling.logprobs,
+    }
+
+
+def pool_key(cfg: Config) -> bytes:
+    """A pool's kind: what its engine actors are started with."""
+    return msgspec.json.encode(_started_with(cfg), order="sorted")
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested dict's leaves by their dotted paths."""
+    if not isinstance(tree, dict) or not tree:
+        return {prefix: tree}
+    return {k: v for key, value in tree.items() for k, v in _flat(value, f"{prefix}.{key}".lstrip(".")).items()}
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_shown, value)) + "]"
+    if isinstance(value, str):  # a model directory by its name, a class by its own
+        return value.rsplit("/", 1)[-1].rsplit(":", 1)[-1]
+    return str(value)
+
+
+def kind(cfg: Config) -> str:
+    """A pool's kind in a few words, for the run's summary: what its engines are started with that
+    the default integration config's are not, besides their count ("default" where nothing)."""
+    here, base = _flat(_started_with(cfg)), _flat(_started_with(integration_config()))
+    words = []
+    for key in [*here, *(k for k in base if k not in here)]:
+        value = here.get(key)
+        if key == "engines.count" or value == base.get(key):
+            continue
+        name = key.removeprefix("engines.vllm.").removeprefix("engines.").removeprefix("model.")
+        if name == "enforce_eager":
+            words.append("eager" if value else "compiled")
+        elif name == "speculative.method":
+            words.append(f"spec-decode {value}")
+        elif key not in here:
+            words.append(f"{name} unset")
+        else:
+            words.append(f"{name.removeprefix('speculative.')}={_shown(value)}")
+    return ", ".join(words) or "default"
 
 
 def _set_weight_sync(shell: Any, weight_sync: Any) -> None:
@@ -105,15 +151,20 @@ class SharedPools:
         self._started_ray = False
 
     @contextlib.asynccontextmanager
-    async def engine(self, cfg: Config, **kwargs: Any) -> AsyncIterator[RolloutEngine]:
+    async def engine(self, cfg: Config, fresh: bool = False, **kwargs: Any) -> AsyncIterator[RolloutEngine]:
         """A RolloutEngine of `cfg` (and RolloutEngine's keyword arguments) over the shared pool of
-        its kind, at the epoch the pool's engines serve (the model's own weights)."""
+        its kind, at the epoch the pool's engines serve (the model's own weights). `fresh`: the
+        pool is started now, an idle one of the kind stopped first (for a test of what a start
+        does; the kind's first user costs nothing more)."""
         if cfg.engines.max_inflight_per_engine > POOL_INFLIGHT:
             raise ValueError(f"a shared pool runs at most {POOL_INFLIGHT} requests per engine")
         key = pool_key(cfg)
         if key in self._leased:
             raise RuntimeError("this kind of pool is already in use by another engine of the test")
+        if fresh:
+            await self._stop(key)
         pool = await self._pool(key, cfg)
+        starts.append("lease", label=kind(cfg), count=cfg.engines.count, test=current_test())
         epoch = (await pool.engines[0].stats()).epoch
         actors = getattr(pool, "actors", [])  # Ray's engine actors (a fake pool has none)
         await asyncio.gather(*(a.__ray_call__.remote(_set_weight_sync, cfg.weight_sync) for a in actors))
@@ -128,11 +179,10 @@ class SharedPools:
         finally:
             self._leased.discard(key)
             if why is not None:  # engines not as a fresh pool's: the next test starts anew
-                # the test whose engine it was (pytest names it during its setup, call and teardown)
-                test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
+                test = current_test()
                 why = f"{why} (after {test})" if test else why
                 log.warning("shared pool dropped", reason=why)
-                _record_drop(why)
+                starts.append("dropped", reason=why)
                 await self._stop(key)
 
     def spoil(self, engine: RolloutEngine) -> None:
@@ -178,11 +228,9 @@ class SharedPools:
             ray.shutdown()
 
 
-def _record_drop(why: str) -> None:
-    """A dropped pool in the run's engine-start record (the run's summary lists why)."""
-    if path := os.environ.get(STARTS_ENV):
-        with open(path, "a") as f:
-            f.write(json.dumps({"kind": "dropped", "reason": why, "engines": 0, "seconds": 0}) + "\n")
+def current_test() -> str:
+    """The test running now (pytest names it during its setup, call and teardown), or ""."""
+    return os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
 
 
 async def _hand_back(engine: RolloutEngine, epoch: int) -> str | None:
