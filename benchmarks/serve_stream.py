@@ -5,7 +5,13 @@ Two servers run one after the other, never both at once, on the same model direc
 config's model, by default the embedded tiny one): `rollout serve CONFIG -o engines.count=1`, and
 `python -m vllm.entrypoints.openai.api_server` with the engine arguments our engine passes to vLLM
 (`policies.vllm_args`: dtype, max_model_len, max_num_seqs, the KV cache's bytes, prefix caching,
-seed; compiled, not eager; on CPU the same core binding). After `--warmup` requests, each level of
+seed; compiled, not eager; on CPU the same core binding). On CPU both servers' engines run where
+`rollout serve` puts its engine (`policies.cpu_engine`): the engine's processes on the engine's
+cores (`engines.cpus_per_engine`, from core 0) at nice `ENGINE_NICE` (Ray's worker niceness, inherited
+by the engine core and its worker), the server's front process (our driver, vLLM's API server)
+unpinned at nice 0. vLLM's server does not place its engine core itself, so once it serves, every
+thread of its engine core process tree is pinned and niced so (`place_engine`); the placement of
+both servers' processes is printed and noted in the report. After `--warmup` requests, each level of
 `--concurrency` keeps that many requests in flight until `--requests` of them (default
 max(8, 2 x concurrency)) are answered; every request is a chat of its own (no shared prefix) with
 `stream: true`, `stream_options: {include_usage: true, continuous_usage_stats: true}` and
@@ -66,6 +72,12 @@ NOTE = (
     "0 where two chunks arrive in one socket read; none for a stream sent as one chunk. TPOT: (last chunk - "
     "first chunk) / tokens after the first. CPU: the server's main process (for `rollout serve`, the driver) and "
     "its whole process tree (engine included), per completion token; the client shares the 2 cores."
+)
+PLACEMENT = (
+    "Placement, the same for both servers: the engine's processes (for `rollout serve` the engine actor, vLLM's "
+    "engine core and worker; for vLLM's server its engine core and worker, pinned and niced by the benchmark once "
+    "it serves) on the engine's cores at nice {nice}; the front process (our driver, vLLM's API server) "
+    "unpinned at nice 0. As measured: {seen}."
 )
 
 
@@ -264,6 +276,33 @@ def tree_cpu_s(pid: int) -> float:
     return total
 
 
+def placement(pid: int) -> list[str]:
+    """Where each process of `pid`'s tree runs: "name: cores, nice" (its main thread's)."""
+    import psutil
+
+    out = []
+    root = psutil.Process(pid)
+    for p in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            cores = ",".join(map(str, sorted(p.cpu_affinity())))
+            out.append(f"{p.name()}: cores {cores}, nice {p.nice()}")
+    return out
+
+
+def place_engine(pid: int, cores: set[int], nice: int) -> None:
+    """Every thread of every descendant of vLLM's API server `pid` (its engine core and model
+    worker) onto `cores`, at nice `nice` (never raised): where our engine runs its own. Per thread,
+    since on Linux both affinity and nice belong to a thread, and threads started later inherit
+    them from the thread that starts them."""
+    import psutil
+
+    for p in psutil.Process(pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error, OSError):
+            for t in p.threads():
+                os.sched_setaffinity(t.id, cores)
+                os.setpriority(os.PRIO_PROCESS, t.id, max(nice, os.getpriority(os.PRIO_PROCESS, t.id)))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -404,7 +443,13 @@ def _ratio(a: float | None, b: float | None) -> float | str:
     return "-" if a is None or not b else round(a / b, 3)
 
 
-def report(measured: dict[str, list], args: argparse.Namespace, command: str) -> dict[str, Any]:
+def _engine_side(processes: list[str]) -> list[str]:
+    """The placement lines worth a note: the front process and the engine's (not Ray's own)."""
+    keep = ("rollout", "python", "VLLMPolicy", "EngineCore", "VLLM")
+    return [p for i, p in enumerate(processes) if i == 0 or any(k in p.split(":")[0] for k in keep)]
+
+
+def report(measured: dict[str, list], args: argparse.Namespace, command: str, placed: str = "") -> dict[str, Any]:
     """The run as benchmarks/results/*.json (`docs/gen_reference.py`'s `Results`)."""
 
     def git(*args: str) -> str:
@@ -427,7 +472,7 @@ def report(measured: dict[str, list], args: argparse.Namespace, command: str) ->
                     "output tokens/s", "chunks/request", "server CPU, main process", "server CPU, process tree",
                     "client CPU"],
         "rows": rows,
-        "notes": [NOTE],
+        "notes": [NOTE, placed] if placed else [NOTE],
     }]  # fmt: skip
     if all(name in measured for name in SERVERS):
         pairs = zip(measured["rollout"], measured["vllm"], strict=True)
@@ -481,6 +526,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"servers' output: {logs}", flush=True)
     shm_before = set(os.listdir("/dev/shm"))
     measured: dict[str, list] = {}
+    placed: dict[str, list[str]] = {}
+    from policies.cpu_engine import ENGINE_NICE
+    from policies.vllm_args import engine_env
+
+    bind = engine_env(0, cfg.engines.cpus_per_engine, cfg.engines.gpus_per_engine).get("ROLLOUT_ENGINE_CORES", "")
+    cores = {int(c) for c in bind.split(",") if c}
     for name in servers:
         port = free_port()
         base = f"http://127.0.0.1:{port}"
@@ -489,11 +540,16 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         with running(cmd, env, logs / f"{name}.log", base) as pid:
             print(f"  serving after {time.perf_counter() - start:.0f} s", flush=True)
+            if name == "vllm" and cores:
+                place_engine(pid, cores, ENGINE_NICE)
+            placed[name] = placement(pid)
+            print("  " + "; ".join(placed[name]), flush=True)
             measured[name] = asyncio.run(measure(base, pid, levels, args.requests, args.max_tokens, args.warmup))
     if left := sorted(set(os.listdir("/dev/shm")) - shm_before):
         print(f"warning: /dev/shm entries new since the start: {left}", file=sys.stderr)
     command = "python benchmarks/serve_stream.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    result = report(measured, args, command.strip())
+    seen = "; ".join(f"{name}: {', '.join(_engine_side(p))}" for name, p in placed.items())
+    result = report(measured, args, command.strip(), PLACEMENT.format(nice=ENGINE_NICE, seen=seen))
     print_table(result)
     Path(args.report).write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n")
     print(f"\nreport: {args.report}")

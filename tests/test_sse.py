@@ -8,7 +8,7 @@ import pytest
 
 from rollout.episodes.chat import ChatRenderer
 from rollout.serve import openai_api as api
-from rollout.serve.sse import Text
+from rollout.serve.sse import Text, decoder
 from rollout.tiny import build_tiny
 
 
@@ -46,3 +46,18 @@ def test_a_stop_token_and_an_unfinished_character_wait(chat):
     text = Text(chat, [], [eos], 0)
     assert [text.add([t]) for t in ids] == ["h", "", "é", ""]
     assert text.rest(api.visible_text(chat, ids, "stop", [], [eos])) == ""
+
+
+def test_the_streaming_decoder_gives_the_tokenizers_text(chat):
+    import random
+
+    decode = decoder(chat)
+    rng = random.Random(0)
+    vocab = len(chat.tokenizer)
+    for ids in (
+        [],
+        [2],
+        chat.encode("hé wörld <b> 1 2"),
+        *([rng.randrange(vocab) for _ in range(n)] for n in range(1, 40)),
+    ):
+        assert decode(ids) == chat.decode(ids), ids

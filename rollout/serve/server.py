@@ -314,6 +314,10 @@ class Server:
         finally:
             gone.cancel()  # from here the response watches for the client going away
 
+        # From here one event wakes the body: new tokens, or the run's end (a callback, not a task
+        # per wait: a step's wake-up costs one future, however many streams are open).
+        run.add_done_callback(lambda _: arrived.set())
+
         async def body() -> Any:
             try:
                 yield chunks.start()
@@ -328,7 +332,7 @@ class Server:
                     if new:  # arrived while the last chunk was being sent
                         continue
                     arrived.clear()
-                    await _first(run, arrived)
+                    await arrived.wait()
                 try:
                     trajs = run.result()
                 except Exception as e:  # after the first chunk: an error event ends the stream
@@ -428,7 +432,7 @@ class Events(StreamingResponse):
 
     async def stream_response(self, send: Any) -> None:
         async def bounded(message: Any) -> None:
-            with anyio.fail_after(STALL_S):
+            async with asyncio.timeout(STALL_S):  # a timer handle, lighter than a cancel scope per chunk
                 await send(message)
 
         try:

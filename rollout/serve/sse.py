@@ -19,6 +19,7 @@ request's run (`rollout.serve.server`), the finished answer's fields (`rollout.s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -36,10 +37,12 @@ class Text:
     A stop string ends it where vLLM's detokenizer ends it: at the first one in the text the
     tokens past `min_tokens` added (`check_stop_strings`), left out."""
 
-    __slots__ = ("chat", "ids", "stop", "hold", "stop_ids", "min_tokens", "text", "sent", "prefix", "read", "cut")
+    __slots__ = ("chat", "decode", "ids", "stop", "hold", "stop_ids", "min_tokens", "text", "sent", "prefix", "read",
+                 "cut")  # fmt: skip
 
     def __init__(self, chat: ChatRenderer | None, stop: list[str], stop_ids: list[int], min_tokens: int = 0):
         self.chat, self.stop, self.stop_ids, self.min_tokens = chat, stop, set(stop_ids), min_tokens
+        self.decode = decoder(chat) if chat is not None else None
         self.hold = max((len(s) for s in stop), default=1) - 1  # characters a stop string could still cut
         self.ids: list[int] = []
         self.text = ""  # decoded so far (a trailing stop token left out)
@@ -67,13 +70,13 @@ class Text:
         """One token, as vLLM's detokenizer takes it: decoded (a stop token's text once a token
         follows it), then, past `min_tokens`, the text it added searched for the stop string that
         completes first (the first listed on a tie)."""
-        assert self.chat is not None
+        assert self.decode is not None
         self.ids.append(token)
         end = len(self.ids) - (1 if token in self.stop_ids else 0)
         grew = 0
         if end > self.read:
-            before = self.chat.decode(self.ids[self.prefix : self.read])
-            after = self.chat.decode(self.ids[self.prefix : end])
+            before = self.decode(self.ids[self.prefix : self.read])
+            after = self.decode(self.ids[self.prefix : end])
             if len(after) > len(before) and not after.endswith("\ufffd"):  # a whole character more
                 grew = len(after) - len(before)
                 self.text += after[len(before) :]
@@ -108,6 +111,8 @@ class Chunks:
         self.head = {"id": f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}",
                      "object": "chat.completion.chunk" if is_chat else "text_completion",
                      "created": int(time.time()), "model": model}  # fmt: skip
+        # Every chunk of one choice is this head, then the choice: its bytes are encoded once.
+        self._opening = b"data: " + msgspec.json.encode({**self.head, "choices": []})[:-2]
         self.texts = [Text(chat, call.stop, call.stop_ids, call.sampling.get("min_tokens", 0)) for _ in range(n)]
         self.seen = [0] * n  # tokens of each choice sent
         use = parsers is not None and call.parse is not None and chat is not None and is_chat
@@ -131,7 +136,7 @@ class Chunks:
             text = self.texts[k].add(ids)
             if (choice := self._choice(k, text, ids, lps, False)) is not None:
                 choice["finish_reason"] = None
-                out.append(_event(self._chunk(choice)))
+                out.append(self._opening + msgspec.json.encode(choice) + b"]}\n\n")
         return b"".join(out)
 
     def end(self, trajs: list[Trajectory]) -> bytes:
@@ -167,9 +172,10 @@ class Chunks:
                 delta = {"content": text} if text else None
             if delta is None and not (last or (ids and (call.logprobs or call.return_token_ids))):
                 return None
-            choice: dict[str, Any] = {"index": k, "delta": delta or {}}
-            items = api.logprob_items(Trajectory(token_ids=ids, logprobs=lps), call.as_token_ids, self.chat)
-            choice["logprobs"] = {"content": items} if call.logprobs else None
+            choice: dict[str, Any] = {"index": k, "delta": delta or {}, "logprobs": None}
+            if call.logprobs:
+                items = api.logprob_items(Trajectory(token_ids=ids, logprobs=lps), call.as_token_ids, self.chat)
+                choice["logprobs"] = {"content": items}
         else:
             if not text and not last and not (ids and (call.logprobs or call.return_token_ids)):
                 return None
@@ -190,3 +196,24 @@ class Chunks:
 
 def _event(data: dict[str, Any]) -> bytes:
     return b"data: " + msgspec.json.encode(data) + b"\n\n"
+
+
+def decoder(chat: ChatRenderer) -> Callable[[list[int]], str]:
+    """`chat.decode`, calling the Rust tokenizer directly where transformers' decode adds nothing to
+    it (a `tokenizers` backend whose decode is transformers' own, without the clean-up of spaces):
+    the same text, without transformers' per-call conversions, for the two decodes per streamed
+    token."""
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    tok = chat.tokenizer
+    plain = (
+        isinstance(tok, TokenizersBackend)
+        and type(tok)._decode is TokenizersBackend._decode
+        and type(tok).decode is PreTrainedTokenizerBase.decode
+        and not tok.clean_up_tokenization_spaces
+    )
+    if not plain:
+        return chat.decode
+    backend = tok._tokenizer
+    return lambda ids: backend.decode(ids, skip_special_tokens=True)
