@@ -15,7 +15,8 @@ type-only arrow is still an arrow. The rules:
 - no module imports another module's private (`_name`) name;
 - no circles between the parts of `rollout/` (a subpackage, or a module at its top, is one part),
   nor between its modules (type-only imports included);
-- no test module imports another test module: test helpers live in `tests/support/`.
+- no test module imports another test module: test helpers live in `tests/support/`;
+- `WeightTransfer` uses only what the `Updates` protocol declares of the engine's weight updates.
 Each failure names the file, line and import that breaks the rule.
 """
 
@@ -350,3 +351,17 @@ def test_the_public_learner_module_hands_out_the_engine_sides_own_classes():
     assert sorted(trainer._HOME) == trainer.__all__
     with pytest.raises(AttributeError, match="no attribute 'GlooWeightTransferEngine'"):
         trainer.GlooWeightTransferEngine  # noqa: B018  (the engine's half is not the learner's)
+
+
+def test_the_weight_transfer_reaches_the_updates_only_through_their_protocol():
+    """`WeightTransfer` uses of `WeightUpdates` (its `self.u`) only what `rollout.weights.round.Updates`
+    declares: a new reach into the update side's state fails here, naming it."""
+    body = next(
+        n for n in ast.parse((ROOT / "rollout/weights/round.py").read_text()).body
+        if isinstance(n, ast.ClassDef) and n.name == "Updates"
+    )  # fmt: skip
+    declared = {n.name for n in body.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    declared |= {n.target.id for n in body.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    tree = ast.parse((ROOT / "rollout/weights/transfer.py").read_text())
+    used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and ast.unparse(n.value) == "self.u"}
+    assert used and used <= declared, sorted(used - declared)

@@ -71,12 +71,6 @@ def capped_infos(cfg: Any, infos: list[dict[str, Any]]) -> tuple[list[dict[str, 
     return [{**info, "timeout_s": min(asked, bound)} for info in infos], said if asked > bound else ""
 
 
-def _itemsize(dtype: str) -> int:
-    import torch
-
-    return getattr(torch, dtype).itemsize
-
-
 async def pack_on_loop(weights: Any, manifest: Manifest) -> Any:
     """`rollout.tensors.pack` for the driver's event loop: a state dict of CPU tensors is checked
     and packed on the loop's own thread, one tensor per loop turn, so the loop blocks for one
@@ -95,3 +89,9 @@ async def pack_on_loop(weights: Any, manifest: Manifest) -> Any:
         else:
             data[name] = await anyio.to_thread.run_sync(tensor_bytes, name, t)
     return Packed(specs=specs, data=data)
+
+
+def _itemsize(dtype: str) -> int:
+    import torch
+
+    return getattr(torch, dtype).itemsize
