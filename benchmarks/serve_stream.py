@@ -6,12 +6,13 @@ config's model, by default the embedded tiny one): `rollout serve CONFIG -o engi
 `python -m vllm.entrypoints.openai.api_server` with the engine arguments our engine passes to vLLM
 (`policies.vllm_args`: dtype, max_model_len, max_num_seqs, the KV cache's bytes, prefix caching,
 seed; compiled, not eager; on CPU the same core binding). On CPU both servers' engines run where
-`rollout serve` puts its engine (`policies.cpu_engine`): the engine's processes on the engine's
-cores (`engines.cpus_per_engine`, from core 0) at nice `ENGINE_NICE` (Ray's worker niceness, inherited
-by the engine core and its worker), the server's front process (our driver, vLLM's API server)
-unpinned at nice 0. vLLM's server does not place its engine core itself, so once it serves, every
-thread of its engine core process tree is pinned and niced so (`place_engine`); the placement of
-both servers' processes is printed and noted in the report. After `--warmup` requests, each level of
+`rollout serve` puts its engine (`policies.cpu_engine`): the engine core and its model worker on
+the engine's cores (`engines.cpus_per_engine`, from core 0) at nice `ENGINE_NICE` (Ray's worker
+niceness), the rest unpinned: our driver and our engine actor's front-end (at Ray's worker nice),
+vLLM's API server (its HTTP front and its engine front-end in one process, at nice 0). vLLM's server
+does not place its engine core itself, so once it serves, every thread of its engine core's
+process tree is pinned and niced so (`place_engine`); the placement of both servers' processes is
+printed and noted in the report. After `--warmup` requests, each level of
 `--concurrency` keeps that many requests in flight until `--requests` of them (default
 max(8, 2 x concurrency)) are answered; every request is a chat of its own (no shared prefix) with
 `stream: true`, `stream_options: {include_usage: true, continuous_usage_stats: true}` and
@@ -74,10 +75,10 @@ NOTE = (
     "its whole process tree (engine included), per completion token; the client shares the 2 cores."
 )
 PLACEMENT = (
-    "Placement, the same for both servers: the engine's processes (for `rollout serve` the engine actor, vLLM's "
-    "engine core and worker; for vLLM's server its engine core and worker, pinned and niced by the benchmark once "
-    "it serves) on the engine's cores at nice {nice}; the front process (our driver, vLLM's API server) "
-    "unpinned at nice 0. As measured: {seen}."
+    "Placement, the same for both servers' engines: the engine core and its worker on the engine's cores at nice "
+    "{nice} (vLLM's server's pinned and niced by the benchmark once it serves); the front processes (our driver; "
+    "our engine actor's front-end, at Ray's worker nice; vLLM's API server, at nice 0) unpinned. Each process's "
+    "main thread as measured: {seen}."
 )
 
 

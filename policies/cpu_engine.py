@@ -1,7 +1,11 @@
 """Where a CPU engine's processes run, and behind whom: its own cores, and after the driver.
 
-A CPU engine's three busy processes (this actor's front-end, vLLM's engine core and its model
-worker) fill the cores they run on, and on a small machine the driver shares those cores. Ray
+A CPU engine's busy processes (vLLM's engine core and its model worker) fill the cores they run
+on, and on a small machine the driver shares those cores. This actor's front-end (vLLM's output
+handler, the streamed deltas, the data path) runs on them only while it starts them: they inherit
+its cores, and then it returns to the cores it had, so that it handles one step's outputs while
+the engine core computes the next (as vLLM's own API server does, a process of its own), instead
+of taking turns with the engine core on its cores. Ray
 starts its workers at nice 15 so that the driver and the raylet come first, but the kernel's
 autogroups (`kernel.sched_autogroup_enabled`, on by default) give every session an equal share of
 the CPU and apply nice only inside a session: every Ray worker is in the raylet's session, so the
@@ -44,11 +48,19 @@ def _session(autogroup: str) -> str:
     return f"{socket.gethostname()}:{autogroup.split()[0]}" if autogroup else ""
 
 
-def pin(cores: str) -> None:
-    """This process, and the engine core and worker processes vLLM spawns next (they inherit the
-    mask), on `cores` ("0,1"). Left to the OS, the busy processes of engines sharing cores run
-    slower and far less evenly."""
+def pin(cores: str) -> set[int]:
+    """The calling thread, and the engine core and worker processes vLLM spawns from it next (they
+    inherit the mask), on `cores` ("0,1"). Left to the OS, the busy processes of engines sharing
+    cores run slower and far less evenly. Returns the thread's cores before, for `unpin`."""
+    before = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
+    return before
+
+
+def unpin(before: set[int]) -> None:
+    """The calling thread back on the cores `pin` returned, once the processes it spawned run on
+    theirs."""
+    os.sched_setaffinity(0, before)
 
 
 def behind_driver(nice: int = ENGINE_NICE) -> str:

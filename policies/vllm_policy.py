@@ -25,7 +25,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from policies.cpu_engine import behind_driver, pin
+from policies.cpu_engine import behind_driver, pin, unpin
 from policies.group_calls import GroupCalls
 from policies.ledger import Piece, Verdict, settle, streamed
 from policies.ledger import snapshot as ledger_snapshot
@@ -96,8 +96,9 @@ class VLLMPolicy(GroupCalls, WeightLoading):
         from policies.vllm_adapter.frontend import VllmFrontend
 
         args = engine_args(self.cfg, self.model_path)
+        front_cores: set[int] | None = None  # this thread's cores once vLLM's processes run on the engine's
         if cores := os.environ.get("ROLLOUT_ENGINE_CORES"):  # a CPU engine (`policies.cpu_engine`)
-            pin(cores)
+            front_cores = pin(cores)
             autogroup = behind_driver()
             log.debug("engine processes behind the driver", engine=self.engine_id, autogroup=autogroup)
         # A stat logger of our own, only when speculating: it turns on vLLM's per-step stats
@@ -109,6 +110,8 @@ class VLLMPolicy(GroupCalls, WeightLoading):
             self._vllm = await VllmFrontend.start(args, loggers, self._after_step)
         except Exception as e:  # vLLM says "see root cause above": find it, and clean up after it
             raise EngineDeadError(start_failure(e, before, self.engine_id)) from e
+        if front_cores is not None:
+            unpin(front_cores)
         if not self.cfg.engines.gpus_per_engine:
             await self._repair_cpu_worker(args.worker_extension_cls)
         await self.ready()
