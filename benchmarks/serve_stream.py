@@ -446,8 +446,7 @@ def _ratio(a: float | None, b: float | None) -> float | str:
 
 def _engine_side(processes: list[str]) -> list[str]:
     """The placement lines worth a note: the front process and the engine's (not Ray's own)."""
-    keep = ("rollout", "python", "VLLMPolicy", "EngineCore", "VLLM")
-    return [p for i, p in enumerate(processes) if i == 0 or any(k in p.split(":")[0] for k in keep)]
+    return [p for i, p in enumerate(processes) if i == 0 or "VLLMPolicy" in p or "EngineCore" in p]
 
 
 def report(measured: dict[str, list], args: argparse.Namespace, command: str, placed: str = "") -> dict[str, Any]:

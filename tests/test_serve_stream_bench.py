@@ -1,13 +1,26 @@
 """benchmarks/serve_stream.py's arithmetic on canned streams: SSE parsing, the token-counting rule,
-TTFT / ITL / TPOT and percentiles. No servers."""
+TTFT / ITL / TPOT and percentiles; and its placement of a server's engine processes. No servers."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
+import psutil
 import pytest
 
-from benchmarks.serve_stream import Chunk, SseParser, level_summary, percentile, request_stats, token_chunks
+from benchmarks.serve_stream import (
+    Chunk,
+    SseParser,
+    level_summary,
+    percentile,
+    place_engine,
+    placement,
+    request_stats,
+    token_chunks,
+)
 
 
 def chat_chunk(t: float, content: str | None, usage: int | None = None, role: bool = False) -> Chunk:
@@ -107,3 +120,26 @@ def test_level_summary_pools_every_request() -> None:
     assert s["itl_ms_p99"] == pytest.approx(100 + 300 * 0.99)
     assert s["output_tokens_s"] == pytest.approx(4 / 0.8)
     assert s["latency_ms_p50"] == pytest.approx(450.0)
+
+
+def test_place_engine_pins_and_nices_every_thread_below_the_server_and_leaves_the_server_alone():
+    child = (
+        "import threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); "
+        "print('ready', flush=True); time.sleep(60)"
+    )
+    parent = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(60)"
+    server = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None and server.stdout.readline() == "ready\n"  # its engine's threads run
+        (engine,) = psutil.Process(server.pid).children()
+        place_engine(server.pid, {0}, 15)
+        for t in engine.threads():
+            assert os.sched_getaffinity(t.id) == {0}
+            assert os.getpriority(os.PRIO_PROCESS, t.id) == 15
+        assert os.getpriority(os.PRIO_PROCESS, server.pid) == os.getpriority(os.PRIO_PROCESS, 0)
+        assert placement(server.pid)[1].endswith("cores 0, nice 15")
+    finally:
+        for p in psutil.Process(server.pid).children(recursive=True):
+            p.kill()
+        server.kill()
+        server.wait()
