@@ -141,8 +141,9 @@ def test_the_summary_names_each_start_its_kind_the_test_that_caused_it_and_the_f
         {"kind": "test", "test": f"{t}test_chaos.py::test_die", "pid": 1},
         {"kind": "label", "label": "default", "pid": 1},
         {"kind": "pool", "engines": 3, "seconds": 70.4, "pid": 1},
-        {"kind": "restart", "engines": 1, "seconds": 41.0, "pid": 1},
+        {"kind": "restarting", "pid": 1},
         {"kind": "test", "test": f"{t}test_cli.py::test_run", "pid": 1},
+        {"kind": "restart", "engines": 1, "seconds": 41.0, "pid": 1},  # it ends in the next test
         {"kind": "pool", "engines": 1, "seconds": 50.0, "pid": 7},  # a subprocess's: no label
         {"kind": "test", "test": f"{t}test_a.py::test_x", "pid": 1},
         {"kind": "label", "label": "default", "pid": 1},
@@ -160,7 +161,7 @@ def test_the_summary_names_each_start_its_kind_the_test_that_caused_it_and_the_f
     assert summary(records) == [
         "3 engine pools (6 engines) and 1 engine restarts: 4 starts, 221 s of start-up",
         " 1.   70 s  pool of 3 engines, default: started in test_chaos.py::test_die",
-        " 2.   41 s  restart of 1 engine: started in test_chaos.py::test_die",
+        " 2.   41 s  restart of 1 engine: started in test_chaos.py::test_die",  # where it began
         " 3.   50 s  pool of 1 engine, in a subprocess: started in test_cli.py::test_run",
         " 4.   60 s  pool of 2 engines, default: started in test_a.py::test_x; shared by test_a.py, test_b.py",
         "shared pool dropped: the test failed (after tests/integration/test_b.py::test_z[1])",

@@ -19,10 +19,12 @@ RERUNS = int(os.environ.get("ROLLOUT_INTEGRATION_RERUNS", "0"))
 
 
 # Files in the order they run: those that start (or kill) engines of their own first, while no
-# shared pool holds memory; then the shared pools' users, grouped by pool (the default kind, the
-# oracle runs' small-cache kind, the default kind again), each pool started once.
+# shared pool holds memory; then the shared pools' users, grouped by pool, each pool started once.
+# The default kind's pool is started by test_shutdown's SIGKILL test (a start is what it tests),
+# then used by test_robust and on; the oracle runs' small-cache kind comes between its users
+# (2 + 2 engines: both stay alive); test_episodes' keep run kills an engine for good, so it is last.
 ORDER = [
-    "test_chaos", "test_parsers", "test_spec_decode", "test_gpu_transfer", "test_shutdown", "test_processes",
+    "test_chaos", "test_parsers", "test_spec_decode", "test_gpu_transfer", "test_processes", "test_shutdown",
     "test_robust", "test_grpo", "test_engine", "test_generation", "test_metrics", "test_weight_transfer",
     "test_docs_blocks", "test_rl_http", "test_update_nowait", "test_weights", "test_serve", "test_episodes",
 ]  # fmt: skip
@@ -51,17 +53,23 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="session", autouse=True)
 def named_starts():
     """Every pool this process starts, shared or a test's own, is named by its kind in the run's
-    engine-start record (`tests.support.starts`): its start is wrapped, nothing else changes."""
+    engine-start record (`tests.support.starts`), and each restart by the test it began in: its
+    start and restart are wrapped, nothing else changes."""
     from actors.pool import RayEnginePool
 
-    start = RayEnginePool.start.__func__
+    start, restart = RayEnginePool.start.__func__, RayEnginePool.restart
 
     async def named(cls, cfg, *args, **kwargs):  # noqa: ANN001 -- RayEnginePool.start's own
         starts.append("label", label=kind(cfg))
         return await start(cls, cfg, *args, **kwargs)
 
+    async def restarting(self, *args, **kwargs):  # noqa: ANN001 -- RayEnginePool.restart's own
+        starts.append("restarting")  # a restart is recorded when it ends, maybe in a later test
+        return await restart(self, *args, **kwargs)
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(RayEnginePool, "start", classmethod(named))
+        patch.setattr(RayEnginePool, "restart", restarting)
         yield
 
 

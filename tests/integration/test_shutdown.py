@@ -1,9 +1,10 @@
 """A driver that is stopped: SIGINT (Ctrl-C) leaves nothing behind, SIGTERM neither mid start-up;
-after SIGKILL, the next start removes what it left (Ray processes, /dev/shm segments) and a new run
-on the same `queue.durable_dir` hands out exactly the groups that were finished but not taken. Two
-engines one after the other in one process each start and leave nothing (the SIGINT driver's
-engine is its second: its first ran an update and a group to the end). A SIGTERM to a running
-driver's whole process group is `tests/integration/test_robust.py`'s."""
+after SIGKILL, the next start (the suite's shared pool of the default kind, started there) removes
+what it left (Ray processes, /dev/shm segments) and a new run on the same `queue.durable_dir`
+hands out exactly the groups that were finished but not taken. Two engines one after the other in
+one process each start and leave nothing (the SIGINT driver's engine is its second: its first ran
+an update and a group to the end). A SIGTERM to a running driver's whole process group is
+`tests/integration/test_robust.py`'s."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ import time
 import anyio
 
 from policies.shm import descendants, mapped
-from rollout import RolloutEngine
 from rollout.handoff.durable import LOG_NAME
 from rollout.handoff.grouplog import AckRecord, GroupRecord, LogReader
 from tests.support.drivers import start_python
@@ -99,7 +99,7 @@ def test_a_driver_stopped_by_ctrl_c_leaves_no_process_or_shm():
 
 
 async def test_after_sigkill_the_next_start_removes_what_was_left_and_hands_out_exactly_the_untaken_groups(
-    tmp_path, capsys
+    tmp_path, capsys, pools
 ):
     durable = tmp_path / "log"
     before_shm = shm_segments()
@@ -126,7 +126,9 @@ async def test_after_sigkill_the_next_start_removes_what_was_left_and_hands_out_
         with open(durable / LOG_NAME, "ab") as f:
             f.write(b"\x40\x00\x00\x00\x12\x34")  # a record torn by the power cut, mid-header
 
-        async with RolloutEngine(integration_config("engines.count=1", f"queue.durable_dir={durable}")) as engine:
+        # The next start is the shared pool of the default kind, started here (`fresh`): the
+        # durable queue is the driver's own, and the tests after this one use the pool on.
+        async with pools.engine(integration_config(f"queue.durable_dir={durable}"), fresh=True) as engine:
             # The start removed what the killed run left: its Ray processes, its engine's segments.
             assert not alive(left), f"a killed run's processes outlived the next start: {alive(left)}"
             assert not leaked & shm_segments(), (

@@ -30,7 +30,7 @@ import msgspec
 from policies.shm import mapped
 from rollout import RolloutEngine, load_config
 from rollout.config import Config
-from rollout.log import get_logger
+from rollout.log import configure, get_logger
 from tests.support import starts
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -211,6 +211,9 @@ class SharedPools:
         from actors.pool import RayEnginePool
         from rollout.tiny import resolve_model_path
 
+        # The start's own lines (what it removed of a killed run) go where the test's RolloutEngine
+        # would send them, had it started its pool itself: its __aenter__ configures this first.
+        configure(cfg.logging.level, cfg.logging.json)
         self._started_ray |= connect(cfg)  # the session's cluster (a no-op once it is up): no pool owns it
         path = await asyncio.to_thread(resolve_model_path, cfg.model.path, cfg.model.seed)
         return await RayEnginePool.start(cfg, str(path))

@@ -4,11 +4,13 @@ the tests that caused and used it.
 `rollout.log.record_engine_start` appends one JSON line per pool start and restart to the file
 `$ROLLOUT_ENGINE_STARTS` names, from whichever process started it. The suite adds its own lines to
 the same file: which test runs (`test`, from `tests/conftest.py`), the kind of a pool about to
-start in the suite's process (`label`), a shared pool given to a test (`lease`) or shut down
-instead of handed on (`dropped`, both from `tests/support/engines.py`). Lines are appended in the
-order things happen, so a start belongs to the test that ran last, and a pool start to the
-`label` its process wrote just before; a start with no label was made in a process the suite
-started (a CLI or driver subprocess).
+start in the suite's process (`label`), a restart beginning there (`restarting`: its record is
+written when it ends, maybe during a later test; both from `tests/integration/conftest.py`), a
+shared pool given to a test (`lease`) or shut down instead of handed on (`dropped`, both from
+`tests/support/engines.py`). Lines are appended in the order things happen, so a start belongs
+to the test that ran last (a restart: when it began), and a pool start to the `label` its process
+wrote just before; a start with no label was made in a process the suite started (a CLI or
+driver subprocess).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def summary(records: list[dict[str, Any]]) -> list[str]:
     ]
     test: str | None = None
     labels: dict[int, str] = {}  # pid -> the kind of the pool that process is starting
+    begun: dict[int, list[str | None]] = {}  # pid -> the tests its restarts under way began in
     starts: list[dict[str, Any]] = []
     shared: dict[tuple[str, int], dict[str, Any]] = {}  # (kind, engines) -> its latest start, where leases go
     for r in records:
@@ -56,9 +59,12 @@ def summary(records: list[dict[str, Any]]) -> list[str]:
             test = r["test"]
         elif r["kind"] == "label":
             labels[r["pid"]] = r["label"]
+        elif r["kind"] == "restarting":
+            begun.setdefault(r["pid"], []).append(test)
         elif r["kind"] in ("pool", "restart"):
             label = labels.pop(r.get("pid"), None) if r["kind"] == "pool" else None
-            start = {**r, "label": label, "test": test, "users": []}
+            by = begun.get(r.get("pid")) if r["kind"] == "restart" else None
+            start = {**r, "label": label, "test": by.pop(0) if by else test, "users": []}
             starts.append(start)
             if label is not None:
                 shared[label, r["engines"]] = start
