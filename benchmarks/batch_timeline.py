@@ -26,8 +26,8 @@ from policies.shm import descendants
 from rollout.bench import run as bench
 from rollout.bench.progress import Progress
 from rollout.config import load_config
+from rollout.driver_process import freeze_heap
 from rollout.engine import RolloutEngine
-from rollout.process import freeze_heap
 
 TICK = os.sysconf("SC_CLK_TCK")
 NAMES = ("EngineCore", "VLLMPolicy", "raylet", "gcs_server", "IDLE", "pytest", "dashboard", "Dashboard", "monitor")

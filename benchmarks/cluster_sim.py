@@ -51,8 +51,8 @@ from benchmarks.sim_engine import LengthDist, SimSpec  # noqa: E402
 from benchmarks.sim_measure import Collections, rss_bytes, thread_cpu  # noqa: E402
 from benchmarks.sim_pool import SimPool  # noqa: E402
 from rollout.config import Config, load_config  # noqa: E402
+from rollout.driver_process import freeze_heap  # noqa: E402
 from rollout.engine import RolloutEngine  # noqa: E402
-from rollout.process import freeze_heap  # noqa: E402
 from rollout.types import Prompt  # noqa: E402
 
 
@@ -73,7 +73,7 @@ class Options(msgspec.Struct, frozen=True):
     stall: tuple[int, float] | None = None
     durable: str | None = None
     profile: bool = False
-    freeze: bool = False  # freeze the driver's start-up heap (`rollout.process.freeze_heap`)
+    freeze: bool = False  # freeze the driver's start-up heap (`rollout.driver_process.freeze_heap`)
     gc_threshold: tuple[int, ...] = ()  # gc.set_threshold for the run; (): Python's
     local: bool = False  # engines in this process (tests): no Ray, and the driver's CPU is not its own
 

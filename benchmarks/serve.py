@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.rounds import alternating  # noqa: E402
 from benchmarks.weight_plane import SIZES, build_model  # noqa: E402
 from rollout.config import load_config  # noqa: E402
+from rollout.driver_process import freeze_heap  # noqa: E402
 from rollout.engine import RolloutEngine  # noqa: E402
-from rollout.process import freeze_heap  # noqa: E402
 from rollout.tiny import cache_root  # noqa: E402
 from rollout.types import Prompt  # noqa: E402
 

@@ -15,7 +15,7 @@ warm-up steps give a median of 3, which one slow step does not move: with 3, a 1
 the first update once made the "median" of 2 the step time: 5.4 s). Then the
 ideal speed-up is 2x: the sync loop pays generation + training per step, the async one the larger
 of the two. Each run starts its own engines; engine start and `--warmup` steps are not timed. The
-learner's heap is frozen once the engines start (`rollout.process.freeze_heap`, as `rollout
+learner's heap is frozen once the engines start (`rollout.driver_process.freeze_heap`, as `rollout
 bench` does): unfrozen, a full collection walked torch's, Ray's and vLLM's objects for seconds,
 holding the learner and every update it made.
 The async learner's push does not wait for the engines to load (`update_weights(wait=False)`, the
@@ -45,9 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.weight_sync import TRANSFERS  # noqa: E402
 from rollout.config import Config, load_config  # noqa: E402
+from rollout.driver_process import freeze_heap  # noqa: E402
 from rollout.engine import RolloutEngine  # noqa: E402
 from rollout.inputs.prompts import configured_prompts  # noqa: E402
-from rollout.process import freeze_heap  # noqa: E402
 
 
 def configured(cfg: Config, max_lag: int, mode: str, groups: int) -> Config:

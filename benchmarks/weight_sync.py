@@ -11,7 +11,7 @@ back, so every round generates the same distribution of tokens). Reports per mod
   late the driver's event loop wakes meanwhile (the learner's calls all go through it), and the
   driver's garbage collections (each holds every thread of the driver: one full collection of an
   unfrozen heap took 3.6 s). The driver's heap is frozen once the engines start
-  (`rollout.process.freeze_heap`, as `rollout bench` does; a learner's process should do the same);
+  (`rollout.driver_process.freeze_heap`, as `rollout bench` does; a learner's process should do the same);
 - generated tokens/s with updates vs without, as the median of the per-round ratios;
 - the KV each update makes running requests recompute (`recompute`, `abort_resume`), in seconds at
   the engines' measured prefill rate, and a warning line for a mode whose recompute takes longer
@@ -45,9 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.weight_plane import TimedClient  # noqa: E402
 from rollout.config import Config, PromptsConfig, load_config  # noqa: E402
+from rollout.driver_process import freeze_heap  # noqa: E402
 from rollout.engine import RolloutEngine  # noqa: E402
 from rollout.inputs.prompts import configured_prompts  # noqa: E402
-from rollout.process import freeze_heap  # noqa: E402
 
 MODES = ("keep", "recompute", "abort_resume", "drain")
 TRANSFERS = ("gloo", "shm")  # vLLM's trainer API over our CPU weight-transfer engines

@@ -189,8 +189,8 @@ def cli_page() -> str:
 
 def _window_names() -> set[str]:
     """Every name `figures` returns, for a window that has each kind of figure."""
-    from rollout.handoff.staleness import StalenessStats
-    from rollout.metrics.figures import Totals, figures
+    from rollout.handout.staleness import StalenessStats
+    from rollout.metrics.live import Totals, figures
     from rollout.types import SpecCounters
 
     after = Totals(
@@ -207,7 +207,7 @@ class _Metrics:
     """What `Collector` reads: totals with one engine, no weight updates."""
 
     def totals(self) -> Any:
-        from rollout.metrics.figures import Totals
+        from rollout.metrics.live import Totals
 
         return Totals(busy_s=[0.0])
 
@@ -216,14 +216,15 @@ class _Metrics:
 
 
 def metrics_page() -> str:
-    from rollout.metrics.figures import Collector
     from rollout.metrics.names import WINDOW_FIGURES
+    from rollout.metrics.prometheus import Collector
 
     produced = _window_names()
     if produced != set(WINDOW_FIGURES):
         missing, extra = sorted(produced - set(WINDOW_FIGURES)), sorted(set(WINDOW_FIGURES) - produced)
         raise ValueError(f"rollout/metrics/names.py: no meaning for {missing}; never returned: {extra}")
-    out = [HEADER.format(source="rollout/metrics/names.py and rollout/metrics/figures.py"), "# Metrics reference\n"]
+    source = "rollout/metrics/names.py, rollout/metrics/live.py and rollout/metrics/prometheus.py"
+    out = [HEADER.format(source=source), "# Metrics reference\n"]
     out.append(
         "## `engine.metrics()`\n\nA flat dict of numbers over the window since the previous call, for "
         "trackers (`wandb.log`, `SummaryWriter.add_scalar`). How to log them: [Metrics](../guides/metrics.md).\n"

@@ -116,9 +116,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(cfg: Config, args: argparse.Namespace) -> int:
     """Start the engines and the server; print the URL once they serve; run until Ctrl-C or SIGTERM."""
+    from rollout.driver_process import freeze_heap
     from rollout.engine import RolloutEngine
-    from rollout.process import freeze_heap
-    from rollout.serve.io import check_api_key
+    from rollout.serve.auth import check_api_key
 
     check_api_key(args.api_key if args.api_key is not None else cfg.serve.api_key)  # before any engine starts
 
@@ -161,9 +161,9 @@ def _bench(cfg: Config, args: argparse.Namespace) -> int:
 
 def _run(cfg: Config, args: argparse.Namespace) -> int:
     from rollout.bench.progress import Progress
+    from rollout.driver_process import freeze_heap
     from rollout.engine import RolloutEngine
     from rollout.inputs.prompts import configured_prompts
-    from rollout.process import freeze_heap
 
     out = _open_output(args.out)  # before any engine starts: a path that cannot be written fails now
     writer = _Writer(out, args.out)

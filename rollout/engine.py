@@ -24,18 +24,19 @@ import anyio
 
 from rollout.batch import Batch
 from rollout.config import Config, load_config
+from rollout.driver_process import catch_sigterm, restore_sigterm
 from rollout.episodes.chat import chat_renderer
 from rollout.episodes.env import EnvFactory, load_env
 from rollout.errors import EngineClosedError, InvalidConfigError, InvalidPromptError
-from rollout.handoff.durable import Commits, DurableLog, DurableLogError
-from rollout.handoff.handout import Batches, HandOut
-from rollout.handoff.queue import Submission, TrajectoryQueue
-from rollout.handoff.staleness import StalenessFilter, StalenessStats, hand_out
+from rollout.handout.durable import Commits, DurableLog, DurableLogError
+from rollout.handout.queue import Submission, TrajectoryQueue
+from rollout.handout.staleness import StalenessFilter, StalenessStats, hand_out
+from rollout.handout.to_learner import Batches, HandOut
 from rollout.inputs.prompts import ModelLimits, as_async, check_all, sampling_problem
 from rollout.inputs.rewards import RewardFn, load_reward
 from rollout.log import configure, get_logger
-from rollout.metrics.figures import Collector, EngineMetrics, MetricsWindow, PrometheusExporter
-from rollout.process import catch_sigterm, restore_sigterm
+from rollout.metrics.live import EngineMetrics, MetricsWindow
+from rollout.metrics.prometheus import Collector, PrometheusExporter, start_exporter
 from rollout.scheduling.protocols import EnginePool
 from rollout.scheduling.scheduler import Scheduler
 from rollout.tiny import resolve_model_path
@@ -162,7 +163,7 @@ class RolloutEngine:
             raise
         self._scheduler.start(self._tg)
         try:
-            self.exporter = await self._metrics.serve(self._tg)
+            self.exporter = await start_exporter(self._metrics, self.cfg.metrics, self._tg)
         except BaseException:  # metrics.port taken: stop what started
             await self.__aexit__(None)
             raise
@@ -311,10 +312,10 @@ class RolloutEngine:
                 finally:
                     scheduler.queue.producer_done()
 
-    async def hand_in(self, group: Group) -> None:
+    async def deliver(self, group: Group) -> None:
         """Put a group finished elsewhere (an episode served over HTTP) into the learner's queue.
         Raises RetryableError when the queue is full."""
-        await self._live_scheduler().hand_in(group)
+        await self._live_scheduler().deliver(group)
 
     @property
     def staleness(self) -> StalenessStats:
@@ -456,7 +457,7 @@ class RolloutEngine:
 
     async def metrics(self) -> dict[str, float]:
         """Every figure since the previous call (the first: since start), flat and numeric, for a
-        tracker: `wandb.log(await engine.metrics(), step=step)`. Names and meanings: `rollout.metrics.figures`."""
+        tracker: `wandb.log(await engine.metrics(), step=step)`. Names and meanings: `rollout.metrics.names`."""
         self._live_scheduler()
         assert self._metrics is not None
         return await self._metrics.window()

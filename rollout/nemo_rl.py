@@ -36,14 +36,14 @@ from rollout.aio import fan_out
 from rollout.config import Config
 from rollout.engine import RolloutEngine
 from rollout.errors import RolloutError, WeightSyncError
-from rollout.handoff.queue import Submission
+from rollout.handout.queue import Submission
 from rollout.inputs.prompts import effective_sampling
 from rollout.learner.nemo_tensors import output_tensors, pad_id_from_model_dir, prompts_from_batch, verify_right_padding
 from rollout.log import get_logger
 from rollout.types import Group, Prompt, Trajectory
 
 if TYPE_CHECKING:
-    from rollout.metrics.figures import MetricsWindow
+    from rollout.metrics.live import MetricsWindow
     from rollout.weights.sync_client import WeightSyncClient
     from rollout.weights.transfer import WeightTransfer
 

@@ -11,9 +11,9 @@ import anyio.from_thread
 
 from rollout.batch import Batch
 from rollout.config import Config
+from rollout.driver_process import catch_sigterm, exit_on_sigterm, restore_sigterm
 from rollout.engine import RolloutEngine
-from rollout.handoff.staleness import StalenessStats
-from rollout.process import catch_sigterm, exit_on_sigterm, restore_sigterm
+from rollout.handout.staleness import StalenessStats
 from rollout.types import EngineStats, Group
 
 

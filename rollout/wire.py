@@ -1,6 +1,6 @@
 """The data path's wire protocol: the frames between the driver and each engine actor, in one place
 both ends import (the driver's handle, `actors.handle`; the engine actor, `policies.group_calls`).
-The HTTP front ends' desk calls (`rollout.serve.frontends`, a protocol of their own) travel on a
+The HTTP front ends' backend calls (`rollout.serve.frontends`, a protocol of their own) travel on a
 `FrameSocket` too.
 
 A frame is two parts, `[kind, payload]`; the payload is msgpack (per-token data packed,

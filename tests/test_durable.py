@@ -15,8 +15,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from rollout.handoff.durable import LOCK_NAME, LOG_NAME, DurableLog, DurableLogError
-from rollout.handoff.grouplog import HEADER, MAGIC, AckRecord, GroupRecord, frame
+from rollout.handout.durable import LOCK_NAME, LOG_NAME, DurableLog, DurableLogError
+from rollout.handout.durable_format import HEADER, MAGIC, AckRecord, GroupRecord, frame
 from rollout.types import Group
 from tests.support.durable_log import fill_the_disk, group, offsets, read_only, write_log
 

@@ -12,7 +12,7 @@ import pytest
 
 from rollout.engine import RolloutEngine
 from rollout.errors import InvalidPromptError
-from rollout.handoff.durable import DurableLog, DurableLogError
+from rollout.handout.durable import DurableLog, DurableLogError
 from rollout.sync_engine import SyncRolloutEngine
 from rollout.types import Prompt
 from tests.support.durable_log import fill_the_disk, offsets, read_only, write_log
@@ -344,7 +344,7 @@ async def test_the_pool_is_shut_down_even_when_closing_the_log_raises(durable_cf
 async def test_a_torn_last_record_is_counted_in_the_metrics_and_the_run_goes_on(durable_cfg, log_dir):
     """A crash's torn (here zero-filled) last record is cut off at open, with a warning, and counted
     where dashboards look: `rollout/durable_torn_records` and `rollout_durable_torn_records_total`."""
-    from rollout.handoff.durable import LOG_NAME
+    from rollout.handout.durable import LOG_NAME
 
     write_log(log_dir, 3)
     path = log_dir / LOG_NAME

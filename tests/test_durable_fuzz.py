@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rollout.handoff.durable import LOG_NAME, DurableLog, DurableLogError
-from rollout.handoff.grouplog import MAGIC, LogReader
+from rollout.handout.durable import LOG_NAME, DurableLog, DurableLogError
+from rollout.handout.durable_format import MAGIC, LogReader
 from tests.support.durable_log import group
 
 pytestmark = pytest.mark.fuzz

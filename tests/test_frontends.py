@@ -1,7 +1,7 @@
-"""`rollout serve` in several front-end processes (`serve.api_servers`) over one desk, with fake
-engines (the desk, its zmq calls, the servers and the processes are the real ones).
+"""`rollout serve` in several front-end processes (`serve.api_servers`) over one backend, with fake
+engines (the backend, its zmq calls, the servers and the processes are the real ones).
 
-Two front ends in this process, each over its own `RemoteDesk` to one `DeskService`, show that
+Two front ends in this process, each over its own `RemoteBackend` to one `DeskService`, show that
 whichever front end takes a request, what must be one stays one: a conversation's turns continue
 one session on one engine, an episode collects turns served by both and is rewarded through either,
 `/abort_requests` on one reaches a request on the other, a client gone from one aborts its engine
@@ -28,9 +28,9 @@ import pytest
 
 from rollout.engine import RolloutEngine
 from rollout.errors import InvalidConfigError
-from rollout.serve import Desk, Server, frontends
-from rollout.serve.frontends import DeskService, RemoteDesk
-from rollout.serve.io import served_chat
+from rollout.serve import Backend, Server, frontends
+from rollout.serve.frontends import DeskService, RemoteBackend
+from rollout.serve.prepare import served_chat
 from tests.support.fakes import FakePool
 from tests.support.serving import serve_cfg
 
@@ -44,12 +44,12 @@ async def two_front_ends(*overrides: str) -> AsyncIterator[tuple[RolloutEngine, 
     with anyio.fail_after(TIMEOUT):
         async with RolloutEngine(serve_cfg(*overrides), pool=pool) as engine:
             chat = served_chat(engine.model_path, engine.cfg.model.max_model_len)
-            service = DeskService(Desk(engine, chat.end_of_turn), lambda index, pid: None)
+            service = DeskService(Backend(engine, chat.end_of_turn), lambda index, pid: None)
             service.start()
             servers, clients = [], []
             for _ in range(2):
-                desk = RemoteDesk(service.address)
-                server = Server(desk, engine.cfg, chat)
+                backend = RemoteBackend(service.address)
+                server = Server(backend, engine.cfg, chat)
                 await server.start(engine._tg, port=0)
                 servers.append(server)
                 clients.append(httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT))
@@ -96,7 +96,7 @@ async def test_a_conversation_and_an_episode_served_by_two_front_ends_are_one():
 
 
 async def test_a_stream_through_a_front_end_process_gets_its_tokens_as_the_engine_makes_them():
-    """Streamed through a front end's desk (a socket to the driver): the first token's chunk arrives
+    """Streamed through a front end's backend (a socket to the driver): the first token's chunk arrives
     while the engine holds the rest, then the rest, the same answer as not streamed."""
     async with two_front_ends() as (engine, pool, (a, b)):
         body = {"messages": [user("s")], "max_tokens": 4, "return_token_ids": True}
@@ -164,10 +164,10 @@ async def test_abort_on_one_front_end_and_a_client_gone_from_the_other_reach_the
             400,
             "sampling_params.top_k",
         ),
-        ("/v1/episodes/none/reward", {"reward": 1}, 404, None),  # the desk's ApiError
+        ("/v1/episodes/none/reward", {"reward": 1}, 404, None),  # the backend's ApiError
         ("/v1/episodes/none/reward", {"reward": "high"}, 400, "reward"),
         ("/update_weight_version", {}, 400, "new_version"),
-        ("/start_weight_update", {}, 409, None),  # out of order (no init); the desk's `start`, not the proxy's own
+        ("/start_weight_update", {}, 409, None),  # out of order (no init); the backend's `start`, not the proxy's own
         ("/finish_weight_update", {}, 409, None),
         ("/v1/episodes/none/reward", {"reward": 2**70}, 400, None),  # values no msgpack carries, wherever they sit
         ("/init_weight_transfer_engine", {"init_info": {"x": [2**64]}}, 400, None),
@@ -278,11 +278,11 @@ def test_front_ends_exit_when_the_driver_is_killed(tmp_path):
 
 
 def test_a_remote_desk_answers_to_every_desk_call_and_hides_none():
-    """Each call the desk serves is a call over the socket: no name of the proxy's own shadows one."""
+    """Each call the backend serves is a call over the socket: no name of the proxy's own shadows one."""
     assert frontends.CALLS | {"record"} <= {
-        name for name in dir(Desk) if not name.startswith("_")
+        name for name in dir(Backend) if not name.startswith("_")
     }  # "ready": the service's
-    assert not [name for name in vars(RemoteDesk) if not name.startswith("_")]
+    assert not [name for name in vars(RemoteBackend) if not name.startswith("_")]
 
 
 def test_api_servers_out_of_range_names_the_key():

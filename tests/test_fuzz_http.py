@@ -144,7 +144,7 @@ async def serving(api_servers: int):
 def server(request):
     """One served engine on fake engines for the module (no deadline: each example has its own),
     on a loop in a thread of its own; served in its process, then by two front-end processes
-    (every request's values cross to the desk as msgpack)."""
+    (every request's values cross to the backend as msgpack)."""
     with start_blocking_portal() as portal, portal.wrap_async_context_manager(serving(request.param)) as s:
         yield s
 

@@ -36,7 +36,7 @@ FOUNDATION = {
     for m in ("aio", "batch", "config", "epochs", "errors", "log", "packed", "parsers", "process", "tensors", "tiny",
               "torch_addons", "transfer_backend", "types", "wire")
 }  # fmt: skip
-LOWER = ("rollout.scheduling", "rollout.handoff")
+LOWER = ("rollout.scheduling", "rollout.handout")
 ABOVE_THEM = ("rollout.serve", "rollout.weights", "rollout.bench.run", "rollout.learner", "benchmarks")
 
 
@@ -319,23 +319,23 @@ def test_a_planted_import_of_a_test_module_is_found(monkeypatch):
 
 def test_a_planted_type_only_circle_between_modules_is_found(monkeypatch):
     assert circles({"a": {"b"}, "b": {"c", "a"}, "c": set(), "d": {"e"}, "e": {"d"}}) == [("a", "b"), ("d", "e")]
-    planted = ROOT / "rollout" / "scheduling" / "direct.py"  # direct -> scheduler -> direct
+    planted = ROOT / "rollout" / "scheduling" / "callback_group.py"  # callback_group -> scheduler -> callback_group
     source = (
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from rollout.scheduling.scheduler import Scheduler\n"
     )
     monkeypatch.setitem(ALL, "rollout", [*ALL["rollout"], *imports(planted, source)])
-    with pytest.raises(AssertionError, match="rollout.scheduling.direct, rollout.scheduling.scheduler"):
+    with pytest.raises(AssertionError, match="rollout.scheduling.callback_group, rollout.scheduling.scheduler"):
         test_the_modules_of_rollout_import_each_other_without_circles()
 
 
 def test_a_planted_circle_is_found(monkeypatch):
     assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert cycle({"a": {"b"}, "b": {"c"}}) is None
-    planted = ROOT / "rollout" / "handoff" / "planted_for_test.py"  # hand-out -> scheduling -> hand-out
+    planted = ROOT / "rollout" / "handout" / "planted_for_test.py"  # hand-out -> scheduling -> hand-out
     monkeypatch.setitem(
         ALL, "rollout", [*ALL["rollout"], *imports(planted, "from rollout.scheduling.scheduler import Scheduler\n")]
     )
-    with pytest.raises(AssertionError, match="a circle: .*rollout.handoff"):
+    with pytest.raises(AssertionError, match="a circle: .*rollout.handout"):
         test_the_parts_of_rollout_import_each_other_without_circles()
 
 

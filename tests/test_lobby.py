@@ -1,4 +1,4 @@
-"""The lobby (`rollout.scheduling.lobby`) over a real `Runner`: direct groups start largest budget
+"""The lobby (`rollout.scheduling.lobby`) over a real `Runner`: callback groups start largest budget
 first as room comes free, and the room a turn of the loop frees is looked at once, not once per
 finished sample (at 256 engines a look per sample was most of the router's calls); and
 on the engine over fakes, nothing starts once the scheduler has exited."""
@@ -19,7 +19,7 @@ from tests.support.fakes import FakePool, HeldEngine
 
 
 class Group:
-    """A direct group as the lobby sees it (`lobby.Startable`)."""
+    """A callback group as the lobby sees it (`lobby.Startable`)."""
 
     def __init__(self, name: str, started: list[tuple[str, int]], n: int = 2, cost: int = 10):
         self.name, self.started, self.n, self.cost = name, started, n, cost

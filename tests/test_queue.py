@@ -7,7 +7,7 @@ import pytest
 from anyio import wait_all_tasks_blocked
 
 from rollout.errors import EngineDeadError
-from rollout.handoff.queue import TrajectoryQueue
+from rollout.handout.queue import TrajectoryQueue
 from rollout.types import Group, Prompt
 
 TIMEOUT = 5  # seconds; only reached when a test is about to fail

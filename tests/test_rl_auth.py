@@ -1,6 +1,6 @@
 """The API key on vLLM's RL routes: vLLM's unmodified `HTTPVLLMWeightSyncClient` (it sets no
 header of its own) authenticates with the key in its URL or a netrc entry, sent as HTTP Basic
-auth; without the key it is refused from any host, loopback included (`rollout.serve.io.authorized`).
+auth; without the key it is refused from any host, loopback included (`rollout.serve.auth.authorized`).
 Over fake engines whose model workers run the real gloo worker engine."""
 
 from __future__ import annotations
@@ -58,6 +58,6 @@ async def test_vllms_http_client_authenticates_with_the_key_in_its_url_or_netrc(
     (b"sekrit", False),
 ])  # fmt: skip
 def test_the_key_is_taken_as_a_bearer_token_or_as_basic_auths_password(header, admitted):
-    from rollout.serve.io import authorized
+    from rollout.serve.auth import authorized
 
     assert authorized(header, b"sekrit") is admitted

@@ -170,7 +170,7 @@ async def test_abort_requests_ends_the_named_http_requests_with_499(cfg):
 
             for rid in ("a", "b"):
                 tg.start_soon(call, rid)
-            while len(server.desk.running) < 2:
+            while len(server.backend.running) < 2:
                 await anyio.sleep(0.01)
             assert (await http.post("/abort_requests", json={"request_ids": ["a"]})).json() == {
                 "status": "aborted",
@@ -181,7 +181,7 @@ async def test_abort_requests_ends_the_named_http_requests_with_499(cfg):
             assert (await http.post("/abort_requests")).json() == {"status": "aborted", "aborted": 1}  # none named: all
         assert answers["a"].status_code == answers["b"].status_code == 499
         assert answers["a"].json()["error"]["message"] == "aborted by POST /abort_requests"
-        assert sum(e.cancelled for e in pool.engines) == 2 and not server.desk.running
+        assert sum(e.cancelled for e in pool.engines) == 2 and not server.backend.running
         for g in gates:
             g.set()
 

@@ -1,6 +1,6 @@
 """The OpenAI-compatible server's HTTP half (`rollout.serve.server`) over fake engines, driven by the
 real `openai` client and httpx: fields on every message, vLLM's conventions, streaming, every error
-case, auth and overload. Sessions, episodes and disconnects (the desk's): tests/test_serve_desk.py.
+case, auth and overload. Sessions, episodes and disconnects (the backend's): tests/test_serve_backend.py.
 Real engines: tests/integration/test_serve.py."""
 
 from __future__ import annotations

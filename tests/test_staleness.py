@@ -10,7 +10,7 @@ import pytest
 from rollout.batch import Batch
 from rollout.config import StalenessConfig, load_config
 from rollout.engine import RolloutEngine
-from rollout.handoff.staleness import StalenessFilter, StalenessStats
+from rollout.handout.staleness import StalenessFilter, StalenessStats
 from rollout.types import Group, Prompt, Trajectory
 from tests.support.fake_engine_runs import settled
 from tests.support.fakes import FakePool

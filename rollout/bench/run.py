@@ -36,11 +36,11 @@ import msgspec
 from rollout.bench.progress import Progress
 from rollout.bench.table import format_table
 from rollout.config import Config, dump_config
+from rollout.driver_process import freeze_heap
 from rollout.engine import RolloutEngine
 from rollout.errors import InvalidPromptError
 from rollout.inputs.prompts import BadPrompt, configured_prompts, effective_sampling
 from rollout.metrics.specdecode import SpecDecodeMeter, SpecDecodeReport, window
-from rollout.process import freeze_heap
 from rollout.scheduling.protocols import EnginePool
 from rollout.types import Group, Prompt, Request, SpecCounters, Trajectory
 
@@ -104,7 +104,7 @@ async def run_bench(
     `progress`: show it on stderr (a `Progress` to say where and how); `pool` replaces the
     Ray/vLLM engines (tests pass a fake); `freeze_gc`: this process is the `rollout bench`
     driver, its heap leaves the collector's view once the engines are warm
-    (`rollout.process.freeze_heap`)."""
+    (`rollout.driver_process.freeze_heap`)."""
     trajectories: list[Trajectory] = []
     rounds = cfg.bench.rounds if cfg.bench.baseline else 1
     bar = progress if isinstance(progress, Progress) else Progress("bench", enabled=progress)

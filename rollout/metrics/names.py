@@ -1,6 +1,6 @@
 """What each figure of `engine.metrics()` means: the one place its meaning is written.
 
-Owns: the meaning of every name `rollout.metrics.figures.figures` returns (a per-engine name is
+Owns: the meaning of every name `rollout.metrics.live.figures` returns (a per-engine name is
 written with `{i}` for the engine's index). docs/gen_reference.py renders them into the metrics
 reference and fails when `figures` returns a name missing here, or this names one it never
 returns. The Prometheus metrics carry their own help text where the exporter's `Collector`

@@ -1,5 +1,5 @@
 """Where and when each request runs: admission and groups (`scheduler`), groups waiting for room
-(`lobby`), the learner's plain groups run by callbacks (`direct`), the engines' loads, streams and
+(`lobby`), the learner's plain groups run by callbacks (`callback_group`), the engines' loads, streams and
 failures (`runner`), the routing policy (`router`), and the engine protocols, all this part knows
 of engines (`protocols`).
 """

@@ -2,8 +2,8 @@
 first, equal budgets in arrival order, so the long samples of a long-tailed set start first (LPT).
 
 Two kinds wait here. A group run as a task (`Lobby.acquire`: episodes, a caller's submission, ...)
-waits on its own event, and the first in line sits in `Runner.acquire`, which routes it. A direct
-group (`rollout.scheduling.direct`: the learner's plain groups, no task of their own) is started
+waits on its own event, and the first in line sits in `Runner.acquire`, which routes it. A callback
+group (`rollout.scheduling.callback_group`: the learner's plain groups, no task of their own) is started
 from `_next` as soon as it is first in line and an engine has room: when it arrives, and on the
 loop's turn after the runner says room came free (`Runner.on_room`: one look for all the room
 freed in a turn). A group with a larger budget arriving while a task waits in `Runner.acquire`
@@ -38,7 +38,7 @@ class Lobby:
     def __init__(self, runner: Runner) -> None:
         self.runner = runner
         runner.on_room = self._freed
-        self._waiting: list[list[Any]] = []  # heap of [-budget, arrival, event or direct group]
+        self._waiting: list[list[Any]] = []  # heap of [-budget, arrival, event or callback group]
         self._arrivals = 0
         self._head: tuple[list[Any], anyio.CancelScope] | None = None  # the task in `Runner.acquire`
         self._shrunk = asyncio.Event()  # set when a group leaves the waiting ones
@@ -74,7 +74,7 @@ class Lobby:
             raise
 
     def add(self, group: Startable, budget: int) -> None:
-        """A direct group: started (`group.start(engine)`) once first in line with room taken for it."""
+        """A callback group: started (`group.start(engine)`) once first in line with room taken for it."""
         entry = self._enter(budget, group)
         if (head := self._waiting[0]) is not entry and self._stuck[0] == head[1]:
             return  # behind a head that found no room: the room that comes free looks again (`_freed`)
@@ -119,7 +119,7 @@ class Lobby:
         self._next(freed)
 
     def _next(self, freed: int = -1, defer: bool = True) -> None:
-        """Start the direct groups first in line while engines have room; wake the first task in
+        """Start the callback groups first in line while engines have room; wake the first task in
         line. `freed`: the engine whose room grew, if that is the only change (-1: look anyway).
         Tasks waiting in `Runner.acquire` (a session's turn for its engine, samples moving on) get
         the room first: with any, this looks again on the loop's next turn, after them."""

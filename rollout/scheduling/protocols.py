@@ -30,7 +30,7 @@ class Engine(Protocol):
     def start_group(
         self, requests: list[Request], deliver: Callable[[list[Trajectory] | RolloutError], None]
     ) -> Callable[[], None]:
-        """`generate_group` without a task (`rollout.scheduling.direct`, the learner's plain groups):
+        """`generate_group` without a task (`rollout.scheduling.callback_group`, the learner's plain groups):
         `deliver` gets each results frame's samples of the group as they finish, from a loop
         callback, or the RolloutError that ends the group (EngineDeadError; a bad request is a
         trajectory with finish_reason "error"). Returns the call that aborts what has not finished;

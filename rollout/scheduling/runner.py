@@ -31,7 +31,7 @@ from rollout.scheduling.router import EngineLoad, count, key, route
 from rollout.types import Request, Trajectory
 
 if TYPE_CHECKING:
-    from rollout.handoff.stream import TokenStream
+    from rollout.handout.token_stream import TokenStream
 
 log = get_logger(__name__)
 

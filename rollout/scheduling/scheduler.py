@@ -23,7 +23,7 @@ Owns the data path between the prompt sources and where groups go:
   7) hand the finished group to its destination as soon as its last sample ends: the learner's
      queue (after logging it to `queue.durable_dir`, when set) or the caller's `Submission`.
 Steps 4-7 of the learner's plain groups (no episode, session or request timeout) are callbacks,
-not a task per group (`rollout.scheduling.direct`: the lobby starts one when room comes free, the
+not a task per group (`rollout.scheduling.callback_group`: the lobby starts one when room comes free, the
 engine's results frames complete it); the rest run as a task each (`_run_group`).
 One task group (the engine's) owns every in-flight group; cancelling it aborts the engine requests.
 A source that raises ends with a failed group saying why; the others go on.
@@ -49,14 +49,14 @@ from rollout.episodes.env import EnvError, EnvFactory
 from rollout.episodes.loop import run_episode
 from rollout.epochs import kv_runs
 from rollout.errors import EngineDeadError, InvalidPromptError, RetryableError, RolloutError
-from rollout.handoff.durable import DurableLog
-from rollout.handoff.queue import Submission, TrajectoryQueue
-from rollout.handoff.staleness import Admission, trainable
+from rollout.handout.durable import DurableLog
+from rollout.handout.queue import Submission, TrajectoryQueue
+from rollout.handout.staleness import Admission, trainable
 from rollout.inputs.prompts import BadPrompt, Checked, ModelLimits, check_prompt, coerce, effective_sampling
 from rollout.inputs.rewards import RewardFn, score
 from rollout.inputs.usercode import passes_through
 from rollout.log import get_logger
-from rollout.scheduling.direct import Direct
+from rollout.scheduling.callback_group import CallbackGroup
 from rollout.scheduling.lobby import Lobby
 from rollout.scheduling.protocols import Engine
 from rollout.scheduling.runner import Runner, failed
@@ -95,8 +95,8 @@ class Scheduler:
         self._failed: RolloutError | None = None  # why nothing can run any more (`fail`)
         self._direct = (
             env is None and cfg.engines.request_timeout_s is None
-        )  # the learner's plain groups run as `Direct`s
-        self.direct: set[Direct] = set()  # those started on an engine, not yet complete
+        )  # the learner's plain groups run as `CallbackGroup`s
+        self.callback_groups: set[CallbackGroup] = set()  # those started on an engine, not yet complete
         self._spawned: set[asyncio.Task] = set()  # tasks they need meanwhile (`spawn`)
         self.admission = Admission(cfg.staleness)
         self._sources: deque[AsyncIterator] = deque()
@@ -132,7 +132,7 @@ class Scheduler:
         tg.start_soon(self._stop_direct_at_exit)
 
     def spawn(self, fn: Callable[..., Awaitable[None]], *args: object) -> asyncio.Task:
-        """Run `fn(*args)` as a task (a direct group's work that must wait), from a callback too
+        """Run `fn(*args)` as a task (a callback group's work that must wait), from a callback too
         (where anyio's task group cannot start one); cancelled when the engine's task group is."""
         task = asyncio.get_running_loop().create_task(fn(*args))
         self._spawned.add(task)
@@ -140,15 +140,15 @@ class Scheduler:
         return task
 
     async def _stop_direct_at_exit(self) -> None:
-        """When the engine's task group is cancelled, abort the direct groups' engine requests (as
+        """When the engine's task group is cancelled, abort the callback groups' engine requests (as
         cancelling a group's task does) and cancel the tasks they spawned."""
         try:
             await anyio.sleep_forever()
         finally:
             self.lobby.close()  # the cancelled groups' room comes back: no waiting one starts on it
-            for group in list(self.direct):
+            for group in list(self.callback_groups):
                 group.stop()
-            self.direct.clear()
+            self.callback_groups.clear()
             for task in self._spawned:
                 task.cancel()
             with anyio.CancelScope(shield=True):
@@ -189,7 +189,7 @@ class Scheduler:
                         )
                         log.error("prompt source failed", error=reason, traceback=traceback.format_exc(limit=4))
                         seq = await self.queue.reserve()
-                        await self._hand_in(Group(prompt_id="", prompt=Prompt(), error=reason), seq, self.queue)
+                        await self._deliver(Group(prompt_id="", prompt=Prompt(), error=reason), seq, self.queue)
                         break
                     if not await self._admit(coerce(item), tg, self.queue, True):
                         return
@@ -261,7 +261,8 @@ class Scheduler:
                 return True
         cost = len(prompt.token_ids or prompt.text or "") + sampling.max_tokens
         if self._direct and dest is self.queue and prompt.session is None:
-            self.lobby.add(Direct(self, prompt, sampling, number, seq, cost, queued_at, train), sampling.max_tokens)
+            group = CallbackGroup(self, prompt, sampling, number, seq, cost, queued_at, train)
+            self.lobby.add(group, sampling.max_tokens)
             return not self._stopped
         session = self._sessions.get(prompt.session) if prompt.session is not None else None
         tg.start_soon(self._run_guarded, prompt, sampling, number, seq, cost, queued_at, dest, train, session)
@@ -292,14 +293,14 @@ class Scheduler:
                 self.fail(EngineDeadError(f"{reason}; and it could not be handed in: {type(e).__name__}: {e}"))
 
     def crash(self, error: BaseException, prompt: Prompt, seq: int, train: bool) -> None:
-        """A direct group of the learner's failed for a reason of ours (`Direct.crash`): into its
+        """A callback group of the learner's failed for a reason of ours (`CallbackGroup.crash`): into its
         queue failed, with the reason, from a task (a callback cannot wait)."""
         self.spawn(self.crashed, error, prompt, seq, self.queue, train)
 
     async def _reject(self, group: Group, seq: int, dest: Destination, train: bool) -> None:
         if train:
             self.admission.release()  # never trained on
-        await self._hand_in(group, seq, dest)
+        await self._deliver(group, seq, dest)
 
     async def _run_group(
         self, prompt: Prompt, sampling: Sampling, number: int, seq: int, cost: int, queued_at: float,
@@ -352,7 +353,7 @@ class Scheduler:
         await self._scored_in(prompt, trajectories, seq, dest, train)
 
     def complete(self, prompt: Prompt, trajectories: list[Trajectory], seq: int, train: bool) -> None:
-        """A direct group's last sample ended: into the learner's queue now, or after a task scores
+        """A callback group's last sample ended: into the learner's queue now, or after a task scores
         it and the durable log holds it."""
         if self.reward is not None or self.durable is not None:
             self.spawn(self._guarded_in, prompt, trajectories, seq, train)
@@ -381,7 +382,7 @@ class Scheduler:
         group = Group(prompt_id=prompt.id, prompt=prompt, trajectories=trajectories)
         if train and not trainable(group):
             self.admission.release()  # every sample failed: never trained on
-        await self._hand_in(group, seq, dest)
+        await self._deliver(group, seq, dest)
 
     def _continue(self, session: str, turn: Trajectory, before: list[tuple[int, int]]) -> None:
         """Remember where a session's turn ran and what its KV holds, for the session's next turn."""
@@ -436,15 +437,15 @@ class Scheduler:
             episode = failed(request, engine, f"episode {request.request_id}: {type(e).__name__}: {e}")
         finish(episode)
 
-    async def hand_in(self, group: Group) -> None:
+    async def deliver(self, group: Group) -> None:
         """A group finished elsewhere (an episode served over HTTP) into the learner's queue, counted
         by staleness admission as if it had run here. Raises RetryableError when the queue is full."""
         if (seq := self.queue.try_reserve()) is None:
             raise RetryableError(f"the learner's queue is full (queue.max_groups={self.queue.max_groups}): try again")
         self.admission.running += 1  # its hand-out counts it accepted, or releases it
-        await self._hand_in(group, seq, self.queue)
+        await self._deliver(group, seq, self.queue)
 
-    async def _hand_in(self, group: Group, seq: int, dest: Destination) -> None:
+    async def _deliver(self, group: Group, seq: int, dest: Destination) -> None:
         """To the caller's submission, or into the learner's queue after the durable log holds it."""
         if dest is self.queue and self.durable is not None:
             await anyio.to_thread.run_sync(self.durable.append, group)

@@ -10,6 +10,7 @@ from rollout.log import configure
 from rollout.serve.frontends import front_end
 
 if __name__ == "__main__":
-    settings = pickle.load(sys.stdin.buffer)  # (index, socket fd, pipe fd, desk address, Config, model path, API key)
+    # (index, socket fd, pipe fd, backend address, Config, model path, API key)
+    settings = pickle.load(sys.stdin.buffer)
     configure(settings[4].logging.level, settings[4].logging.json)
     anyio.run(front_end, *settings)

@@ -6,17 +6,17 @@ driver (docs/guides/scaling.md; `benchmarks/serve.py` measures both). So with `a
 driver binds the listening socket and starts that many processes (`python -m rollout.serve`) that
 accept on it, the kernel handing each connection to one of them. Each runs the HTTP half
 (`rollout.serve.server.Server`) over a
-`RemoteDesk`: its calls to the desk (`rollout.serve.desk.Desk`: sessions, episodes, requests in
+`RemoteBackend`: its calls to the backend (`rollout.serve.backend.Backend`: sessions, episodes, requests in
 flight, figures, the RL routes' work) go as msgpack frames over a zmq socket to the driver's
 `DeskService`, which runs each as a task of its own on the engine's loop and answers on the same
 socket; a call the front end gives up on (its client gone) is cancelled there too. A
-conversation's turns and an episode's reward may reach different front ends: they meet at the desk.
+conversation's turns and an episode's reward may reach different front ends: they meet at the backend.
 
 Owns: the processes (started, awaited until they serve, started again when one dies, stopped with
-the engine; each exits when the driver's process does), the desk's calls between processes (an
+the engine; each exits when the driver's process does), the backend's calls between processes (an
 ipc:// socket in a directory only this user can enter) and the errors that cross it (`ApiError`,
 the engine's InvalidPromptError, RetryableError, EngineDeadError, EngineClosedError; anything else
-as a RuntimeError naming it). Does not own: HTTP (`rollout.serve.server`), the desk's work.
+as a RuntimeError naming it). Does not own: HTTP (`rollout.serve.server`), the backend's work.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ import zmq
 from rollout.errors import EngineClosedError, EngineDeadError, InvalidPromptError, RetryableError
 from rollout.log import get_logger
 from rollout.packed import encode
-from rollout.serve import io
-from rollout.serve.desk import Desk
+from rollout.serve import auth, listen, prepare
+from rollout.serve.backend import Backend
 from rollout.serve.openai_api import ApiError
 from rollout.serve.server import Server
 from rollout.types import Trajectory
@@ -54,10 +54,10 @@ if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
     from rollout.config import Config
-    from rollout.serve.desk import ServedEngine
+    from rollout.serve.backend import ServedEngine
 
 log = get_logger(__name__)
-# the desk's methods a front end awaits
+# the backend's methods a front end awaits
 CALLS = frozenset({"run", "reward", "metrics", "healthy", "pause", "resume", "is_paused", "abort", "init", "shutdown",
                    "start", "update", "finish", "label", "weight_info", "world_size"})  # fmt: skip
 NOTES = frozenset({"record", "ready"})  # sent, never answered
@@ -71,27 +71,27 @@ START_S = 300.0  # a front end not serving by then failed to start
 async def serve(
     engine: ServedEngine, tg: TaskGroup, host: str | None, port: int | None, api_key: str | None
 ) -> Server | FrontEnds:
-    """`engine.serve()`: the HTTP half in this process over the desk, or `serve.api_servers` processes."""
+    """`engine.serve()`: the HTTP half in this process over the backend, or `serve.api_servers` processes."""
     cfg = engine.cfg
     if cfg.serve.api_servers > 1:
         front = FrontEnds(engine, api_key)
         await front.start(tg, host, port)
         return front
-    chat = io.served_chat(engine.model_path, cfg.model.max_model_len)
-    server = Server(Desk(engine, chat.end_of_turn if chat else None), cfg, chat, api_key)
+    chat = prepare.served_chat(engine.model_path, cfg.model.max_model_len)
+    server = Server(Backend(engine, chat.end_of_turn if chat else None), cfg, chat, api_key)
     await server.start(tg, host, port)
     return server
 
 
 class FrontEnds:
-    """The desk, its service, and `serve.api_servers` front-end processes on one listening socket."""
+    """The backend, its service, and `serve.api_servers` front-end processes on one listening socket."""
 
     def __init__(self, engine: ServedEngine, api_key: str | None = None):
         """Raises InvalidConfigError for an API key HTTP cannot carry."""
         self.cfg, self.model_path = engine.cfg, engine.model_path
-        self.api_key = io.check_api_key(api_key if api_key is not None else self.cfg.serve.api_key)
-        self.chat = io.served_chat(engine.model_path, self.cfg.model.max_model_len)
-        self.desk = Desk(engine, self.chat.end_of_turn if self.chat else None)
+        self.api_key = auth.check_api_key(api_key if api_key is not None else self.cfg.serve.api_key)
+        self.chat = prepare.served_chat(engine.model_path, self.cfg.model.max_model_len)
+        self.backend = Backend(engine, self.chat.end_of_turn if self.chat else None)
         self.model = self.cfg.serve.model_name or self.cfg.model.path
         self.url = ""
         self.procs: list[subprocess.Popen] = []  # a process per front end
@@ -111,9 +111,9 @@ class FrontEnds:
         cannot listen, RuntimeError naming a front end that exited or hung before serving."""
         serve_cfg = self.cfg.serve
         host, port = host or serve_cfg.host, serve_cfg.port if port is None else port
-        self._sock = io.listen(host, port)
+        self._sock = listen.listen(host, port)
         self._life = os.pipe()
-        self._service = DeskService(self.desk, self._ready)
+        self._service = DeskService(self.backend, self._ready)
         self._service.start()
         self.procs = [self._spawn(i) for i in range(serve_cfg.api_servers)]
         with anyio.move_on_after(START_S):
@@ -185,12 +185,12 @@ class FrontEnds:
 
 
 class DeskService:
-    """The driver's end: the desk's calls from every front end, each run as a task on this loop."""
+    """The driver's end: the backend's calls from every front end, each run as a task on this loop."""
 
-    def __init__(self, desk: Desk, ready: Any):
-        self.desk, self._ready = desk, ready
-        self._dir = tempfile.mkdtemp(prefix="rollout-desk-")  # mode 0700: only this user's processes connect
-        self.address = f"ipc://{self._dir}/desk"
+    def __init__(self, backend: Backend, ready: Any):
+        self.backend, self._ready = backend, ready
+        self._dir = tempfile.mkdtemp(prefix="rollout-backend-")  # mode 0700: only this user's processes connect
+        self.address = f"ipc://{self._dir}/backend"
         self._sock = FrameSocket(zmq.ROUTER)
         self._sock.sock.bind(self.address)
         self._tasks: dict[tuple[bytes, int], asyncio.Task] = {}
@@ -203,10 +203,10 @@ class DeskService:
         try:
             call_id, op, args = msgspec.msgpack.decode(payload, type=tuple[int, str | None, list])
         except msgspec.DecodeError as e:  # not from a front end of ours
-            log.error("serve: a frame the desk cannot read", error=str(e))
+            log.error("serve: a frame the backend cannot read", error=str(e))
             return
         if op == "record":
-            self.desk.record(*args)
+            self.backend.record(*args)
         elif op == "ready":
             self._ready(*args)
         elif op is None:  # the front end gave up on call `call_id`
@@ -218,10 +218,10 @@ class DeskService:
     async def _call(self, peer: bytes, call_id: int, op: str, args: list[Any]) -> None:
         try:
             if op not in CALLS:
-                raise ApiError(500, f"serve: no desk call {op!r}", kind="server_error")
+                raise ApiError(500, f"serve: no backend call {op!r}", kind="server_error")
             if op == "run" and len(args) == 7 and args[6] is True:  # streamed: its tokens go back as they come
                 args[6] = functools.partial(self._tokens, peer, call_id)
-            reply = (call_id, None, await getattr(self.desk, op)(*args))
+            reply = (call_id, None, await getattr(self.backend, op)(*args))
         except asyncio.CancelledError:
             return  # cancelled by its front end, which waits no more
         except Exception as e:
@@ -251,10 +251,10 @@ class DeskService:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-class RemoteDesk:
-    """A front end's desk: the desk's methods by name, each a call over the socket to the driver.
+class RemoteBackend:
+    """A front end's backend: the backend's methods by name, each a call over the socket to the driver.
     Made on the event loop that makes the calls. No public name of its own: each would hide the
-    desk's method of that name (a `start` here once answered `/start_weight_update`)."""
+    backend's method of that name (a `start` here once answered `/start_weight_update`)."""
 
     def __init__(self, address: str):
         self._sock = FrameSocket(zmq.DEALER)
@@ -276,7 +276,7 @@ class RemoteDesk:
 
     async def _call(self, op: str, *args: Any) -> Any:
         call_id = next(self._ids)
-        if op == "run" and len(args) == 7 and callable(args[6]):  # streamed: the desk sends its tokens back
+        if op == "run" and len(args) == 7 and callable(args[6]):  # streamed: the backend sends its tokens back
             self._streams[call_id], args = args[6], (*args[:6], True)
         try:
             frame = encode((call_id, op, args))
@@ -288,7 +288,7 @@ class RemoteDesk:
             self._sock.send_multipart([frame])
             return await future
         except asyncio.CancelledError:
-            if future.cancelled():  # given up before the answer came: the desk's task is cancelled too
+            if future.cancelled():  # given up before the answer came: the backend's task is cancelled too
                 self._sock.send_multipart([encode((call_id, None, ()))])
             raise
         finally:
@@ -317,7 +317,7 @@ def _error(e: Exception) -> list[Any]:
     for kind in ERRORS:
         if isinstance(e, kind):
             return [kind.__name__, str(e)]
-    log.exception("serve: a desk call failed")
+    log.exception("serve: a backend call failed")
     return ["", f"{type(e).__name__}: {e}"]
 
 
@@ -336,14 +336,14 @@ def _env() -> dict[str, str]:
 async def front_end(
     index: int, sock_fd: int, life_fd: int, address: str, cfg: Config, model_path: str, api_key: str | None
 ) -> None:
-    """The HTTP half on the listening socket over the desk at `address`, until the driver is gone."""
-    desk = RemoteDesk(address)
-    server = Server(desk, cfg, io.served_chat(model_path, cfg.model.max_model_len), api_key)
+    """The HTTP half on the listening socket over the backend at `address`, until the driver is gone."""
+    backend = RemoteBackend(address)
+    server = Server(backend, cfg, prepare.served_chat(model_path, cfg.model.max_model_len), api_key)
     driver_gone = anyio.Event()
     asyncio.get_running_loop().add_reader(life_fd, driver_gone.set)
     async with anyio.create_task_group() as tg:
         await server.start(tg, sock=socket.socket(fileno=sock_fd))
-        desk.ready(index, os.getpid())
+        backend.ready(index, os.getpid())
         await driver_gone.wait()
         await server.stop()
         tg.cancel_scope.cancel()

@@ -15,7 +15,8 @@ token. `n` choices on completions and generate are the samples of one group. Too
 reasoning are vLLM's parsers' (`serve.tool_parser`, `serve.reasoning_parser`, `rollout.episodes.chat.Parsers`):
 `message.tool_calls`, `message.reasoning` (and `reasoning_content`, its older name), finish reason
 "tool_calls", each as vLLM's chat server makes them (streamed: `rollout.serve.sse`).
-Does not own: HTTP, auth, limits, decoding bodies (`rollout.serve.server`, `rollout.serve.io`),
+Does not own: HTTP, auth, limits, decoding bodies (`rollout.serve.server`, `rollout.serve.auth`,
+`rollout.serve.bodies`),
 rendering (`rollout.episodes.chat`).
 """
 
@@ -191,7 +192,7 @@ def sampling(data: dict[str, Any], where: str = "") -> dict[str, Any]:
             raise ApiError(400, f"{where}{key}: expected a finite number, got {value!r}", where + key)
         if (
             kind is int and not -(2**63) <= value < 2**63
-        ):  # what msgpack carries (to a front end's desk, to the engines)
+        ):  # what msgpack carries (to a front end's backend, to the engines)
             raise ApiError(400, f"{where}{key}: expected an integer in [-2^63, 2^63), got {value!r}", where + key)
         out[key] = value
     if out.get("top_k") == -1:

@@ -6,7 +6,7 @@
     POST /init_weight_transfer_engine  /start_weight_update  /update_weights  /finish_weight_update
     POST /shutdown_weight_transfer_engine  /update_weight_version   GET /weight_info  /get_world_size
 
-Owns: the routes: reading each request and calling the desk (`rollout.serve.desk`, on the engine's
+Owns: the routes: reading each request and calling the backend (`rollout.serve.backend`, on the engine's
 loop whichever front-end process took the request), which does the work. The weight-transfer routes
 call the engine's `weight_sync_client()` (`rollout.weights.transfer`: the two-phase guarantee, epochs allocated once,
 `finish_weight_update` starts the new epoch); /pause and /resume hold every live engine's vLLM
@@ -21,9 +21,9 @@ parameters, not models we could import, and its pydantic would bypass that readi
 The API key covers these routes like the rest, from every host (vLLM's own server leaves them
 outside `--api-key`, and they replace the weights every engine serves); vLLM's client, which sets
 no header, carries it in its URL (`http://rollout:KEY@host:port`, sent as HTTP Basic auth:
-`rollout.serve.io.authorized`).
-Does not own: the work (`rollout.serve.desk`), the update itself (`rollout.weights.transfer`), the
-key's check (`rollout.serve.io.ApiKey`), pausing vLLM (`policies.vllm_policy`).
+`rollout.serve.auth.authorized`).
+Does not own: the work (`rollout.serve.backend`), the update itself (`rollout.weights.transfer`), the
+key's check (`rollout.serve.auth.ApiKey`), pausing vLLM (`policies.vllm_policy`).
 """
 
 # No `from __future__ import annotations`: FastAPI reads the endpoints' annotations.
@@ -33,9 +33,9 @@ from typing import Annotated, Any
 
 import msgspec
 
-from rollout.serve import io
+from rollout.serve import bodies
 from rollout.serve import openai_api as api
-from rollout.serve.desk import rl_error
+from rollout.serve.backend import rl_error
 
 PAUSE_MODES = ("abort", "wait", "keep")
 TRUE, FALSE = ("true", "1", "yes", "on", "t", "y"), ("false", "0", "no", "off", "f", "n")
@@ -67,12 +67,12 @@ class AbortBody(msgspec.Struct):
     request_ids: list[str] | None = None
 
 
-def add_rl_routes(app: Any, desk: Any, max_body_bytes: int) -> None:
-    """vLLM's RL routes on `app`, over `desk` (a `rollout.serve.desk.Desk` or a front end's
-    `RemoteDesk`); bodies up to `max_body_bytes`."""
+def add_rl_routes(app: Any, backend: Any, max_body_bytes: int) -> None:
+    """vLLM's RL routes on `app`, over `backend` (a `rollout.serve.backend.Backend` or a front end's
+    `RemoteBackend`); bodies up to `max_body_bytes`."""
     from fastapi import Request
 
-    routes = RLRoutes(desk, max_body_bytes)
+    routes = RLRoutes(backend, max_body_bytes)
 
     def route(method: str, path: str, work: Callable[[Request], Awaitable[dict[str, Any]]]) -> None:
         async def endpoint(request: Request) -> Any:
@@ -95,25 +95,25 @@ def add_rl_routes(app: Any, desk: Any, max_body_bytes: int) -> None:
 
 
 class RLRoutes:
-    """The routes: each reads its request and calls the desk (`rollout.serve.desk.Desk`: the work,
+    """The routes: each reads its request and calls the backend (`rollout.serve.backend.Backend`: the work,
     on the engine's loop), which returns vLLM's response body (our additions: `epoch`)."""
 
-    def __init__(self, desk: Any, max_body_bytes: int):
-        self.desk, self.max_body_bytes = desk, max_body_bytes
+    def __init__(self, backend: Any, max_body_bytes: int):
+        self.backend, self.max_body_bytes = backend, max_body_bytes
 
     async def answer(self, request: Any, work: Callable[[Any], Awaitable[dict[str, Any]]]) -> Any:
         started, status = time.perf_counter(), 200
         try:
-            return io.json_response(await work(request))
+            return bodies.json_response(await work(request))
         except api.ApiError as e:
             status = e.status
-            return io.error(e)
-        except Exception as e:  # the desk's are ApiErrors already: this one is the route's or the way's
+            return bodies.error(e)
+        except Exception as e:  # the backend's are ApiErrors already: this one is the route's or the way's
             error = rl_error(e)
             status = error.status
-            return io.error(error)
+            return bodies.error(error)
         finally:
-            self.desk.record(request.url.path, status, time.perf_counter() - started)
+            self.backend.record(request.url.path, status, time.perf_counter() - started)
 
     async def pause(self, request: Any) -> dict[str, Any]:
         """vLLM's /pause: every live engine's vLLM stays paused until /resume (`clear_cache`, deprecated
@@ -123,40 +123,40 @@ class RLRoutes:
             raise api.ApiError(
                 400, f"mode: expected one of {', '.join(PAUSE_MODES)}, got {mode[:40]!r}", "mode", "BadRequestError"
             )
-        return await self.desk.pause(mode)
+        return await self.backend.pause(mode)
 
     async def resume(self, request: Any) -> dict[str, Any]:
-        return await self.desk.resume()
+        return await self.backend.resume()
 
     async def is_paused(self, request: Any) -> dict[str, Any]:
-        return await self.desk.is_paused()
+        return await self.backend.is_paused()
 
     async def abort_requests(self, request: Any) -> dict[str, Any]:
         """HTTP requests in flight with these ids (`X-Request-Id`, a generate request's
         `request_id`); none named: all of them. Each answers 499."""
-        return await self.desk.abort((await self._body(request, AbortBody)).request_ids)
+        return await self.backend.abort((await self._body(request, AbortBody)).request_ids)
 
     async def init(self, request: Any) -> dict[str, Any]:
-        return await self.desk.init((await self._body(request, InitBody)).init_info)
+        return await self.backend.init((await self._body(request, InitBody)).init_info)
 
     async def shutdown(self, request: Any) -> dict[str, Any]:
-        return await self.desk.shutdown()
+        return await self.backend.shutdown()
 
     async def start(self, request: Any) -> dict[str, Any]:
-        return await self.desk.start()
+        return await self.backend.start()
 
     async def update(self, request: Any) -> dict[str, Any]:
-        return await self.desk.update((await self._body(request, UpdateBody)).update_info)
+        return await self.backend.update((await self._body(request, UpdateBody)).update_info)
 
     async def finish(self, request: Any) -> dict[str, Any]:
         """The new epoch starts here; `weight_version` labels it."""
-        return await self.desk.finish((await self._body(request, FinishBody)).weight_version)
+        return await self.backend.finish((await self._body(request, FinishBody)).weight_version)
 
     async def label(self, request: Any) -> dict[str, Any]:
-        return await self.desk.label((await self._body(request, VersionBody)).new_version)
+        return await self.backend.label((await self._body(request, VersionBody)).new_version)
 
     async def weight_info(self, request: Any) -> dict[str, Any]:
-        return await self.desk.weight_info()
+        return await self.backend.weight_info()
 
     async def world_size(self, request: Any) -> dict[str, Any]:
         """include_dp (default): model workers over every engine; false: one engine's."""
@@ -165,12 +165,12 @@ class RLRoutes:
             raise api.ApiError(
                 400, f"include_dp: expected true or false, got {flag[:40]!r}", "include_dp", "BadRequestError"
             )
-        return await self.desk.world_size(flag in TRUE)
+        return await self.backend.world_size(flag in TRUE)
 
     async def _body(self, request: Any, kind: type) -> Any:
         """The body as `kind` (an empty body: its defaults). Raises ApiError(400) naming the field."""
-        body = await io.read_body(request, self.max_body_bytes)
-        data = io.decode(body) if body.strip() else {}
+        body = await bodies.read_body(request, self.max_body_bytes)
+        data = bodies.decode(body) if body.strip() else {}
         try:
             return msgspec.convert(data, kind)
         except msgspec.ValidationError as e:  # "... - at `$.field[0]`" or "Object missing required field `field`"

@@ -8,8 +8,8 @@ assistant message carries): each turn runs on the engine of the turn before and 
 Turns sent with an `episode_id` are kept; `POST /v1/episodes/{id}/reward` closes the episode and
 hands it to the learner's queue as one training sample (`engine.batches()` trains on it).
 This is the HTTP half, which `serve.api_servers` runs in that many processes; what must be one
-(sessions, episodes, requests in flight, figures, the RL routes' work) is the desk's
-(`rollout.serve.desk`), on the engine's loop, called in process or from a front-end process
+(sessions, episodes, requests in flight, figures, the RL routes' work) is the backend's
+(`rollout.serve.backend`), on the engine's loop, called in process or from a front-end process
 (`rollout.serve.frontends`).
 Owns: the routes (FastAPI on uvicorn), overload (429 with `Retry-After` past
 `serve.max_concurrency` requests in flight in this process, never unbounded memory), client
@@ -18,8 +18,10 @@ holds, an error of its own, never a 500 or a stopped server), `stream: true` (se
 the engine generates, `rollout.serve.sse`). `seed`: a seeded request runs under one fixed
 prompt id, so the same seed, request and weights give the same tokens (the per-request vLLM seed
 is derived from the seed and the prompt id).
-Does not own: the wire format (`rollout.serve.openai_api`), reading bodies off the loop, listening,
-auth, metrics (`rollout.serve.io`), sessions and episodes (`rollout.serve.desk`), scheduling
+Does not own: the wire format (`rollout.serve.openai_api`), bodies (`rollout.serve.bodies`),
+preparing off the loop (`rollout.serve.prepare`), listening (`rollout.serve.listen`), auth
+(`rollout.serve.auth`), metrics (`rollout.metrics.prometheus`), sessions and episodes
+(`rollout.serve.backend`), scheduling
 (`rollout.scheduling.scheduler`), vLLM's RL routes (`rollout.serve.rl_routes`).
 """
 
@@ -38,9 +40,9 @@ from rollout.config import Config
 from rollout.episodes.chat import chat_parsers
 from rollout.errors import EngineClosedError, EngineDeadError, InvalidPromptError, RetryableError
 from rollout.log import get_logger
-from rollout.serve import io, sse
+from rollout.serve import auth, bodies, listen, prepare, sse
 from rollout.serve import openai_api as api
-from rollout.serve.desk import RETRY_AFTER
+from rollout.serve.backend import RETRY_AFTER
 from rollout.serve.rl_routes import add_rl_routes
 from rollout.types import Trajectory, printable
 
@@ -49,7 +51,7 @@ if TYPE_CHECKING:
 
     from anyio.abc import TaskGroup
 
-    from rollout.serve.io import ServedChat
+    from rollout.serve.prepare import ServedChat
 
 log = get_logger(__name__)
 # Idle seconds before the server closes a kept-alive connection: longer than clients keep idle
@@ -65,14 +67,14 @@ STALL_S = 60.0
 
 class Server:
     """The HTTP half (`start`, `stop`): the app and its uvicorn server on this process's event loop,
-    over a desk (`rollout.serve.desk.Desk` in the engine's process, or a `RemoteDesk` to it)."""
+    over a backend (`rollout.serve.backend.Backend` in the engine's process, or a `RemoteBackend` to it)."""
 
-    def __init__(self, desk: Any, cfg: Config, chat: "ServedChat | None", api_key: str | None = None):
+    def __init__(self, backend: Any, cfg: Config, chat: "ServedChat | None", api_key: str | None = None):
         """Raises InvalidConfigError for an API key HTTP cannot carry."""
-        self.desk = desk
+        self.backend = backend
         self.cfg = cfg.serve
         self.sampling = cfg.sampling  # what a request leaves out
-        self.api_key = io.check_api_key(api_key if api_key is not None else self.cfg.api_key)
+        self.api_key = auth.check_api_key(api_key if api_key is not None else self.cfg.api_key)
         self.max_model_len = cfg.model.max_model_len
         self.chat = chat
         self.parsers = chat_parsers(self.chat, self.cfg.tool_parser, self.cfg.reasoning_parser)
@@ -81,7 +83,7 @@ class Server:
         self.url = ""
         self._server: Any = None
         self._done = anyio.Event()
-        self._prepare = io.Preparer()
+        self._prepare = prepare.Preparer()
         self.app = self._app()
 
     async def start(
@@ -93,13 +95,13 @@ class Server:
         import uvicorn
 
         host, port = host or self.cfg.host, self.cfg.port if port is None else port
-        sock = sock or io.listen(
+        sock = sock or listen.listen(
             host, port
         )  # bound here: uvicorn's own bind calls sys.exit, which would end the engine's task group
         config = uvicorn.Config(
             self.app, log_level="warning", lifespan="off", access_log=False, timeout_keep_alive=KEEP_ALIVE_S
         )
-        self._server = io.uvicorn_server(config)
+        self._server = listen.uvicorn_server(config)
 
         async def run() -> None:
             try:
@@ -134,7 +136,7 @@ class Server:
 
         app = FastAPI(title="rollout", docs_url=None, redoc_url=None, openapi_url=None)
         if self.api_key:
-            app.add_middleware(io.ApiKey, key=self.api_key)
+            app.add_middleware(auth.ApiKey, key=self.api_key)
 
         async def handle(
             request: Request, parse: Callable[[dict[str, Any]], Any], work: Any, streams: bool = False
@@ -144,7 +146,7 @@ class Server:
             started = time.perf_counter()
             status, call = 200, None
             try:
-                body = await io.read_body(request, self.cfg.max_body_bytes)
+                body = await bodies.read_body(request, self.cfg.max_body_bytes)
                 if self.inflight >= self.cfg.max_concurrency:
                     raise api.ApiError(429, f"busy: {self.inflight} requests in flight (serve.max_concurrency)",
                                        kind="rate_limit_error", headers=RETRY_AFTER)  # fmt: skip
@@ -159,19 +161,19 @@ class Server:
                         reply = await work(request, data, call)
                         streaming = True
                         return reply
-                    return io.json_response(await work(request, data, call))
+                    return bodies.json_response(await work(request, data, call))
                 finally:
                     if not streaming:
                         self.inflight -= 1
             except ClientDisconnect:  # gone before its body arrived: nothing was done, nobody reads this
                 status = 499
-                return io.error(api.ApiError(499, "the client closed the request", kind="client_closed_request"))
+                return bodies.error(api.ApiError(499, "the client closed the request", kind="client_closed_request"))
             except Exception as e:
                 error = self._error(e, call, request.url.path)
                 status = error.status
-                return io.error(error)
+                return bodies.error(error)
             finally:
-                self.desk.record(request.url.path, status, time.perf_counter() - started)
+                self.backend.record(request.url.path, status, time.perf_counter() - started)
 
         def session_of(request: Request) -> Callable[[dict[str, Any]], api.Call]:
             return lambda data: api.chat(
@@ -203,7 +205,7 @@ class Server:
         @app.post("/v1/episodes/{episode_id}/reward")
         async def reward(request: Request, episode_id: str) -> Any:
             return await handle(
-                request, lambda data: None, lambda r, data, call: self.desk.reward(episode_id, data.get("reward"))
+                request, lambda data: None, lambda r, data, call: self.backend.reward(episode_id, data.get("reward"))
             )
 
         @app.get("/v1/models")
@@ -214,23 +216,24 @@ class Server:
 
         @app.get("/health")
         async def health() -> Any:
-            alive = await self.desk.healthy()
-            return io.json_response({"status": "ok" if alive else "no engine"}, 200 if alive else 503)
+            alive = await self.backend.healthy()
+            return bodies.json_response({"status": "ok" if alive else "no engine"}, 200 if alive else 503)
 
         @app.get("/metrics")
         async def metrics() -> Any:
-            return PlainTextResponse(await self.desk.metrics(), media_type="text/plain; version=0.0.4")
+            return PlainTextResponse(await self.backend.metrics(), media_type="text/plain; version=0.0.4")
 
         # vLLM's /pause, /resume, weight-transfer routes, ... (`rollout.serve.rl_routes`)
-        add_rl_routes(app, self.desk, self.cfg.max_body_bytes)
+        add_rl_routes(app, self.backend, self.cfg.max_body_bytes)
 
         @app.exception_handler(404)
         async def not_found(request: Request, exc: Any) -> Response:
-            return io.error(api.ApiError(404, f"no route {request.method} {request.url.path}", kind="not_found_error"))
+            missing = api.ApiError(404, f"no route {request.method} {request.url.path}", kind="not_found_error")
+            return bodies.error(missing)
 
         @app.exception_handler(405)
         async def not_allowed(request: Request, exc: Any) -> Response:
-            return io.error(
+            return bodies.error(
                 api.ApiError(405, f"{request.method} is not served on {request.url.path}", kind="invalid_request_error")
             )
 
@@ -256,7 +259,7 @@ class Server:
     ) -> tuple[dict[str, Any], Any, tuple[bool, bool]]:
         """The body decoded and checked, and the request it makes (`parse`): the CPU-heavy part of a
         request (JSON, rendering, tokenizing), run where `Preparer` says."""
-        data = io.decode(body)
+        data = bodies.decode(body)
         self._check_model(data)
         return data, parse(data), api.streamed(data) if streams else (False, False)
 
@@ -299,7 +302,7 @@ class Server:
             arrived.set()
 
         rid = request.headers.get("x-request-id")
-        run = asyncio.ensure_future(self.desk.run(call.prompt_ids, call.sampling, call.session, call.prefix,
+        run = asyncio.ensure_future(self.backend.run(call.prompt_ids, call.sampling, call.session, call.prefix,
                                                   call.episode, rid, on_tokens))  # fmt: skip
         gone = asyncio.ensure_future(_disconnect(request))
         try:
@@ -370,7 +373,7 @@ class Server:
         return api.generate_response(await self._run(request, call, request_id), request_id)
 
     async def _run(self, request: Any, call: api.Call, rid: str | None = None) -> list[Trajectory]:
-        """One prompt (its `n` samples) through the desk; the client going away aborts it, and so
+        """One prompt (its `n` samples) through the backend; the client going away aborts it, and so
         does `/abort_requests` naming its id (`X-Request-Id`, else `rid`, else its prompt id)."""
         self._fill(call)
         trajs: list[Trajectory] | None = None
@@ -385,7 +388,7 @@ class Server:
             tg.start_soon(watch)
             rid = request.headers.get("x-request-id") or rid
             try:
-                trajs = await self.desk.run(
+                trajs = await self.backend.run(
                     call.prompt_ids, call.sampling, call.session, call.prefix, call.episode, rid
                 )
             except Exception as e:  # raised below, outside the task group (not in an ExceptionGroup)

@@ -41,7 +41,7 @@ from rollout.weights.update_checks import pack_on_loop
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
-    from rollout.handoff.durable import DurableLog
+    from rollout.handout.durable import DurableLog
     from rollout.scheduling.protocols import Engine, EnginePool
     from rollout.scheduling.scheduler import Scheduler
 

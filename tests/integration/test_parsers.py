@@ -21,8 +21,8 @@ import pytest
 
 from rollout import RolloutEngine
 from rollout.config import ServeConfig
-from rollout.serve import Desk, Server
-from rollout.serve.io import served_chat
+from rollout.serve import Backend, Server
+from rollout.serve.prepare import served_chat
 from rollout.tiny import TinySpec, build_tiny
 from tests.support.engines import held, integration_config
 from tests.support.parser_cases import ARGS, CASES, TOOLS
@@ -45,7 +45,7 @@ async def serve(engine: RolloutEngine, tool: str | None, reasoning: str | None) 
     """A server with these parsers on the module's engine (as `engine.serve()` starts one)."""
     cfg = msgspec.structs.replace(engine.cfg, serve=ServeConfig(tool_parser=tool or "none", reasoning_parser=reasoning))
     chat = served_chat(engine.model_path, cfg.model.max_model_len)
-    server = Server(Desk(engine, chat.end_of_turn), cfg, chat)
+    server = Server(Backend(engine, chat.end_of_turn), cfg, chat)
     await server.start(engine._tg, port=0)
     engine._servers.append(server)
     return server

@@ -18,8 +18,8 @@ import time
 import anyio
 
 from policies.shm import descendants, mapped
-from rollout.handoff.durable import LOG_NAME
-from rollout.handoff.grouplog import AckRecord, GroupRecord, LogReader
+from rollout.handout.durable import LOG_NAME
+from rollout.handout.durable_format import AckRecord, GroupRecord, LogReader
 from tests.support.drivers import start_python
 from tests.support.engines import engine_processes, integration_config, leaked_shm, shm_segments
 from tests.support.processes import alive, kill_orphans, wait_gone

@@ -1,4 +1,4 @@
-"""The durable hand-off log (`rollout.handoff.durable`) in tests: groups to log, a log written and
+"""The durable hand-off log (`rollout.handout.durable`) in tests: groups to log, a log written and
 read back record by record, and a directory or disk that refuses writes."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from rollout.handoff.durable import DurableLog
-from rollout.handoff.grouplog import LogReader
+from rollout.handout.durable import DurableLog
+from rollout.handout.durable_format import LogReader
 from rollout.types import Group, Prompt, Trajectory
 
 

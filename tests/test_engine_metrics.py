@@ -1,5 +1,5 @@
-"""The engine's figures (`rollout.metrics.figures`): `engine.metrics()` (windows of flat numbers for trackers)
-and the Prometheus exporter, on fake engines."""
+"""The engine's figures (`rollout.metrics.live`, `rollout.metrics.prometheus`): `engine.metrics()`
+(windows of flat numbers for trackers) and the Prometheus exporter, on fake engines."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import pytest
 from rollout.config import load_config
 from rollout.engine import RolloutEngine
 from rollout.errors import InvalidConfigError
-from rollout.handoff.staleness import StalenessStats
-from rollout.metrics.figures import BusyTime, Totals, figures
+from rollout.handout.staleness import StalenessStats
+from rollout.metrics.live import BusyTime, Totals, figures
 from rollout.sync_engine import SyncRolloutEngine
 from rollout.types import Prompt, SpecCounters, UpdateStats
 from tests.support.fake_engine_runs import settled

@@ -8,7 +8,7 @@ so whichever process took a request, a conversation finds the session (and the e
 before, an episode collects every turn it was served, `/abort_requests` reaches every request in
 flight and a weight update is one update. Every method takes and returns plain data (what msgpack
 carries) and raises `ApiError` or the engine's own errors, so the HTTP half calls it in process or
-over `rollout.serve.frontends.RemoteDesk`, the same way.
+over `rollout.serve.frontends.RemoteBackend`, the same way.
 
 Owns: a request's run through the engine (its session, its abort), the sessions found by token
 ids, the episodes kept until rewarded and each reward's outcome (a retried reward POST gets the
@@ -39,15 +39,15 @@ from rollout.errors import (
     WeightSyncError,
 )
 from rollout.log import get_logger
-from rollout.serve import io
+from rollout.metrics.prometheus import HttpStats
 from rollout.serve.openai_api import ApiError
 from rollout.types import Group, Prompt, Trajectory, printable
 from rollout.types import Request as EngineRequest
 
 if TYPE_CHECKING:
     from rollout.config import Config
-    from rollout.handoff.queue import Submission
-    from rollout.metrics.figures import Collector
+    from rollout.handout.queue import Submission
+    from rollout.metrics.prometheus import Collector
     from rollout.weights.sync_client import WeightSyncClient
 
 log = get_logger(__name__)
@@ -59,7 +59,7 @@ P, T = ParamSpec("P"), TypeVar("T")
 
 
 class ServedEngine(Protocol):
-    """What the desk uses of the engine (`RolloutEngine` is one)."""
+    """What the backend uses of the engine (`RolloutEngine` is one)."""
 
     cfg: Config
     model_path: str
@@ -74,7 +74,7 @@ class ServedEngine(Protocol):
         self, prompts: list[Prompt], *, train: bool = True,
         on_tokens: Callable[[int, int, int, list[int], list[float]], None] | None = None,
     ) -> Submission: ...  # fmt: skip
-    async def hand_in(self, group: Group) -> None: ...
+    async def deliver(self, group: Group) -> None: ...
     def prometheus_collector(self) -> Collector: ...
     def weight_sync_client(self, *, wait: bool = True) -> WeightSyncClient: ...
     async def pause_generation(self, mode: str) -> None: ...
@@ -97,7 +97,7 @@ def rl_call(work: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
     return call
 
 
-class Desk:
+class Backend:
     """One per served engine, on its event loop; any number of HTTP front ends call it."""
 
     def __init__(self, engine: ServedEngine, end_of_turn: int | None):
@@ -109,7 +109,7 @@ class Desk:
         self.episodes: OrderedDict[str, list[Trajectory]] = OrderedDict()
         self.rewarded: OrderedDict[str, Outcome] = OrderedDict()  # closed episodes: what their reward POST got
         self.running: dict[object, tuple[str, Callable[[], None]]] = {}  # requests in flight: (request id, abort it)
-        self.stats = io.Stats(engine.prometheus_collector())
+        self.stats = HttpStats(engine.prometheus_collector())
         self._client: WeightSyncClient | None = None
 
     # -- requests ----------------------------------------------------------------------------
@@ -205,7 +205,7 @@ class Desk:
         _put(self.rewarded, episode_id, outcome)
         try:
             with anyio.CancelScope(shield=True):  # begun, it ends: handed in once, its outcome kept
-                answer = await self._hand_in(episode_id, turns, float(value))
+                answer = await self._deliver(episode_id, turns, float(value))
         except RetryableError as e:  # not closed: the turns are kept for the retry
             if self.rewarded.get(episode_id) is outcome:
                 del self.rewarded[episode_id]
@@ -219,7 +219,7 @@ class Desk:
         outcome.set(answer)
         return answer
 
-    async def _hand_in(self, episode_id: str, turns: list[Trajectory], reward: float) -> dict[str, Any]:
+    async def _deliver(self, episode_id: str, turns: list[Trajectory], reward: float) -> dict[str, Any]:
         observations = []
         for a, b in zip(turns, turns[1:]):
             before = a.prompt_token_ids + a.token_ids
@@ -233,7 +233,7 @@ class Desk:
         episode = assemble(request, turns, observations, "stop", None)
         episode.reward = reward
         group = Group(prompt_id=episode_id, prompt=Prompt(token_ids=first, id=episode_id), trajectories=[episode])
-        await self.engine.hand_in(group)
+        await self.engine.deliver(group)
         return {"episode_id": episode_id, "turns": len(turns), "tokens": len(episode.token_ids), "reward": reward}
 
     def record(self, path: str, status: int, seconds: float) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import anyio
 
-from rollout.handoff.stream import TokenStream
+from rollout.handout.token_stream import TokenStream
 from rollout.types import Group
 
 
@@ -133,7 +133,7 @@ class Submission:
     at most one group per prompt. Raises the engine's fatal error (every engine dead, the engine
     closed) instead of waiting for what can never come. Streamed (`on_tokens`): each prompt's
     samples' new tokens go to `on_tokens(index, sample_index, position, token_ids, logprobs)` as
-    the engines generate them (`rollout.handoff.stream`), and each group still comes back whole.
+    the engines generate them (`rollout.handout.token_stream`), and each group still comes back whole.
     """
 
     def __init__(

@@ -13,7 +13,7 @@ moved sample never generates again what its caller already read.
 
 Owns: each sample's streamed tokens and records, their order (a delta that overlaps what was
 sent adds only what is new), the resume point. Does not own: the finished groups (the caller's
-`Submission`), what the caller does with the tokens (`rollout.serve.desk`).
+`Submission`), what the caller does with the tokens (`rollout.serve.backend`).
 """
 
 from __future__ import annotations

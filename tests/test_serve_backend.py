@@ -1,4 +1,4 @@
-"""The serving state next to the engine (`rollout.serve.desk`), through the OpenAI-compatible server
+"""The serving state next to the engine (`rollout.serve.backend`), through the OpenAI-compatible server
 over fake engines: a conversation's turns are one session on one engine, served turns become an
 episode for the learner, a request whose client went away is aborted on its engine, served episodes
 are a stream the learner iterates until serving stops, a retried reward POST hands in one group.
@@ -130,16 +130,16 @@ class HeldHandIn:
     def __getattr__(self, name: str):
         return getattr(self.engine, name)
 
-    async def hand_in(self, group) -> None:
+    async def deliver(self, group) -> None:
         self.reached.set()
         await self.release.wait()
-        await self.engine.hand_in(group)
+        await self.engine.deliver(group)
 
 
 async def test_a_reward_retried_after_its_connection_dropped_hands_in_once():
     async with served() as s:
         await open_episode(s, "ep")
-        s.server.desk.engine = held = HeldHandIn(s.engine)
+        s.server.backend.engine = held = HeldHandIn(s.engine)
         async with anyio.create_task_group() as tg:  # the first POST's connection drops mid-hand-in
             tg.start_soon(lambda: s.http.post("/v1/episodes/ep/reward", json={"reward": 1}))
             await held.reached.wait()

@@ -1,4 +1,4 @@
-"""The learner's plain groups run by callbacks, not tasks (`rollout.scheduling.direct`), over real
+"""The learner's plain groups run by callbacks, not tasks (`rollout.scheduling.callback_group`), over real
 `RayEngine` handles and `VLLMPolicy` objects talking msgpack (`tests.support.wire`): what ends a group in
 the data path's reader callback (its engine failed it, its engine died) reaches the learner once,
 with the reason, its admission slot given back once, and a dead engine is restarted while its

@@ -1,6 +1,6 @@
 """Durable hand-off (`queue.durable_dir`): finished groups survive a crash of the driver or learner.
 
-Owns one directory: `groups.log` (format in `grouplog`) and `lock`, which one run at a time holds
+Owns one directory: `groups.log` (format in `durable_format`) and `lock`, which one run at a time holds
 (`fcntl.flock`; the kernel releases it even after SIGKILL), so a second run on the directory is
 refused. A finished group is appended and fsync'd before it can be handed out; a group handed out
 is taken, and acknowledged (an fsync'd ack record) when the learner commits it (`Commits`).
@@ -35,7 +35,7 @@ import msgspec
 
 from rollout.batch import Batch
 from rollout.config import QueueConfig
-from rollout.handoff.grouplog import (
+from rollout.handout.durable_format import (
     LOG_NAME,
     MAGIC,
     AckRecord,

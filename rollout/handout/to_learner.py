@@ -1,8 +1,8 @@
 """Handing finished groups to the learner: `RolloutEngine.next_group`, `next_batch` and `commit`.
 
 Owns the order (groups an earlier run logged to the durable log first, then the queue's as they
-finish), the staleness check at hand-out (`rollout.handoff.staleness`), and, with a durable log, holding
-what was handed out until the learner commits it (`rollout.handoff.durable.Commits`).
+finish), the staleness check at hand-out (`rollout.handout.staleness`), and, with a durable log, holding
+what was handed out until the learner commits it (`rollout.handout.durable.Commits`).
 Does not own: finishing groups (the scheduler puts them in the queue), the learner's epoch
 (`rollout.weights.updates`).
 """
@@ -13,9 +13,9 @@ from collections.abc import AsyncIterator, Callable, Generator, Iterable
 from typing import Any
 
 from rollout.batch import Batch
-from rollout.handoff.durable import Commits
-from rollout.handoff.queue import TrajectoryQueue
-from rollout.handoff.staleness import Admission, StalenessFilter, hand_out, trainable
+from rollout.handout.durable import Commits
+from rollout.handout.queue import TrajectoryQueue
+from rollout.handout.staleness import Admission, StalenessFilter, hand_out, trainable
 from rollout.types import Group
 
 

@@ -1,4 +1,4 @@
-"""A group of the learner's run without a task of its own (`Direct`): the common case, at a few
+"""A group of the learner's run without a task of its own (`CallbackGroup`): the common case, at a few
 tens of microseconds of the driver's CPU a group less than a task.
 
 Its path is three callbacks. The lobby starts it (`start`) when it is first in line and an engine
@@ -11,7 +11,7 @@ an engine that died, `Runner.carry_on`), a reward to score or the durable log to
 the callback path may use anyio, which finds no task there (`anyio.get_cancelled_exc_class`,
 a task group's `start_soon` raise NoEventLoopError): `GroupSink.spawn` makes plain asyncio tasks.
 A group that needs a task throughout (an episode, a session's turn, a caller's submission, a
-request timeout) is not direct (`Scheduler._start`).
+request timeout) is not a callback group (`Scheduler._start`).
 Owns: one group's requests, samples and room from its start to its hand-in. Does not own: where it
 goes, what spawned tasks belong to, or stopping at exit (its `GroupSink`, the scheduler).
 """
@@ -29,10 +29,10 @@ from rollout.types import Prompt, Request, Sampling, Trajectory
 
 
 class GroupSink(Protocol):
-    """What a direct group needs of the scheduler that started it (`Scheduler` is one)."""
+    """What a callback group needs of the scheduler that started it (`Scheduler` is one)."""
 
     runner: Runner  # its engine, the room it holds there, its samples moving on from a dead one
-    direct: set[Direct]  # the direct groups started and not over: stopped when the scheduler exits
+    callback_groups: set[CallbackGroup]  # the callback groups started and not over: stopped when the scheduler exits
     on_trajectory: Callable[[Trajectory], None] | None  # each sample as it finishes
 
     def spawn(self, fn: Callable[..., Awaitable[None]], *args: object) -> asyncio.Task:
@@ -48,7 +48,7 @@ class GroupSink(Protocol):
         ...
 
 
-class Direct:
+class CallbackGroup:
     __slots__ = (
         "sink",
         "prompt",
@@ -93,7 +93,7 @@ class Direct:
             k: Request(f"r{self.number}-{k}", p.id, k, sampling, token_ids=p.token_ids, text=p.text)
             for k in range(self.n)
         }
-        self.sink.direct.add(self)
+        self.sink.callback_groups.add(self)
         try:
             self.abort = self.sink.runner.engines[i].start_group(list(self.pending.values()), self.on_result)
         except BaseException as e:
@@ -144,7 +144,7 @@ class Direct:
 
     def _complete(self) -> None:
         self.over = True
-        self.sink.direct.discard(self)
+        self.sink.callback_groups.discard(self)
         self.sink.complete(self.prompt, [self.done[k] for k in range(self.n)], self.seq, self.train)
 
     def crash(self, error: BaseException) -> None:
@@ -152,7 +152,7 @@ class Direct:
         if self.over:
             return
         self.over = True
-        self.sink.direct.discard(self)
+        self.sink.callback_groups.discard(self)
         if self.pending and self.engine >= 0:
             if self.abort is not None:
                 self.abort()
