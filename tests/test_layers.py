@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PROJECT = ("rollout", "actors", "policies", "benchmarks")
 FOUNDATION = {
     f"rollout.{m}"
-    for m in ("aio", "batch", "config", "epochs", "errors", "log", "packed", "parsers", "process", "tensors", "tiny",
-              "torch_addons", "transfer_backend", "types", "wire")
+    for m in ("aio", "batch", "config", "driver_process", "epochs", "errors", "log", "packed", "parsers", "tensors",
+              "tiny", "torch_addons", "transfer_backend", "types", "wire")
 }  # fmt: skip
 LOWER = ("rollout.scheduling", "rollout.handout")
 ABOVE_THEM = ("rollout.serve", "rollout.weights", "rollout.bench.run", "rollout.learner", "benchmarks")
