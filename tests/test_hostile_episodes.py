@@ -235,7 +235,7 @@ async def test_cancelling_a_submission_mid_step_still_cancels_it(sync):
                 assert stuck.cancelled
             while sub in engine._scheduler._submissions:  # its task ends
                 await anyio.sleep(0.01)
-            assert sub._recv.statistics().current_buffer_used == 0  # no group: nothing was handed in
+            assert sub._recv.statistics().current_buffer_used == 0  # no group: nothing was delivered
             stuck.release.set()
             groups = await engine.submit([Prompt(text="b")], train=False).result()
     assert groups[0].ok

@@ -122,7 +122,7 @@ async def test_a_retried_reward_gets_the_first_outcome_and_hands_in_one_group():
 
 
 class HeldHandIn:
-    """The served engine with every hand-in held until `release` is set (a slow durable log)."""
+    """The served engine with every delivery held until `release` is set (a slow durable log)."""
 
     def __init__(self, engine):
         self.engine, self.reached, self.release = engine, anyio.Event(), anyio.Event()
@@ -140,7 +140,7 @@ async def test_a_reward_retried_after_its_connection_dropped_hands_in_once():
     async with served() as s:
         await open_episode(s, "ep")
         s.server.backend.engine = held = HeldHandIn(s.engine)
-        async with anyio.create_task_group() as tg:  # the first POST's connection drops mid-hand-in
+        async with anyio.create_task_group() as tg:  # the first POST's connection drops mid-delivery
             tg.start_soon(lambda: s.http.post("/v1/episodes/ep/reward", json={"reward": 1}))
             await held.reached.wait()
             tg.cancel_scope.cancel()

@@ -74,7 +74,7 @@ class TrajectoryQueue:
         return self._next_seq - 1
 
     def put(self, group: Group, seq: int) -> None:
-        """Hand in the finished group of reservation `seq`."""
+        """Deliver the finished group of reservation `seq`."""
         assert self._reserved > 0, "put without reserve"
         self._reserved -= 1
         if not self.in_order:

@@ -1,4 +1,4 @@
-"""What users hand in: prompts (sources, coercion, the checks against the model), reward
+"""What users give the engine: prompts (sources, coercion, the checks against the model), reward
 functions, and calling user code (an environment's steps, a reward) so that what it raises is its own.
 """
 

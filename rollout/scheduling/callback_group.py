@@ -1,5 +1,5 @@
-"""A group of the learner's run without a task of its own (`CallbackGroup`): the common case, at a few
-tens of microseconds of the driver's CPU a group less than a task.
+"""A group of the learner's run without a task of its own (`CallbackGroup`): the common case, and
+cheaper on the driver's CPU and memory than a task per group.
 
 Its path is three callbacks. The lobby starts it (`start`) when it is first in line and an engine
 has room; the engine hands back each results frame's samples of it (`on_result`, from the data
@@ -12,7 +12,7 @@ the callback path may use anyio, which finds no task there (`anyio.get_cancelled
 a task group's `start_soon` raise NoEventLoopError): `GroupSink.spawn` makes plain asyncio tasks.
 A group that needs a task throughout (an episode, a session's turn, a caller's submission, a
 request timeout) is not a callback group (`Scheduler._start`).
-Owns: one group's requests, samples and room from its start to its hand-in. Does not own: where it
+Owns: one group's requests, samples and room from its start to its delivery. Does not own: where it
 goes, what spawned tasks belong to, or stopping at exit (its `GroupSink`, the scheduler).
 """
 

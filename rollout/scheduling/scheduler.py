@@ -288,9 +288,9 @@ class Scheduler:
         prompt = item if isinstance(item, Prompt) else Prompt(id=item.id)
         try:
             await self._reject(Group(prompt_id=item.id, prompt=prompt, error=reason), seq, dest, train)
-        except Exception as e:  # it cannot even be handed in: the learner would wait for it forever
+        except Exception as e:  # it cannot even be delivered: the learner would wait for it forever
             if dest is self.queue:
-                self.fail(EngineDeadError(f"{reason}; and it could not be handed in: {type(e).__name__}: {e}"))
+                self.fail(EngineDeadError(f"{reason}; and it could not be delivered: {type(e).__name__}: {e}"))
 
     def crash(self, error: BaseException, prompt: Prompt, seq: int, train: bool) -> None:
         """A callback group of the learner's failed for a reason of ours (`CallbackGroup.crash`): into its

@@ -204,7 +204,7 @@ class Backend:
         outcome = Outcome()
         _put(self.rewarded, episode_id, outcome)
         try:
-            with anyio.CancelScope(shield=True):  # begun, it ends: handed in once, its outcome kept
+            with anyio.CancelScope(shield=True):  # begun, it ends: delivered once, its outcome kept
                 answer = await self._deliver(episode_id, turns, float(value))
         except RetryableError as e:  # not closed: the turns are kept for the retry
             if self.rewarded.get(episode_id) is outcome:

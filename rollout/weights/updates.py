@@ -74,7 +74,7 @@ class WeightUpdates:
         self._durable: DurableLog | None = None
         self._start_epoch = 0
         self._closed = False  # the engine is shutting down: updates end with EngineClosedError, nothing restarts
-        self.handed = 0  # the newest epoch an update call returned before its engines loaded it (`learner_epoch`)
+        self.returned_early = 0  # the newest epoch an update call returned before its engines loaded it
         self._settling: anyio.Event | None = None  # set when an update that did not wait (`wait=False`) ends
         self._failure: Exception | None = None  # ... its failure, raised once by the next call that waits on it
 
@@ -113,33 +113,33 @@ class WeightUpdates:
             raise
 
     async def _update_later(self, weights: Any, task_status: Any) -> None:
-        """`update(wait=False)`: what fails before the weights are handed off raises in the caller;
+        """`update(wait=False)`: what fails before the call returns raises in the caller;
         the rest (every engine receives, then loads) runs here, its failure kept for `settled`."""
-        handed = False
+        returned = False
 
-        def hand_off(epoch: int) -> None:
-            nonlocal handed
-            handed = True
+        def return_now(epoch: int) -> None:
+            nonlocal returned
+            returned = True
             task_status.started(epoch)
 
         self._settling = anyio.Event()
-        await self._detached(lambda: self._update(weights, hand_off), lambda: handed, self._settling)
+        await self._detached(lambda: self._update(weights, return_now), lambda: returned, self._settling)
 
     def finish_later(self, epoch: int, work: Callable[[], Awaitable[Any]]) -> None:
-        """The caller returns `epoch` now (`hand_over`) and `work()` (the update's last phases) runs
+        """The caller returns `epoch` now (`return_early`) and `work()` (the update's last phases) runs
         in the background: the next update, and `settled`, wait for it (from now on); its failure
         is raised once by `settled`."""
-        self.hand_over(epoch)
+        self.return_early(epoch)
         self._settling = anyio.Event()
         self.tg.start_soon(self._detached, work, lambda: True, self._settling)
 
     async def _detached(
-        self, work: Callable[[], Awaitable[Any]], handed: Callable[[], bool], done: anyio.Event
+        self, work: Callable[[], Awaitable[Any]], returned: Callable[[], bool], done: anyio.Event
     ) -> None:
         try:
             await work()
         except Exception as e:
-            if not handed():  # the caller is still waiting: its error
+            if not returned():  # the caller is still waiting: its error
                 raise
             self._failure = e
             log.error("weight update that was not waited for failed", error=f"{type(e).__name__}: {e}")
@@ -154,11 +154,11 @@ class WeightUpdates:
         or not (`wait=False`). Staleness counts lag from it at hand-out. Admission counts from the
         epoch the engines serve (`serve`): a group let in for `epoch` before they load it would
         generate with the one before, and lag one more than admission allowed for."""
-        return max(self.epoch, self.handed)
+        return max(self.epoch, self.returned_early)
 
-    def hand_over(self, epoch: int) -> None:
+    def return_early(self, epoch: int) -> None:
         """An update call returns `epoch` before its engines load it: the learner holds it from now."""
-        self.handed = epoch
+        self.returned_early = epoch
 
     async def settled(self) -> int:
         """Wait for an update that did not wait (`wait=False`) to end; raise its failure once (then
@@ -172,7 +172,7 @@ class WeightUpdates:
             ) from e
         return self.epoch
 
-    async def _update(self, weights: Any, handed: Any = None) -> int:
+    async def _update(self, weights: Any, return_now: Any = None) -> int:
         pool = self.pool
         async with self.lock:
             if self._closed:
@@ -189,15 +189,15 @@ class WeightUpdates:
             # the copy)
             small = isinstance(payload, str) or payload.nbytes <= SHARE_ON_LOOP_BYTES
             shared = pool.share(payload) if small else await anyio.to_thread.run_sync(pool.share, payload)
-            if handed is not None:  # the caller goes on from here: the epoch is its, failed or not
+            if return_now is not None:  # the caller goes on from here: the epoch is its, failed or not
                 await self.allocate(epoch)
-                self.hand_over(epoch)
-                handed(epoch)
+                self.return_early(epoch)
+                return_now(epoch)
             live, engines, received = await self._stage(epoch, live, engines, shared)
             self.allocated = epoch  # an engine may hold it from here on: never allocated again
             # every engine serves `epoch`, or left rotation, before anyone else looks
             with anyio.CancelScope(shield=True):
-                if handed is None:
+                if return_now is None:
                     await self.record(epoch)
                 stats, bad = await self._commit(epoch, live, engines, received, payload, prepared=t0)
                 if len(bad) < len(live):

@@ -339,4 +339,4 @@ async def test_a_learner_iterates_rewarded_episodes_until_serving_stops(served):
             got = sorted([await taken.receive() for _ in range(agents + 1)])
         assert got == sorted([*names, "dropped"])
         await engine.stop_serving()
-        assert [name async for name in taken] == []  # nothing more: the dropped one was handed in once
+        assert [name async for name in taken] == []  # nothing more: the dropped one was delivered once
