@@ -43,8 +43,8 @@ class EnginesConfig(Struct, frozen=True, forbid_unknown_fields=True):
     count: PositiveInt = 2
     """vLLM engines, one Ray actor each."""
     cpus_per_engine: PositiveInt = 1
-    """Ray CPUs per engine. A CPU engine runs on that many cores of its own: its front-end, engine
-    core and worker processes, and its OpenMP threads, are pinned there."""
+    """Ray CPUs per engine. A CPU engine runs on that many cores of its own: its engine core and
+    worker processes, and its OpenMP threads, are pinned there (the engine actor's front-end is not)."""
     gpus_per_engine: Annotated[float, Meta(ge=0)] = 0
     """Ray GPUs per engine (below 1: engines share a GPU)."""
     max_inflight_per_engine: PositiveInt = 256
