@@ -200,10 +200,10 @@ _CHUNK = 1 << 18  # elements per pass: the masked copy stays in cache
 def finite_bits(dtype: str, data: Any) -> bool | None:
     """Whether a tensor of `dtype` whose bytes are `data` (a flat uint8 numpy array) holds no NaN or
     inf: True for a dtype that is not floating point, None for a float format this does not read
-    (`check_finite` does). Read from the bits, in numpy on the calling thread: one pass at about
-    20 GB/s, nothing allocated past one chunk. Not torch: its reductions fan out to its intra-op
-    threads, and in a driver whose cores the engines keep busy, one such call on a 49k-element
-    tensor took 2 s (14 ms of CPU) waiting for a thread to be scheduled."""
+    (`check_finite` does). Read from the bits, in numpy on the calling thread: one pass, nothing
+    allocated past one chunk. Not torch: its reductions fan out to its intra-op threads, and in a
+    driver whose cores the engines keep busy, a call waits for those threads to be scheduled far
+    longer than its work takes."""
     import numpy as np
 
     if dtype not in _NONFINITE:

@@ -70,15 +70,15 @@ class CpuIdleSpinFix:
     1 s after every read before it sleeps on the queue's notify socket. A CPU engine's worker shares
     its cores (`policies.vllm_args.engine_env`) with the engine's front-end and engine core, and on
     a machine the engines fill, with the driver: for a second after each call, they wait for CPU
-    behind it: single weight-update calls on idle engines (the tiny model, 2 engines on 2 cores)
-    took 50 ms to 1.7 s, the time going to the driver's checks of the weights and to the engines'
-    Ray replies after their load; 48-136 ms with the wait cut. Called once at engine start.
+    behind it, so a single weight-update call on idle engines is slowed by the driver's checks of
+    the weights and the engines' Ray replies after their load waiting behind the spin. Called once
+    at engine start.
 
     A reader that sleeps this often meets a race of vLLM's queue: the notify that should wake it
     can be lost (the writer's PUB socket keeps one message, `SNDHWM=1`), and then it looks at the
     queue again only after `SHM_READER_RECHECK_INTERVAL_MS` (5 s, vLLM's bound on exactly that).
-    Mid-generation, the engine core waits on the worker that long: a synchronous learner's batches
-    (`benchmarks/simulated_learner.py`) took 5.4 s instead of 0.5 s every other step. So the
+    Mid-generation, the engine core waits on the worker that long, stalling a synchronous
+    learner's batches (`benchmarks/simulated_learner.py`) for seconds. So the
     recheck is cut with the spin, to `LOST_NOTIFY_RECHECK_MS`: a sleeping worker wakes 100 times
     a second to read one flag.
     """
